@@ -1,0 +1,48 @@
+# Two commands a newcomer needs: `make run` and `make test`. Everything else is a helper.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+ARCH   ?= efficientnet_lite0
+WEIGHTS ?= pretrained
+MODEL_STORE ?= model_store
+PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
+
+.PHONY: run test lint model install install-dev clean
+
+run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
+	MODEL_STORE=$(MODEL_STORE) $(PY) -m uvicorn app.main:app --host $(HOST) --port $(PORT)
+
+test: install-dev  ## whole test suite (CPU only) plus lint
+	$(PY) -m ruff check app tests
+	$(PY) -m mypy
+	$(PY) -m pytest
+
+lint: install-dev
+	$(PY) -m ruff check app tests
+	$(PY) -m ruff format --check app tests
+	$(PY) -m mypy
+
+model: $(MODEL_STORE)/manifest.json  ## export the default model if it is missing
+
+$(MODEL_STORE)/manifest.json: | install
+	$(PY) -m app.export --arch $(ARCH) --weights $(WEIGHTS) --out $(MODEL_STORE)
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+$(VENV)/.installed: requirements.txt | $(VENV)/bin/python
+	$(PIP) -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: requirements-dev.txt requirements.txt | $(VENV)/bin/python
+	$(PIP) -r requirements-dev.txt
+	touch $(VENV)/.installed $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

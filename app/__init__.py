@@ -1,0 +1,1 @@
+"""Micro-batching model server for PyTorch image models."""

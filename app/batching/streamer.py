@@ -1,0 +1,328 @@
+"""The Streamer: groups concurrent ``submit`` calls into batches for an async batch function.
+
+Dispatch policy (the reason this exists instead of service-streamer):
+
+* A batch is sent when a batch slot (a worker) is free **and** one of these holds: the queue
+  has a full batch; no other batch is running (an idle server never makes a lone request
+  wait); or the oldest queued item has waited ``max_latency_s``.
+* While every slot is busy, items accumulate, so batches grow with load by themselves.
+* Items carry a ``key`` (e.g. the endpoint); one batch only ever holds items of one key.
+
+Everything is asyncio and stdlib: no threads, no web framework, no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from app.errors import (
+    BatchContractError,
+    DeadlineExceeded,
+    InferenceError,
+    NotReady,
+    QueueFull,
+    ServerError,
+)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem(Generic[T]):
+    """One item as the batch function sees it: its id and its payload."""
+
+    id: int
+    payload: T
+
+
+# The one protocol at the Streamer's edge: run a batch of same-key items and return each
+# item's result (or an exception for that item alone) keyed by item id.
+BatchFn = Callable[[Hashable, Sequence[BatchItem[T]]], Awaitable[Mapping[int, Any]]]
+
+
+@dataclass(eq=False, slots=True)
+class _Pending(Generic[T, R]):
+    id: int
+    key: Hashable
+    payload: T
+    future: asyncio.Future[R]
+    enqueued_at: float
+    deadline: float | None
+    dispatched: bool = False
+
+
+@dataclass
+class StreamerStats:
+    """Counters for observability and tests. ``batch_sizes[key][n]`` counts batches of n."""
+
+    submitted: int = 0
+    rejected_queue_full: int = 0
+    expired: int = 0
+    batches: int = 0
+    batch_sizes: dict[Hashable, Counter[int]] = field(default_factory=dict)
+
+    def record_batch(self, key: Hashable, size: int) -> None:
+        self.batches += 1
+        self.batch_sizes.setdefault(key, Counter())[size] += 1
+
+
+class Streamer(Generic[T, R]):
+    """Micro-batcher in front of an async batch function.
+
+    >>> async def double(key, items):
+    ...     return {item.id: item.payload * 2 for item in items}
+    >>> async def main():
+    ...     async with Streamer(double, max_batch_size=8, max_latency_s=0.01) as streamer:
+    ...         return await asyncio.gather(*(streamer.submit(i) for i in range(3)))
+    >>> asyncio.run(main())
+    [0, 2, 4]
+    """
+
+    def __init__(
+        self,
+        batch_fn: BatchFn[T],
+        *,
+        max_batch_size: int,
+        max_latency_s: float,
+        max_queue_size: int = 1024,
+        max_concurrent_batches: int = 1,
+        default_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_latency_s < 0:
+            raise ValueError(f"max_latency_s must be >= 0, got {max_latency_s}")
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
+        if max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
+        self._batch_fn = batch_fn
+        self.max_batch_size = max_batch_size
+        self.max_latency_s = max_latency_s
+        self.max_queue_size = max_queue_size
+        self.max_concurrent_batches = max_concurrent_batches
+        self.default_timeout_s = default_timeout_s
+        self._clock = clock
+        self._queue: deque[_Pending[T, R]] = deque()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._closing = False
+        self._item_time_s: float | None = None  # EWMA of batch seconds per item, for Retry-After
+        self.stats = StreamerStats()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="streamer")
+
+    async def aclose(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop accepting; let queued and running work finish for up to ``drain_timeout_s``;
+        then answer whatever is left with ``NotReady``."""
+        self._closing = True
+        deadline = self._clock() + drain_timeout_s
+        while (self._queue or self._in_flight) and self._clock() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.01)
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            self._dispatcher = None
+        while self._queue:
+            self._fail(self._queue.popleft(), NotReady("server is shutting down"))
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> Streamer[T, R]:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def submit(self, payload: T, *, key: Hashable = "default", timeout_s: float | None = None) -> R:
+        """Queue ``payload`` and wait for its result.
+
+        Raises ``QueueFull`` at once when the queue is at its bound, ``DeadlineExceeded`` when
+        ``timeout_s`` (or the default) passes first, ``NotReady`` while closing, and whatever
+        the batch produced for this item otherwise.
+        """
+        if self._closing or self._dispatcher is None:
+            raise NotReady("server is not accepting work")
+        if len(self._queue) >= self.max_queue_size:
+            self.stats.rejected_queue_full += 1
+            raise QueueFull(
+                f"queue is full ({self.max_queue_size} waiting)", retry_after_s=self.retry_after_s()
+            )
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        now = self._clock()
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        item = _Pending(
+            next(self._ids), key, payload, future, now, None if timeout is None else now + timeout
+        )
+        self._queue.append(item)
+        self.stats.submitted += 1
+        self._wake.set()
+        try:
+            done, _ = await asyncio.wait((future,), timeout=timeout)
+            if not done:
+                self.stats.expired += 1
+                raise DeadlineExceeded(f"no result within {timeout:g} s")
+            return future.result()
+        finally:
+            # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
+            # so its item is never computed; a dispatched one is simply ignored when it ends.
+            if not item.dispatched:
+                try:
+                    self._queue.remove(item)
+                except ValueError:
+                    pass
+            if not future.done():
+                future.cancel()
+
+    def retry_after_s(self) -> float:
+        """Seconds until the current queue is likely drained (at least 1)."""
+        per_item = self._item_time_s or 0.05
+        return float(max(1, math.ceil(len(self._queue) * per_item / self.max_concurrent_batches)))
+
+    # -- dispatching -------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            timeout = self._dispatch_ready()
+            self._wake.clear()
+            if timeout == 0.0:
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _dispatch_ready(self) -> float | None:
+        """Send every batch that may go now. Returns how long to sleep before looking again
+        (``None``: until woken, ``0.0``: look again at once)."""
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()  # cancelled callers that were not removed yet
+        if not self._queue or self._in_flight >= self.max_concurrent_batches:
+            return None
+        now = self._clock()
+        head = self._queue[0]
+        waited = now - head.enqueued_at
+        if (
+            self._in_flight == 0
+            or waited >= self.max_latency_s
+            or self._count_key(head.key) >= self.max_batch_size
+        ):
+            self._launch(self._take_batch(head.key, now))
+            return 0.0
+        return self.max_latency_s - waited
+
+    def _count_key(self, key: Hashable) -> int:
+        count = 0
+        for item in self._queue:
+            if item.key == key:
+                count += 1
+                if count >= self.max_batch_size:
+                    break
+        return count
+
+    def _take_batch(self, key: Hashable, now: float) -> list[_Pending[T, R]]:
+        batch: list[_Pending[T, R]] = []
+        kept: deque[_Pending[T, R]] = deque()
+        while self._queue:
+            item = self._queue.popleft()
+            if len(batch) >= self.max_batch_size or item.key != key:
+                kept.append(item)
+            elif item.future.done():
+                continue
+            elif item.deadline is not None and item.deadline <= now:
+                self.stats.expired += 1
+                self._fail(item, DeadlineExceeded("deadline passed while queued"))
+            else:
+                item.dispatched = True
+                batch.append(item)
+        self._queue = kept
+        return batch
+
+    def _launch(self, batch: list[_Pending[T, R]]) -> None:
+        if not batch:
+            return
+        self._in_flight += 1
+        task = asyncio.create_task(self._execute(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[_Pending[T, R]]) -> None:
+        key = batch[0].key
+        self.stats.record_batch(key, len(batch))
+        started = self._clock()
+        try:
+            results = await self._batch_fn(key, [BatchItem(item.id, item.payload) for item in batch])
+            self._deliver(batch, results)
+        except asyncio.CancelledError:
+            for item in batch:
+                self._fail(item, NotReady("server is shutting down"))
+            raise
+        except ServerError as exc:
+            for item in batch:
+                self._fail(item, exc)
+        except Exception as exc:
+            log.exception("batch of %d %r items failed", len(batch), key)
+            error = InferenceError(f"model call failed: {type(exc).__name__}")
+            for item in batch:
+                self._fail(item, error)
+        finally:
+            elapsed = self._clock() - started
+            per_item = elapsed / len(batch)
+            self._item_time_s = (
+                per_item if self._item_time_s is None else 0.8 * self._item_time_s + 0.2 * per_item
+            )
+            self._in_flight -= 1
+            self._wake.set()
+
+    def _deliver(self, batch: list[_Pending[T, R]], results: Mapping[int, Any]) -> None:
+        expected = {item.id for item in batch}
+        if not isinstance(results, Mapping) or set(results) != expected:
+            got = sorted(results) if isinstance(results, Mapping) else type(results).__name__
+            raise BatchContractError(
+                f"batch function returned results for {got}, expected ids {sorted(expected)}"
+            )
+        for item in batch:
+            value = results[item.id]
+            if item.future.done():
+                continue
+            if isinstance(value, BaseException):
+                item.future.set_exception(value)
+            else:
+                item.future.set_result(value)
+
+    @staticmethod
+    def _fail(item: _Pending[T, R], error: BaseException) -> None:
+        if not item.future.done():
+            item.future.set_exception(error)

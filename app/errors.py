@@ -1,0 +1,130 @@
+"""Domain errors and the one table that turns them into HTTP answers.
+
+Lower layers raise these; only the HTTP edge (``app.main``) translates them, through
+``HTTP_STATUS``. Nothing here imports a web framework, so ``app.batching`` and
+``app.workers`` can raise them freely.
+
+    ServerError                      every error this project raises on purpose
+    ├── ClientError                  the request is at fault (4xx)
+    │   ├── InvalidImage             not an image, truncated or corrupt        400
+    │   ├── UnsupportedImageFormat   an image, but not an allowed format       415
+    │   ├── PayloadTooLarge          upload over MAX_UPLOAD_BYTES              413
+    │   └── InvalidParameter         a parameter out of range (e.g. k)         422
+    ├── Unavailable                  the server cannot take it now (503 + Retry-After)
+    │   ├── QueueFull                the bounded queue is full
+    │   ├── NotReady                 workers still loading, or shutting down
+    │   └── WorkerDied               the worker running the batch died
+    ├── DeadlineExceeded             the request's deadline passed              504
+    ├── InferenceError               the model call failed for this item        500
+    └── BatchContractError           a batch function broke its contract        500
+
+Startup problems are not request errors and have their own branch:
+
+    StartupError                     configuration, model store or worker start-up failure
+    ├── SettingsError
+    ├── ModelStoreError
+    └── WorkerStartError
+"""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """Base of every error a request can end in. ``code`` is the stable machine name."""
+
+    code = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ClientError(ServerError):
+    code = "bad_request"
+
+
+class InvalidImage(ClientError):
+    code = "invalid_image"
+
+
+class UnsupportedImageFormat(ClientError):
+    code = "unsupported_image_format"
+
+
+class PayloadTooLarge(ClientError):
+    code = "payload_too_large"
+
+
+class InvalidParameter(ClientError):
+    code = "invalid_parameter"
+
+
+class Unavailable(ServerError):
+    """The server cannot serve the request now; ``retry_after_s`` says when to try again."""
+
+    code = "unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(Unavailable):
+    code = "queue_full"
+
+
+class NotReady(Unavailable):
+    code = "not_ready"
+
+
+class WorkerDied(Unavailable):
+    code = "worker_died"
+
+
+class DeadlineExceeded(ServerError):
+    code = "deadline_exceeded"
+
+
+class InferenceError(ServerError):
+    code = "inference_error"
+
+
+class BatchContractError(ServerError):
+    code = "batch_contract_error"
+
+
+# The one table: most specific class first; the first isinstance match wins.
+HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
+    (InvalidImage, 400),
+    (PayloadTooLarge, 413),
+    (UnsupportedImageFormat, 415),
+    (InvalidParameter, 422),
+    (ClientError, 400),
+    (Unavailable, 503),
+    (DeadlineExceeded, 504),
+    (ServerError, 500),
+)
+
+
+def http_status(error: ServerError) -> int:
+    """The HTTP status that answers ``error``."""
+    for kind, status in HTTP_STATUS:
+        if isinstance(error, kind):
+            return status
+    return 500  # pragma: no cover - ServerError is the last row
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says what to fix."""
+
+
+class SettingsError(StartupError):
+    pass
+
+
+class ModelStoreError(StartupError):
+    pass
+
+
+class WorkerStartError(StartupError):
+    pass

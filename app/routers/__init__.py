@@ -1,0 +1,1 @@
+"""HTTP routes: thin, they parse, call a service and return a schema."""

@@ -1,0 +1,37 @@
+"""Request and response models (they also document the API in OpenAPI)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class TagOut(BaseModel):
+    name: str = Field(description="class name")
+    prob: float = Field(ge=0, le=1, description="softmax probability")
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(description="stable machine-readable error name, e.g. 'queue_full'")
+    message: str = Field(description="what went wrong, for humans")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    status: str
+
+
+class WorkerState(BaseModel):
+    index: int
+    device: str
+    threads: int
+    pid: int | None
+    ready: bool
+    alive: bool
+
+
+class Readiness(BaseModel):
+    status: str = Field(description="'ready' or 'not_ready'")
+    workers: list[WorkerState]

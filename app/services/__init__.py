@@ -1,0 +1,1 @@
+"""Services: image decoding/preprocessing and prediction on top of the Streamer."""

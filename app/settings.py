@@ -1,0 +1,100 @@
+"""All configuration, read from the environment (or a ``.env`` file) in one place.
+
+Every field maps to the upper-case environment variable of the same name, e.g.
+``mb_batch_size`` <- ``MB_BATCH_SIZE``. ``os.environ`` is read nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.errors import SettingsError
+from app.workers.devices import parse_cuda_devices
+
+
+def _default_decode_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+class Settings(BaseSettings):
+    """Server settings. Construct with keyword arguments in tests; env vars otherwise."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False
+    )
+
+    mb_batch_size: int = Field(32, ge=1, le=4096, description="Most items in one model call.")
+    mb_max_latency: float = Field(
+        0.005,
+        ge=0,
+        le=10,
+        description=(
+            "Seconds a batch may wait to fill while another batch is running. A request that "
+            "finds every worker idle never waits."
+        ),
+    )
+    mb_max_queue: int = Field(1024, ge=1, description="Items waiting beyond this get 503.")
+    mb_worker_num: int | None = Field(
+        None, ge=1, description="Worker processes in all; default one per device."
+    )
+    cuda_devices: str | None = Field(
+        None,
+        description="GPU indices like '0,1'; 'cpu' or empty for CPU; unset/'auto' for all GPUs.",
+    )
+    mb_worker_threads: int | None = Field(
+        None, ge=1, description="torch threads per worker; default: CPU cores / workers."
+    )
+    mb_request_timeout: float = Field(
+        30.0, gt=0, description="Seconds before a waiting request is answered 504."
+    )
+    mb_worker_start_timeout: float = Field(
+        300.0, gt=0, description="Seconds the workers get to load and warm up."
+    )
+    mb_decode_threads: int = Field(
+        default_factory=_default_decode_threads, ge=1, description="Image decode threads."
+    )
+    model_store: Path = Field(Path("model_store"), description="Exported model directory.")
+    max_upload_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="Largest accepted upload, in bytes (413 beyond)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("cuda_devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        parse_cuda_devices(value)  # raises ValueError with a precise message
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def cuda_device_ids(self) -> list[int] | None:
+        """Parsed ``CUDA_DEVICES``: ``None`` means all visible GPUs, ``[]`` means CPU."""
+        return parse_cuda_devices(self.cuda_devices)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build ``Settings``, turning validation errors into one message naming each setting."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"]).upper() or "settings"
+            lines.append(f"{name}: {error['msg']} (got {error.get('input')!r})")
+        raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()

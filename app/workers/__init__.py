@@ -1,0 +1,1 @@
+"""Worker processes: the only place that imports torch to run models."""

@@ -1,0 +1,56 @@
+"""Loading exported models: one small interface so formats other than TorchScript
+(``torch.export`` programs, say) can be added behind it."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.manifest import Manifest, read_manifest
+
+Model = Callable[[torch.Tensor], torch.Tensor]
+
+# TorchScript is deprecated upstream (torch >= 2.11) and warns on every save/load/trace; the
+# format still works and is what we ship, so keep those warnings away from users.
+TORCHSCRIPT_DEPRECATION = r"`torch\.jit\.\w+` is deprecated"
+
+
+@contextmanager
+def quiet_torchscript() -> Iterator[None]:
+    """Hide TorchScript's deprecation warnings (and nothing else) inside the block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=FutureWarning)
+        yield
+
+
+@dataclass
+class LoadedModels:
+    manifest: Manifest
+    embedding: Model
+    classifier: Model
+
+
+def _load_torchscript(path: Path, device: torch.device) -> Model:
+    with quiet_torchscript():
+        module = torch.jit.load(str(path), map_location=device)
+    module.eval()
+    return module  # type: ignore[no-any-return]
+
+
+LOADERS: dict[str, Callable[[Path, torch.device], Model]] = {"torchscript": _load_torchscript}
+
+
+def load_models(store: Path, device: torch.device) -> LoadedModels:
+    """Verify ``store`` against its manifest, then load both models onto ``device``."""
+    manifest = read_manifest(store, verify=True)
+    load = LOADERS[manifest.format]
+    return LoadedModels(
+        manifest=manifest,
+        embedding=load(store / manifest.files["embedding"].path, device),
+        classifier=load(store / manifest.files["classifier"].path, device),
+    )

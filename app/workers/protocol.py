@@ -1,0 +1,112 @@
+"""Messages between the pool (main process) and a worker process, and the shared input buffer.
+
+Pixels never go through the pipe: the pool writes each batch's uint8 images into a buffer
+mapped by both processes (one per worker; a worker runs one batch at a time), and only these
+small messages are pickled. Results come back in the reply (a few KB of float32).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from app.jobs import Task
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start, picklable for ``spawn``."""
+
+    index: int
+    device: str
+    threads: int
+    model_store: str
+    buffer_path: str
+    max_batch_size: int
+    image_shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    batch_id: int
+    task: Task
+    ids: tuple[int, ...]
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class Ready:
+    index: int
+    device: str
+    threads: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    index: int
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    batch_id: int
+    ids: tuple[int, ...]
+    # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]}
+    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    batch_id: int
+    ids: tuple[int, ...]
+    message: str
+
+
+STOP = None  # sent to a worker to make it exit cleanly
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class InputBuffer:
+    """A file-backed shared buffer of ``[max_batch_size, H, W, 3]`` uint8 images.
+
+    The creator (the pool) unlinks the file once the worker has mapped it, so nothing is left
+    behind even if a process is killed.
+    """
+
+    def __init__(self, path: str, max_batch_size: int, image_shape: tuple[int, int, int]) -> None:
+        self.path = path
+        self.shape = (max_batch_size, *image_shape)
+        size = int(np.prod(self.shape))
+        with open(path, "r+b") as handle:
+            self._map = mmap.mmap(handle.fileno(), size)
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8).reshape(
+            self.shape
+        )
+
+    @classmethod
+    def create(cls, max_batch_size: int, image_shape: tuple[int, int, int]) -> InputBuffer:
+        size = max_batch_size * int(np.prod(image_shape))
+        fd, path = tempfile.mkstemp(prefix="microbatch-", suffix=".buf", dir=_shm_dir())
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return cls(path, max_batch_size, image_shape)
+
+    def unlink(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        del self.array
+        self._map.close()
