@@ -12,7 +12,7 @@ PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 .PHONY: run test lint model install install-dev clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
-	MODEL_STORE=$(MODEL_STORE) $(PY) -m uvicorn app.main:app --host $(HOST) --port $(PORT)
+	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
 
 test: install-dev  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests

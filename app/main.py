@@ -29,7 +29,9 @@ from app.workers.pool import WorkerPool
 log = logging.getLogger("app")
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
@@ -59,7 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     if not logging.getLogger().handlers:
         logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
 
     @asynccontextmanager
@@ -92,8 +95,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         log.info(
             "serving %s from %s: batch<=%d, max latency %g s, %d worker(s)",
-            manifest.arch, settings.model_store, settings.mb_batch_size,
-            settings.mb_max_latency, pool.capacity,
+            manifest.arch,
+            settings.model_store,
+            settings.mb_batch_size,
+            settings.mb_max_latency,
+            pool.capacity,
         )
         try:
             yield

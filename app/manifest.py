@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 from app.errors import ModelStoreError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION: Literal[1] = 1
 
 
 class InputSpec(BaseModel):

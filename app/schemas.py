@@ -30,6 +30,7 @@ class WorkerState(BaseModel):
     pid: int | None
     ready: bool
     alive: bool
+    batches: int = Field(description="model calls this worker has run")
 
 
 class Readiness(BaseModel):

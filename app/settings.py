@@ -29,6 +29,8 @@ class Settings(BaseSettings):
         env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False
     )
 
+    host: str = Field("127.0.0.1", description="Address to bind (python -m app / make run).")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
     mb_batch_size: int = Field(32, ge=1, le=4096, description="Most items in one model call.")
     mb_max_latency: float = Field(
         0.005,

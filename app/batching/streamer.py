@@ -14,6 +14,7 @@ Everything is asyncio and stdlib: no threads, no web framework, no torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -166,7 +167,9 @@ class Streamer(Generic[T, R]):
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def submit(self, payload: T, *, key: Hashable = "default", timeout_s: float | None = None) -> R:
+    async def submit(
+        self, payload: T, *, key: Hashable = "default", timeout_s: float | None = None
+    ) -> R:
         """Queue ``payload`` and wait for its result.
 
         Raises ``QueueFull`` at once when the queue is at its bound, ``DeadlineExceeded`` when
@@ -199,10 +202,8 @@ class Streamer(Generic[T, R]):
             # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
             # so its item is never computed; a dispatched one is simply ignored when it ends.
             if not item.dispatched:
-                try:
+                with contextlib.suppress(ValueError):
                     self._queue.remove(item)
-                except ValueError:
-                    pass
             if not future.done():
                 future.cancel()
 
@@ -219,10 +220,8 @@ class Streamer(Generic[T, R]):
             self._wake.clear()
             if timeout == 0.0:
                 continue
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     def _dispatch_ready(self) -> float | None:
         """Send every batch that may go now. Returns how long to sleep before looking again
@@ -283,7 +282,9 @@ class Streamer(Generic[T, R]):
         self.stats.record_batch(key, len(batch))
         started = self._clock()
         try:
-            results = await self._batch_fn(key, [BatchItem(item.id, item.payload) for item in batch])
+            results = await self._batch_fn(
+                key, [BatchItem(item.id, item.payload) for item in batch]
+            )
             self._deliver(batch, results)
         except asyncio.CancelledError:
             for item in batch:

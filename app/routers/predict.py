@@ -29,7 +29,9 @@ async def _read(image: UploadFile, max_bytes: int) -> bytes:
 
 
 @router.post("/embedding", response_model=list[float], responses=ERRORS)
-async def embedding(image: ImageField, predictor: PredictorDep, settings: SettingsDep) -> JSONResponse:
+async def embedding(
+    image: ImageField, predictor: PredictorDep, settings: SettingsDep
+) -> JSONResponse:
     """Embed one image: the model's pooled feature vector as a list of floats."""
     vector = await predictor.embedding(await _read(image, settings.max_upload_bytes))
     return JSONResponse(vector)

@@ -33,8 +33,7 @@ def _open(data: bytes) -> Image.Image:
         except Exception:
             raise InvalidImage("the upload is not an image this server can read") from None
         raise UnsupportedImageFormat(
-            f"{other.format} images are not accepted; send one of "
-            f"{', '.join(ALLOWED_FORMATS)}"
+            f"{other.format} images are not accepted; send one of {', '.join(ALLOWED_FORMATS)}"
         ) from None
     except Exception as exc:
         raise InvalidImage(f"cannot read the image: {exc}") from None
@@ -56,14 +55,30 @@ def preprocess(
             # JPEG only: let the decoder scale down by 1/2..1/8 while staying >= the target.
             image.draft("RGB", (spec.resize_size, spec.resize_size))
             image = ImageOps.exif_transpose(image)
-            if image.mode == "P":  # palette (maybe with transparency): expand it first
-                image = image.convert("RGBA")
-            if image.mode != "RGB":
-                image = image.convert("RGB")
+            image = _to_rgb(image)
             return _resize_center_crop(image, spec)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as exc:
+    except (
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as exc:
         raise InvalidImage(f"cannot decode the image: {exc}") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P":  # palette, maybe with transparency: expand it first
+        return image.convert("RGBA").convert("RGB")
+    if image.mode.startswith("I"):
+        # 16-bit (or 32-bit) grey: Pillow's own conversion clips at 255, so scale the range.
+        values = np.asarray(image).astype(np.float32)
+        scale = 255.0 / 65535.0 if values.max() > 255 else 1.0
+        grey = np.clip(values * scale + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(grey).convert("RGB")
+    return image.convert("RGB")
 
 
 def _resize_center_crop(image: Image.Image, spec: InputSpec) -> npt.NDArray[np.uint8]:

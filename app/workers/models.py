@@ -37,7 +37,7 @@ class LoadedModels:
 
 def _load_torchscript(path: Path, device: torch.device) -> Model:
     with quiet_torchscript():
-        module = torch.jit.load(str(path), map_location=device)
+        module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     module.eval()
     return module  # type: ignore[no-any-return]
 

@@ -10,6 +10,7 @@ Replies are read on the event loop with ``add_reader``: no thread waits on any w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -52,6 +53,7 @@ class _Worker:
     alive: bool = True
     pending: asyncio.Future[BatchDone] | None = None
     pending_id: int | None = None
+    batches: int = 0
 
 
 @dataclass
@@ -63,6 +65,20 @@ class PoolStats:
     def record(self, task: str, size: int) -> None:
         sizes = self.batch_sizes.setdefault(task, {})
         sizes[size] = sizes.get(size, 0) + 1
+
+
+async def _wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
+    """Wait (without a thread) until ``process`` exits or ``timeout_s`` passes."""
+    if not process.is_alive() or timeout_s <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    loop.add_reader(process.sentinel, exited.set)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited.wait(), timeout_s)
+    finally:
+        loop.remove_reader(process.sentinel)
 
 
 class WorkerPool:
@@ -109,8 +125,10 @@ class WorkerPool:
             except ValueError as exc:
                 raise WorkerStartError(str(exc)) from None
             if self._requested_devices and available == 0:
-                log.warning("CUDA_DEVICES=%s but no CUDA device is usable: running on CPU",
-                            ",".join(map(str, self._requested_devices)))
+                log.warning(
+                    "CUDA_DEVICES=%s but no CUDA device is usable: running on CPU",
+                    ",".join(map(str, self._requested_devices)),
+                )
         return assign_workers(self.devices, self._worker_num)
 
     def _threads_for(self, device: str, workers: int) -> int:
@@ -200,8 +218,7 @@ class WorkerPool:
                     pass
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
-            while worker.process.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await _wait_for_exit(worker.process, deadline - time.monotonic())
             if worker.process.is_alive():
                 log.warning("worker %d did not stop in time; killing it", worker.spec.index)
                 worker.process.kill()
@@ -228,6 +245,7 @@ class WorkerPool:
                 "pid": w.process.pid,
                 "ready": w.ready,
                 "alive": w.alive,
+                "batches": w.batches,
             }
             for w in self._workers
         ]
@@ -253,6 +271,7 @@ class WorkerPool:
             worker.conn.send(RunBatch(batch_id, task, ids, top_k))
         except OSError:
             self._on_death(worker)
+        worker.batches += 1
         self.stats.record(task.value, len(items))
         # Not cancelled with the caller: the worker keeps computing, and only its reply may
         # hand it back to the idle queue.
@@ -328,10 +347,8 @@ class WorkerPool:
     def _mark_dead(self, worker: _Worker, reason: str) -> None:
         if worker.alive:
             worker.alive = False
-            try:
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
                 asyncio.get_running_loop().remove_reader(worker.conn.fileno())
-            except (OSError, ValueError, RuntimeError):
-                pass
         future, worker.pending = worker.pending, None
         if future is not None and not future.done():
             future.set_exception(WorkerDied(reason))

@@ -6,6 +6,7 @@ Started with ``spawn`` by ``app.workers.pool``; talks over one duplex pipe (see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -65,10 +66,8 @@ class BatchRunner:
 
 def _configure_threads(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set (only possible in-process)
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set (only possible in-process); harmless
-        pass
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:

@@ -1,0 +1,190 @@
+"""HTTP API against real worker processes running the tiny test model."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from PIL import Image
+
+from app.manifest import read_manifest
+from app.services.images import preprocess
+from tests.conftest import TINY_DIM, distinct_images, running_app, tiny_expected_embedding
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+MAX_UPLOAD = 300_000
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def served(tiny_store: Path) -> AsyncIterator[tuple[Any, Any]]:
+    async with running_app(
+        model_store=tiny_store,
+        cuda_devices="cpu",
+        mb_worker_num=1,
+        mb_batch_size=128,
+        mb_max_latency=0.005,
+        max_upload_bytes=MAX_UPLOAD,
+    ) as pair:
+        yield pair
+
+
+def expected_for(data: bytes, store: Path) -> np.ndarray:
+    return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
+
+
+async def embed(client: Any, data: bytes) -> list[float]:
+    response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+async def test_health_ready_and_tags(served: tuple[Any, Any]) -> None:
+    _, client = served
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready"
+    assert [w["device"] for w in ready.json()["workers"]] == ["cpu"]
+    tags = (await client.get("/tags")).json()
+    assert len(tags) == 1000 and tags[7] == "class_7"
+
+
+async def test_embedding_is_the_models_output_for_this_image(
+    served: tuple[Any, Any], tiny_store: Path
+) -> None:
+    _, client = served
+    data = distinct_images(1)[0]
+    vector = await embed(client, data)
+    assert len(vector) == TINY_DIM
+    np.testing.assert_allclose(vector, expected_for(data, tiny_store), atol=1e-5)
+
+
+async def test_tag_returns_top_k_sorted(served: tuple[Any, Any]) -> None:
+    _, client = served
+    data = distinct_images(1)[0]
+    default = (await client.post("/predict/tag", files={"image": ("x.png", data)})).json()
+    assert len(default) == 5
+    three = (
+        await client.post("/predict/tag", files={"image": ("x.png", data)}, data={"k": "3"})
+    ).json()
+    assert three == default[:3]
+    everything = (
+        await client.post("/predict/tag", files={"image": ("x.png", data)}, data={"k": "1000"})
+    ).json()
+    probs = [t["prob"] for t in everything]
+    assert probs == sorted(probs, reverse=True)
+    assert sum(probs) == pytest.approx(1.0, abs=1e-3)
+    assert len({t["name"] for t in everything}) == 1000
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "status", "code"),
+    [
+        ({"image": ("a.txt", b"not an image at all")}, {}, 400, "invalid_image"),
+        ({"image": ("a.png", b"")}, {}, 400, "invalid_image"),
+        ({"picture": ("a.png", b"xx")}, {}, 422, "invalid_request"),
+        ({"image": ("a.png", b"xx")}, {"k": "0"}, 422, "invalid_request"),
+        ({"image": ("a.png", b"xx")}, {"k": "1001"}, 422, "invalid_request"),
+        ({"image": ("a.png", b"xx")}, {"k": "many"}, 422, "invalid_request"),
+        ({"image": ("big.png", b"\0" * (MAX_UPLOAD + 1))}, {}, 413, "payload_too_large"),
+    ],
+)
+async def test_bad_requests_get_a_typed_json_4xx(
+    served: tuple[Any, Any], files: dict[str, Any], data: dict[str, str], status: int, code: str
+) -> None:
+    _, client = served
+    response = await client.post("/predict/tag", files=files, data=data)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["type"] == code
+    assert body["error"]["message"]
+
+
+async def test_unsupported_format_is_415(served: tuple[Any, Any]) -> None:
+    _, client = served
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(buffer, format="TIFF")
+    response = await client.post(
+        "/predict/embedding", files={"image": ("a.tif", buffer.getvalue())}
+    )
+    assert response.status_code == 415
+    assert "TIFF" in response.json()["error"]["message"]
+
+
+async def test_concurrent_requests_each_get_their_own_result(
+    served: tuple[Any, Any], tiny_store: Path
+) -> None:
+    app, client = served
+    images = distinct_images(64)
+    before = dict(app.state.pool.stats.batch_sizes.get("embedding", {}))
+
+    async def one(index: int) -> tuple[int, Any]:
+        data = images[index]
+        if index % 2:
+            return index, await embed(client, data)
+        response = await client.post(
+            "/predict/tag", files={"image": ("x.png", data)}, data={"k": "2"}
+        )
+        assert response.status_code == 200
+        return index, response.json()
+
+    results = await asyncio.gather(*(one(i) for i in range(len(images))))
+    singles = {}
+    for index, result in results:
+        if index % 2:
+            np.testing.assert_allclose(result, expected_for(images[index], tiny_store), atol=1e-5)
+        else:
+            singles[index] = result
+    # Tags computed alone must equal the tags computed in the concurrent batches.
+    for index, batched in singles.items():
+        alone = await client.post(
+            "/predict/tag", files={"image": ("x.png", images[index])}, data={"k": "2"}
+        )
+        assert [t["name"] for t in alone.json()] == [t["name"] for t in batched]
+        np.testing.assert_allclose(
+            [t["prob"] for t in alone.json()], [t["prob"] for t in batched], atol=1e-5
+        )
+    after = app.state.pool.stats.batch_sizes["embedding"]
+    grown = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+    assert max(grown) > 1, f"no embedding batch larger than 1: {grown}"
+
+
+async def test_128_concurrent_http_requests_form_one_batch_of_128(served: tuple[Any, Any]) -> None:
+    """No thread is held per waiting request, so nothing caps the batch (service-streamer
+    behind FastAPI was stuck at 40, the threadpool size)."""
+    app, client = served
+    streamer = app.state.streamer
+    real = streamer._batch_fn
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def gated(key: Any, items: Any) -> Any:
+        entered.set()
+        await gate.wait()
+        return await real(key, items)
+
+    streamer._batch_fn = gated
+    try:
+        images = distinct_images(129)
+        first = asyncio.create_task(embed(client, images[0]))
+        await asyncio.wait_for(entered.wait(), 10)
+        rest = [asyncio.create_task(embed(client, data)) for data in images[1:]]
+        for _ in range(2000):
+            if streamer.queue_depth == 128:
+                break
+            await asyncio.sleep(0.01)
+        assert streamer.queue_depth == 128
+        gate.set()
+        results = await asyncio.gather(first, *rest)
+    finally:
+        streamer._batch_fn = real
+        gate.set()
+    assert len(results) == 129
+    assert app.state.pool.stats.batch_sizes["embedding"].get(128, 0) >= 1

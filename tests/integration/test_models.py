@@ -1,0 +1,117 @@
+"""The real default model: correct tags, batched == single, and loud start-up failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from app.errors import ModelStoreError, WorkerStartError
+from app.jobs import Task
+from app.manifest import read_manifest, sha256_file
+from app.services.images import preprocess
+from app.workers.models import load_models
+from app.workers.pool import WorkerPool
+from app.workers.process import BatchRunner
+from tests.conftest import distinct_images, running_app
+
+pytestmark = pytest.mark.slow
+
+CAT_CLASSES = {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat"}
+
+
+async def test_default_model_tags_a_cat_and_an_espresso(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    async with running_app(model_store=default_store, cuda_devices="cpu", mb_worker_num=1) as (
+        _,
+        client,
+    ):
+        cat, coffee = await asyncio.gather(
+            client.post("/predict/tag", files={"image": ("cat.jpg", cat_jpeg)}),
+            client.post("/predict/tag", files={"image": ("coffee.jpg", coffee_jpeg)}),
+        )
+        embedding = await client.post("/predict/embedding", files={"image": ("c.jpg", cat_jpeg)})
+    assert cat.status_code == coffee.status_code == 200
+    assert cat.json()[0]["name"] in CAT_CLASSES, cat.json()
+    assert "espresso" in [t["name"] for t in coffee.json()], coffee.json()
+    assert len(embedding.json()) == 1280
+
+
+def test_batched_results_equal_single_image_results(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    torch.set_num_threads(2)
+    spec = read_manifest(default_store).input
+    runner = BatchRunner(load_models(default_store, torch.device("cpu")), torch.device("cpu"))
+    uploads = [cat_jpeg, coffee_jpeg, *distinct_images(4, size=300)]
+    pixels = np.stack([preprocess(data, spec) for data in uploads])
+    batched = runner.run(Task.EMBEDDING, pixels, 0)["embedding"]
+    tags = runner.run(Task.TAG, pixels, 5)
+    for row in range(len(uploads)):
+        alone = runner.run(Task.EMBEDDING, pixels[row : row + 1], 0)["embedding"][0]
+        np.testing.assert_allclose(batched[row], alone, rtol=1e-4, atol=1e-4)
+        alone_tags = runner.run(Task.TAG, pixels[row : row + 1], 5)
+        assert list(alone_tags["indices"][0]) == list(tags["indices"][row])
+        np.testing.assert_allclose(alone_tags["probs"][0], tags["probs"][row], atol=1e-5)
+
+
+def copy_store(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_tampered_model_file_is_refused(tiny_store: Path, tmp_path: Path) -> None:
+    store = copy_store(tiny_store, tmp_path / "store")
+    with (store / "classifier.pt").open("ab") as handle:
+        handle.write(b"tampered")
+    with pytest.raises(ModelStoreError, match="sha256"):
+        read_manifest(store)
+
+
+async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path: Path) -> None:
+    # A store whose checksums match but whose model file is not TorchScript at all.
+    store = copy_store(tiny_store, tmp_path / "store")
+    (store / "embedding.pt").write_bytes(b"this is not a model")
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["files"]["embedding"]["sha256"] = sha256_file(store / "embedding.pt")
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    pool = WorkerPool(
+        model_store=store,
+        manifest=read_manifest(store),
+        devices=[],
+        worker_num=1,
+        threads_per_worker=1,
+        max_batch_size=4,
+        start_timeout_s=60,
+    )
+    with pytest.raises(WorkerStartError, match="worker 0 on cpu failed to start"):
+        await pool.start()
+    assert pool.describe() == []
+
+
+async def test_missing_model_store_fails_start(tmp_path: Path) -> None:
+    with pytest.raises(ModelStoreError, match=r"app\.export"):
+        async with running_app(model_store=tmp_path / "nothing", cuda_devices="cpu"):
+            pass
+
+
+async def test_several_cpu_workers_share_the_load(tiny_store: Path) -> None:
+    async with running_app(
+        model_store=tiny_store, cuda_devices="cpu", mb_worker_num=2, mb_batch_size=4
+    ) as (app, client):
+        images = distinct_images(40)
+        responses = await asyncio.gather(
+            *(client.post("/predict/embedding", files={"image": ("x.png", d)}) for d in images)
+        )
+        workers: list[dict[str, Any]] = app.state.pool.describe()
+    assert all(r.status_code == 200 for r in responses)
+    assert len(workers) == 2 and all(w["ready"] and w["alive"] for w in workers)
+    assert len({w["pid"] for w in workers}) == 2
+    assert all(w["batches"] > 0 for w in workers), workers

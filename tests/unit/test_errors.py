@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from app import errors
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (errors.InvalidImage("x"), 400),
+        (errors.PayloadTooLarge("x"), 413),
+        (errors.UnsupportedImageFormat("x"), 415),
+        (errors.InvalidParameter("x"), 422),
+        (errors.QueueFull("x"), 503),
+        (errors.NotReady("x"), 503),
+        (errors.WorkerDied("x"), 503),
+        (errors.DeadlineExceeded("x"), 504),
+        (errors.InferenceError("x"), 500),
+        (errors.BatchContractError("x"), 500),
+    ],
+)
+def test_status_table(error: errors.ServerError, status: int) -> None:
+    assert errors.http_status(error) == status
+
+
+def test_codes_are_unique() -> None:
+    classes = [
+        c
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors.ServerError)
+    ]
+    codes = [c.code for c in classes]
+    assert len(codes) == len(set(codes))

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.errors import InvalidImage, PayloadTooLarge, UnsupportedImageFormat
+from app.manifest import InputSpec
+from app.services.images import preprocess
+
+SPEC = InputSpec(
+    crop_size=32, resize_size=36, interpolation="bilinear", mean=(0, 0, 0), std=(1, 1, 1)
+)
+
+
+def encode(image: Image.Image, fmt: str, **params: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **params)
+    return buffer.getvalue()
+
+
+def gradient(width: int = 80, height: int = 60) -> Image.Image:
+    x = np.linspace(0, 255, width, dtype=np.uint8)
+    rgb = np.stack([np.tile(x, (height, 1))] * 3, axis=-1)
+    rgb[..., 2] = 128
+    return Image.fromarray(rgb)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP", "GIF"])
+def test_allowed_formats_come_out_at_the_model_size(fmt: str) -> None:
+    pixels = preprocess(encode(gradient(), fmt), SPEC)
+    assert pixels.shape == (32, 32, 3)
+    assert pixels.dtype == np.uint8
+    # Left-to-right gradient survives resize and crop.
+    assert pixels[16, 2, 0] < pixels[16, 29, 0]
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "RGBA", "P", "CMYK", "1"])
+def test_modes_convert_to_rgb(mode: str) -> None:
+    image = gradient().convert(mode)
+    pixels = preprocess(encode(image, "JPEG" if mode == "CMYK" else "PNG"), SPEC)
+    assert pixels.shape == (32, 32, 3)
+    if mode != "1":
+        assert pixels[16, 2].mean() < pixels[16, 29].mean()  # the gradient is still there
+
+
+def test_16_bit_grayscale_keeps_its_range() -> None:
+    ramp = np.tile(np.linspace(0, 65535, 80).astype(np.uint16), (60, 1))
+    pixels = preprocess(encode(Image.fromarray(ramp), "PNG"), SPEC)
+    assert pixels.shape == (32, 32, 3)
+    assert pixels[16, 2, 0] < 60 and pixels[16, 29, 0] > 190
+
+
+def test_exif_orientation_is_applied() -> None:
+    # A wide image, top half red and bottom half blue, stored with "rotate 90" orientation.
+    rgb = np.zeros((40, 80, 3), dtype=np.uint8)
+    rgb[:20, :, 0] = 255
+    rgb[20:, :, 2] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise when displayed
+    data = encode(Image.fromarray(rgb), "JPEG", exif=exif, quality=95)
+    pixels = preprocess(data, SPEC)
+    # Displayed upright, red is on the right and blue on the left.
+    assert pixels[16, 28, 0] > 200 and pixels[16, 28, 2] < 60
+    assert pixels[16, 3, 2] > 200 and pixels[16, 3, 0] < 60
+
+
+@pytest.mark.parametrize("size", [(1, 1), (10000, 1), (1, 3000)])
+def test_tiny_and_extreme_aspect_ratios(size: tuple[int, int]) -> None:
+    assert preprocess(encode(Image.new("RGB", size, (10, 200, 30)), "PNG"), SPEC).shape == (
+        32,
+        32,
+        3,
+    )
+
+
+def test_not_an_image() -> None:
+    with pytest.raises(InvalidImage):
+        preprocess(b"hello, I am text", SPEC)
+
+
+def test_empty_upload() -> None:
+    with pytest.raises(InvalidImage, match="empty"):
+        preprocess(b"", SPEC)
+
+
+def test_truncated_jpeg() -> None:
+    data = encode(gradient(400, 300), "JPEG")
+    with pytest.raises(InvalidImage):
+        preprocess(data[: len(data) // 2], SPEC)
+
+
+def test_unsupported_format_is_named() -> None:
+    with pytest.raises(UnsupportedImageFormat, match="TIFF"):
+        preprocess(encode(gradient(), "TIFF"), SPEC)
+
+
+def test_pixel_limit_is_checked_before_decoding() -> None:
+    data = encode(Image.new("RGB", (2000, 2000)), "PNG")
+    with pytest.raises(PayloadTooLarge):
+        preprocess(data, SPEC, max_pixels=1_000_000)
+
+
+def test_same_bytes_same_pixels() -> None:
+    data = encode(gradient(), "JPEG")
+    assert np.array_equal(preprocess(data, SPEC), preprocess(data, SPEC))

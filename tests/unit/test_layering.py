@@ -1,0 +1,24 @@
+"""Imports point one way: the batching core must not pull in the web framework or torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_batching_imports_neither_fastapi_nor_torch() -> None:
+    loaded = _modules_after_import("app.batching")
+    assert "fastapi" not in loaded
+    assert "torch" not in loaded
+    assert "numpy" not in loaded
+
+
+def test_services_do_not_import_torch() -> None:
+    loaded = _modules_after_import("app.services.predictor")
+    assert "torch" not in loaded

@@ -1,0 +1,286 @@
+"""The Streamer against a fake batch function: deterministic, no processes, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import pytest
+
+from app.batching import BatchItem, Streamer
+from app.errors import (
+    BatchContractError,
+    DeadlineExceeded,
+    InferenceError,
+    InvalidImage,
+    NotReady,
+    QueueFull,
+)
+
+
+class FakeModel:
+    """Records every batch; optionally holds batches until ``release`` is set."""
+
+    def __init__(self, *, gated: bool = False) -> None:
+        self.batches: list[tuple[Hashable, list[object]]] = []
+        self.release = asyncio.Event()
+        if not gated:
+            self.release.set()
+        self.started = asyncio.Event()
+
+    async def __call__(
+        self, key: Hashable, items: Sequence[BatchItem[object]]
+    ) -> dict[int, object]:
+        self.batches.append((key, [item.payload for item in items]))
+        self.started.set()
+        await self.release.wait()
+        return {item.id: (key, item.payload) for item in items}
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(payloads) for _, payloads in self.batches]
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    """Poll a condition the test caused (bounded, so a bug fails instead of hanging)."""
+    async with asyncio.timeout(5):
+        while not predicate():  # noqa: ASYNC110 - polls state owned by the Streamer
+            await asyncio.sleep(0.001)
+
+
+async def test_concurrent_items_are_batched_and_each_caller_gets_its_own_result() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        first = asyncio.create_task(streamer.submit(-1))
+        await model.started.wait()  # the only worker is now busy with item -1
+        rest = [asyncio.create_task(streamer.submit(i)) for i in range(20)]
+        await wait_until(lambda: streamer.queue_depth == 20)
+        model.release.set()
+        results = await asyncio.gather(first, *rest)
+    assert results == [("default", i) for i in range(-1, 20)]
+    assert model.sizes == [1, 8, 8, 4]  # capped at max_batch_size, FIFO order kept
+    assert [p for _, batch in model.batches for p in batch] == list(range(-1, 20))
+
+
+async def test_128_waiting_requests_form_one_batch_of_128() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=128, max_latency_s=10, max_queue_size=1000) as s:
+        blocker = asyncio.create_task(s.submit("block"))
+        await model.started.wait()
+        waiting = [asyncio.create_task(s.submit(i)) for i in range(128)]
+        await wait_until(lambda: s.queue_depth == 128)
+        model.release.set()
+        await asyncio.gather(blocker, *waiting)
+    assert model.sizes == [1, 128]
+
+
+async def test_lone_request_on_idle_server_does_not_wait_for_max_latency() -> None:
+    model = FakeModel()
+    async with Streamer(model, max_batch_size=64, max_latency_s=30) as streamer:
+        started = time.monotonic()
+        assert await streamer.submit("x") == ("default", "x")
+        # 30 s of max latency must not be spent: the batch left at once.
+        assert time.monotonic() - started < 1.0
+    assert model.sizes == [1]
+
+
+async def test_free_worker_waits_at_most_max_latency_while_another_batch_runs() -> None:
+    # Two workers: one busy; a new item may wait to fill a batch, but only max_latency_s.
+    calls: list[tuple[str, float]] = []
+    release = asyncio.Event()
+
+    async def model(key: Hashable, items: Sequence[BatchItem[str]]) -> dict[int, str]:
+        calls.append((items[0].payload, time.monotonic()))
+        if items[0].payload == "slow":
+            await release.wait()
+        return {item.id: item.payload for item in items}
+
+    async with Streamer(model, max_batch_size=8, max_latency_s=0.2, max_concurrent_batches=2) as s:
+        slow = asyncio.create_task(s.submit("slow"))
+        await wait_until(lambda: s.in_flight == 1)
+        submitted = time.monotonic()
+        assert await s.submit("late") == "late"
+        waited = calls[1][1] - submitted
+        release.set()
+        await slow
+    assert 0.2 <= waited < 2.0
+
+
+async def test_full_batch_leaves_without_waiting_for_max_latency() -> None:
+    release = asyncio.Event()
+
+    async def model(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
+        if items[0].payload == -1:
+            await release.wait()
+        return {item.id: item.payload for item in items}
+
+    async with Streamer(model, max_batch_size=4, max_latency_s=30, max_concurrent_batches=2) as s:
+        blocker = asyncio.create_task(s.submit(-1))
+        await wait_until(lambda: s.in_flight == 1)
+        started = time.monotonic()
+        assert await asyncio.gather(*(s.submit(i) for i in range(4))) == [0, 1, 2, 3]
+        assert time.monotonic() - started < 5.0
+        release.set()
+        await blocker
+
+
+async def test_items_with_different_keys_never_share_a_batch() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=16, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit(0, key="tag"))
+        await model.started.wait()
+        tasks = [
+            asyncio.create_task(streamer.submit(i, key="tag" if i % 2 else "embedding"))
+            for i in range(1, 11)
+        ]
+        await wait_until(lambda: streamer.queue_depth == 10)
+        model.release.set()
+        results = await asyncio.gather(blocker, *tasks)
+    for key, payloads in model.batches:
+        assert all(("tag" if p % 2 or p == 0 else "embedding") == key for p in payloads)
+    assert results[1:] == [("tag" if i % 2 else "embedding", i) for i in range(1, 11)]
+    assert streamer.stats.batch_sizes == {"tag": {1: 1, 5: 1}, "embedding": {5: 1}}
+
+
+async def test_full_queue_rejects_at_once_with_retry_after() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=2, max_latency_s=10, max_queue_size=3) as streamer:
+        blocker = asyncio.create_task(streamer.submit("b"))
+        await model.started.wait()
+        queued = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
+        await wait_until(lambda: streamer.queue_depth == 3)
+        started = time.monotonic()
+        with pytest.raises(QueueFull) as info:
+            await streamer.submit("one too many")
+        assert time.monotonic() - started < 0.1
+        assert info.value.retry_after_s >= 1
+        assert streamer.stats.rejected_queue_full == 1
+        model.release.set()
+        await asyncio.gather(blocker, *queued)
+
+
+async def test_deadline_expires_while_queued_and_item_is_never_computed() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=4, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit("blocker"))
+        await model.started.wait()
+        with pytest.raises(DeadlineExceeded):
+            await streamer.submit("doomed", timeout_s=0.05)
+        assert streamer.queue_depth == 0
+        model.release.set()
+        await blocker
+        assert await streamer.submit("after") == ("default", "after")
+    assert all("doomed" not in payloads for _, payloads in model.batches)
+
+
+async def test_cancelled_caller_leaves_the_queue() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=4, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit("blocker"))
+        await model.started.wait()
+        gone = asyncio.create_task(streamer.submit("gone"))
+        await wait_until(lambda: streamer.queue_depth == 1)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert streamer.queue_depth == 0
+        model.release.set()
+        await blocker
+    assert all("gone" not in payloads for _, payloads in model.batches)
+
+
+async def test_exception_in_batch_reaches_every_caller() -> None:
+    async def broken(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
+        raise RuntimeError("boom")
+
+    async with Streamer(broken, max_batch_size=8, max_latency_s=0.01) as streamer:
+        results = await asyncio.gather(
+            *(streamer.submit(i) for i in range(5)), return_exceptions=True
+        )
+        # The Streamer keeps working after a failed batch.
+        with pytest.raises(InferenceError):
+            await streamer.submit(9)
+    assert len(results) == 5
+    assert all(isinstance(r, InferenceError) for r in results)
+
+
+async def test_domain_error_from_batch_is_passed_through_unchanged() -> None:
+    async def refuses(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
+        raise InvalidImage("nope")
+
+    async with Streamer(refuses, max_batch_size=8, max_latency_s=0.01) as streamer:
+        with pytest.raises(InvalidImage, match="nope"):
+            await streamer.submit(1)
+
+
+async def test_per_item_exception_fails_only_that_item() -> None:
+    async def picky(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, object]:
+        return {i.id: InvalidImage("odd") if i.payload % 2 else i.payload for i in items}
+
+    async with Streamer(picky, max_batch_size=8, max_latency_s=0.01) as streamer:
+        results = await asyncio.gather(
+            *(streamer.submit(i) for i in range(4)), return_exceptions=True
+        )
+    assert results[0] == 0 and results[2] == 2
+    assert isinstance(results[1], InvalidImage) and isinstance(results[3], InvalidImage)
+
+
+@pytest.mark.parametrize("mode", ["missing", "extra", "not_a_mapping"])
+async def test_batch_contract_violation_fails_the_whole_batch_loudly(mode: str) -> None:
+    async def liar(key: Hashable, items: Sequence[BatchItem[int]]) -> object:
+        if mode == "missing":
+            return {i.id: i.payload for i in items[1:]}
+        if mode == "extra":
+            return {**{i.id: i.payload for i in items}, 10_000: 0}
+        return [i.payload for i in items]
+
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit(-1))
+        await model.started.wait()
+        streamer._batch_fn = liar  # type: ignore[assignment]
+        tasks = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
+        await wait_until(lambda: streamer.queue_depth == 3)
+        model.release.set()
+        await blocker
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, BatchContractError) for r in results)
+
+
+async def test_submit_before_start_and_after_close_is_not_ready() -> None:
+    streamer: Streamer[int, int] = Streamer(FakeModel(), max_batch_size=1, max_latency_s=0)
+    with pytest.raises(NotReady):
+        await streamer.submit(1)
+    await streamer.start()
+    await streamer.aclose()
+    with pytest.raises(NotReady):
+        await streamer.submit(1)
+
+
+async def test_close_drains_admitted_work_then_answers_leftovers_not_ready() -> None:
+    model = FakeModel(gated=True)
+    streamer: Streamer[int, object] = Streamer(model, max_batch_size=2, max_latency_s=10)
+    await streamer.start()
+    blocker = asyncio.create_task(streamer.submit(0))
+    await model.started.wait()
+    queued = asyncio.create_task(streamer.submit(1))
+    await wait_until(lambda: streamer.queue_depth == 1)
+    asyncio.get_running_loop().call_later(0.05, model.release.set)
+    await streamer.aclose(drain_timeout_s=5)
+    assert await blocker == ("default", 0)
+    assert await queued == ("default", 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_latency_s": -1}, "max_latency_s"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
+    ],
+)
+def test_bad_construction_names_the_parameter(kwargs: dict[str, float], message: str) -> None:
+    base = {"max_batch_size": 1, "max_latency_s": 0.0}
+    with pytest.raises(ValueError, match=message):
+        Streamer(FakeModel(), **{**base, **kwargs})  # type: ignore[arg-type]
