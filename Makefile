@@ -36,12 +36,12 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 
-$(VENV)/.installed: requirements.txt | $(VENV)/bin/python
-	$(PIP) -r requirements.txt
+$(VENV)/.installed: requirements.txt constraints.txt | $(VENV)/bin/python
+	$(PIP) -r requirements.txt -c constraints.txt
 	touch $@
 
-$(VENV)/.installed-dev: requirements-dev.txt requirements.txt | $(VENV)/bin/python
-	$(PIP) -r requirements-dev.txt
+$(VENV)/.installed-dev: requirements-dev.txt requirements.txt constraints.txt | $(VENV)/bin/python
+	$(PIP) -r requirements-dev.txt -c constraints.txt
 	touch $(VENV)/.installed $@
 
 clean:

@@ -73,8 +73,14 @@ class BatchFailed:
 STOP = None  # sent to a worker to make it exit cleanly
 
 
-def _shm_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _shm_dir(size: int) -> str | None:
+    """/dev/shm when it has room (containers often cap it at 64 MB), else the temp dir:
+    writing past a full tmpfs would kill the process with SIGBUS instead of an error."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if stats.f_bavail * stats.f_frsize >= 2 * size else None
 
 
 class InputBuffer:
@@ -97,7 +103,7 @@ class InputBuffer:
     @classmethod
     def create(cls, max_batch_size: int, image_shape: tuple[int, int, int]) -> InputBuffer:
         size = max_batch_size * int(np.prod(image_shape))
-        fd, path = tempfile.mkstemp(prefix="microbatch-", suffix=".buf", dir=_shm_dir())
+        fd, path = tempfile.mkstemp(prefix="microbatch-", suffix=".buf", dir=_shm_dir(size))
         try:
             os.ftruncate(fd, size)
         finally:

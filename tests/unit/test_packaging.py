@@ -1,0 +1,39 @@
+"""What can be checked of the container files without a Docker engine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from app.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+SETTING_NAMES = {name.upper() for name in Settings.model_fields}
+
+
+def test_compose_services_use_settings_the_app_reads() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"server", "server-gpu"} <= set(services)
+    for name, service in services.items():
+        for key in service.get("environment", {}):
+            assert key in SETTING_NAMES, f"{name} sets {key}, which the app does not read"
+    assert services["server"]["ports"] == ["127.0.0.1:${PORT:-8000}:8000"]
+    gpu = services["server-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+
+
+def test_dockerfile_copies_files_that_exist_and_runs_real_modules() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for line in re.findall(r"^COPY (.+)$", dockerfile, flags=re.M):
+        for source in line.split()[:-1]:
+            assert (REPO / source).exists(), f"Dockerfile copies missing {source}"
+    for module in re.findall(r"python -m ([\w.]+)", dockerfile):
+        assert (REPO / (module.replace(".", "/") + ".py")).is_file() or (
+            REPO / module.replace(".", "/") / "__main__.py"
+        ).is_file(), module
+    assert "USER app" in dockerfile and "HEALTHCHECK" in dockerfile and "/readyz" in dockerfile
+    env = dict(re.findall(r"^\s+(\w+)=(\S+)", dockerfile, flags=re.M))
+    assert {"HOST", "PORT", "MODEL_STORE"} <= SETTING_NAMES & set(env)
