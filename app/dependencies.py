@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.errors import NotReady
+from app.errors import NotReady, Unauthorized
 from app.services.predictor import Predictor
 from app.settings import Settings
 
@@ -18,10 +19,22 @@ def _settings(request: Request) -> Settings:
 
 def _predictor(request: Request) -> Predictor:
     predictor: Predictor | None = getattr(request.app.state, "predictor", None)
-    if predictor is None:
-        raise NotReady("the model workers are not ready yet")
+    if predictor is None or request.app.state.closing:
+        raise NotReady("the server is starting or stopping")
     return predictor
+
+
+def _require_api_key(request: Request) -> None:
+    expected = _settings(request).api_key
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), expected.get_secret_value().encode()
+    ):
+        raise Unauthorized("send 'Authorization: Bearer <API_KEY>'")
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
 PredictorDep = Annotated[Predictor, Depends(_predictor)]
+ApiKeyDep = Depends(_require_api_key)

@@ -8,8 +8,10 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     ├── ClientError                  the request is at fault (4xx)
     │   ├── InvalidImage             not an image, truncated or corrupt        400
     │   ├── UnsupportedImageFormat   an image, but not an allowed format       415
-    │   ├── PayloadTooLarge          upload over MAX_UPLOAD_BYTES              413
-    │   └── InvalidParameter         a parameter out of range (e.g. k)         422
+    │   ├── PayloadTooLarge          upload or image over its limit            413
+    │   ├── InvalidParameter         a parameter out of range (e.g. k)         422
+    │   ├── Unauthorized             API_KEY is set and the token is wrong     401
+    │   └── ClientDisconnected       the client left before its answer         499
     ├── Unavailable                  the server cannot take it now (503 + Retry-After)
     │   ├── QueueFull                the bounded queue is full
     │   ├── NotReady                 workers still loading, or shutting down
@@ -59,6 +61,16 @@ class InvalidParameter(ClientError):
     code = "invalid_parameter"
 
 
+class Unauthorized(ClientError):
+    code = "unauthorized"
+
+
+class ClientDisconnected(ClientError):
+    """Nobody reads this answer; it exists so the request ends in a known state."""
+
+    code = "client_closed_request"
+
+
 class Unavailable(ServerError):
     """The server cannot serve the request now; ``retry_after_s`` says when to try again."""
 
@@ -96,9 +108,11 @@ class BatchContractError(ServerError):
 # The one table: most specific class first; the first isinstance match wins.
 HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (InvalidImage, 400),
+    (Unauthorized, 401),
     (PayloadTooLarge, 413),
     (UnsupportedImageFormat, 415),
     (InvalidParameter, 422),
+    (ClientDisconnected, 499),
     (ClientError, 400),
     (Unavailable, 503),
     (DeadlineExceeded, 504),

@@ -170,6 +170,8 @@ def build_model(arch: str, weights: str) -> SplitModel:
 
 
 def _trace(module: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
+    if isinstance(module, torch.jit.ScriptModule):  # already compiled (scripted by the caller)
+        return module
     with warnings.catch_warnings(), quiet_torchscript():
         # Shape arithmetic (e.g. TF "same" padding) is fixed at the exported input size.
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]

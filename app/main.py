@@ -8,20 +8,24 @@ broken model or device fails the start with a clear message), then the Streamer.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from app.batching import Streamer
-from app.errors import ServerError, SettingsError, Unavailable, http_status
+from app.errors import SettingsError
 from app.jobs import ImageJob
 from app.manifest import read_classes, read_manifest
 from app.routers import meta, predict
+from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.services.predictor import Predictor
 from app.settings import Settings, get_settings
 from app.workers.pool import WorkerPool
@@ -30,30 +34,36 @@ log = logging.getLogger("app")
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServerError)
-    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        headers = None
-        if isinstance(exc, Unavailable):
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        return error_response(http_status(exc), exc.code, exc.message, headers)
+def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
+    """On SIGTERM/SIGINT, flip readiness to 503 and refuse new requests at once, then hand the
+    signal to whoever handled it before (uvicorn, which drains admitted requests)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous: dict[int, Any] = {}
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        return error_response(422, "invalid_request", problems)
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        app.state.closing = True
+        handler = previous.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:  # nobody else drains: take the default action
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", "internal server error")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.getsignal(sig)
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -77,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             threads_per_worker=settings.mb_worker_threads,
             max_batch_size=settings.mb_batch_size,
             start_timeout_s=settings.mb_worker_start_timeout,
+            batch_timeout_s=settings.mb_batch_timeout,
         )
         await pool.start()
         streamer: Streamer[ImageJob, object] = Streamer(
@@ -91,7 +102,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await streamer.start()
         app.state.pool, app.state.streamer = pool, streamer
         app.state.predictor = Predictor(
-            streamer, manifest, classes, decode_pool, max_pixels=40_000_000
+            streamer, manifest, classes, decode_pool, max_pixels=settings.max_image_pixels
         )
         log.info(
             "serving %s from %s: batch<=%d, max latency %g s, %d worker(s)",
@@ -101,9 +112,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.mb_max_latency,
             pool.capacity,
         )
+        restore_signals = _flag_closing_on_signals(app)
         try:
             yield
         finally:
+            restore_signals()
             app.state.closing = True
             await streamer.aclose(drain_timeout_s=settings.mb_request_timeout)
             await pool.aclose()
@@ -117,8 +130,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.closing = False
-    _install_error_handlers(app)
-    app.include_router(predict.router)
+    install_error_handlers(app)
+    # Enforced while the body streams in (and from Content-Length before reading): an
+    # oversized upload is never read whole. The exact file-size check is in the route.
+    app.add_middleware(
+        BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
+    )
+    app.include_router(predict.router, form_limits={"max_files": 1, "max_fields": 8})
     app.include_router(meta.router)
     return app
 

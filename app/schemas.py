@@ -31,8 +31,11 @@ class WorkerState(BaseModel):
     ready: bool
     alive: bool
     batches: int = Field(description="model calls this worker has run")
+    items: int = Field(description="images this worker has been given")
 
 
 class Readiness(BaseModel):
     status: str = Field(description="'ready' or 'not_ready'")
+    queue_depth: int = Field(description="requests waiting for a batch")
+    in_flight: int = Field(description="batches running now")
     workers: list[WorkerState]

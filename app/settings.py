@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
@@ -65,6 +65,15 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         10 * 1024 * 1024, ge=1, description="Largest accepted upload, in bytes (413 beyond)."
     )
+    max_image_pixels: int = Field(
+        40_000_000, ge=1, description="Largest image (width x height) decoded (413 beyond)."
+    )
+    mb_batch_timeout: float = Field(
+        60.0, gt=0, description="Seconds a worker may spend on one batch before it is killed."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, prediction routes need 'Authorization: Bearer <key>'."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("cuda_devices")
@@ -72,6 +81,11 @@ class Settings(BaseSettings):
     def _check_devices(cls, value: str | None) -> str | None:
         parse_cuda_devices(value)  # raises ValueError with a precise message
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("log_level", mode="before")
     @classmethod

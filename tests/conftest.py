@@ -9,60 +9,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
-from torch import nn
 
-from app.export import SplitModel, export_split
-from app.manifest import InputSpec
-
-TINY_DIM = 48
-
-
-class TinyEmbedding(nn.Module):
-    """4x4 average pooling of the normalised image: the embedding encodes its input, so each
-    answer can be checked against its own upload."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pool = nn.AdaptiveAvgPool2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(x).flatten(1)
-
-
-TINY_INPUT = InputSpec(
-    crop_size=32,
-    resize_size=36,
-    interpolation="bilinear",
-    mean=(0.0, 0.0, 0.0),
-    std=(1.0, 1.0, 1.0),
-)
-
-
-def tiny_expected_embedding(pixels: np.ndarray) -> np.ndarray:
-    """What TinyEmbedding returns for one preprocessed uint8 [32, 32, 3] image."""
-    x = pixels.astype(np.float32) / 255.0
-    return x.reshape(4, 8, 4, 8, 3).mean(axis=(1, 3)).transpose(2, 0, 1).reshape(-1)
-
-
-def export_tiny(out: Path) -> Path:
-    torch.manual_seed(0)
-    classes = [f"class_{i}" for i in range(1000)]
-    split = SplitModel(
-        embedding=TinyEmbedding().eval(),
-        classifier=nn.Linear(TINY_DIM, 1000).eval(),
-        input=TINY_INPUT,
-        embedding_dim=TINY_DIM,
-        num_classes=1000,
-    )
-    export_split(split, arch="tiny-test", weights="random", out=out, classes=classes)
-    return out
+from tests.models import export_poison, export_slow, export_tiny
 
 
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny(tmp_path_factory.mktemp("tiny_store"))
+
+
+@pytest.fixture(scope="session")
+def slow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_slow(tmp_path_factory.mktemp("slow_store"))
+
+
+@pytest.fixture(scope="session")
+def poison_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_poison(tmp_path_factory.mktemp("poison_store"))
 
 
 @pytest.fixture(scope="session")

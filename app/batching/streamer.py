@@ -31,6 +31,7 @@ from app.errors import (
     NotReady,
     QueueFull,
     ServerError,
+    Unavailable,
 )
 
 T = TypeVar("T")
@@ -71,6 +72,7 @@ class StreamerStats:
     rejected_queue_full: int = 0
     expired: int = 0
     batches: int = 0
+    retried_batches: int = 0
     batch_sizes: dict[Hashable, Counter[int]] = field(default_factory=dict)
 
     def record_batch(self, key: Hashable, size: int) -> None:
@@ -167,6 +169,17 @@ class Streamer(Generic[T, R]):
     def in_flight(self) -> int:
         return self._in_flight
 
+    def check_admission(self) -> None:
+        """Raise ``QueueFull``/``NotReady`` now if ``submit`` would refuse: lets callers skip
+        costly preparation (decoding an upload) when the answer is already 503."""
+        if self._closing or self._dispatcher is None:
+            raise NotReady("server is not accepting work")
+        if len(self._queue) >= self.max_queue_size:
+            self.stats.rejected_queue_full += 1
+            raise QueueFull(
+                f"queue is full ({self.max_queue_size} waiting)", retry_after_s=self.retry_after_s()
+            )
+
     async def submit(
         self, payload: T, *, key: Hashable = "default", timeout_s: float | None = None
     ) -> R:
@@ -176,13 +189,7 @@ class Streamer(Generic[T, R]):
         ``timeout_s`` (or the default) passes first, ``NotReady`` while closing, and whatever
         the batch produced for this item otherwise.
         """
-        if self._closing or self._dispatcher is None:
-            raise NotReady("server is not accepting work")
-        if len(self._queue) >= self.max_queue_size:
-            self.stats.rejected_queue_full += 1
-            raise QueueFull(
-                f"queue is full ({self.max_queue_size} waiting)", retry_after_s=self.retry_after_s()
-            )
+        self.check_admission()
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
@@ -282,22 +289,30 @@ class Streamer(Generic[T, R]):
         self.stats.record_batch(key, len(batch))
         started = self._clock()
         try:
-            results = await self._batch_fn(
-                key, [BatchItem(item.id, item.payload) for item in batch]
-            )
-            self._deliver(batch, results)
+            try:
+                await self._run(key, batch)
+            except Exception as exc:
+                if len(batch) == 1 or isinstance(exc, Unavailable):
+                    raise
+                # One poison input must not fail its neighbours: retry each item alone, so
+                # only the guilty one gets the error.
+                log.warning(
+                    "batch of %d %r items failed (%r); retrying them one by one",
+                    len(batch),
+                    key,
+                    exc,
+                )
+                self.stats.retried_batches += 1
+                for item in batch:
+                    if not item.future.done():
+                        await self._run_guarded(key, [item])
         except asyncio.CancelledError:
             for item in batch:
                 self._fail(item, NotReady("server is shutting down"))
             raise
-        except ServerError as exc:
-            for item in batch:
-                self._fail(item, exc)
         except Exception as exc:
-            log.exception("batch of %d %r items failed", len(batch), key)
-            error = InferenceError(f"model call failed: {type(exc).__name__}")
             for item in batch:
-                self._fail(item, error)
+                self._fail(item, self._as_server_error(exc, key, len(batch)))
         finally:
             elapsed = self._clock() - started
             per_item = elapsed / len(batch)
@@ -306,6 +321,24 @@ class Streamer(Generic[T, R]):
             )
             self._in_flight -= 1
             self._wake.set()
+
+    async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
+        results = await self._batch_fn(key, [BatchItem(item.id, item.payload) for item in batch])
+        self._deliver(batch, results)
+
+    async def _run_guarded(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
+        try:
+            await self._run(key, batch)
+        except Exception as exc:
+            for item in batch:
+                self._fail(item, self._as_server_error(exc, key, len(batch)))
+
+    @staticmethod
+    def _as_server_error(exc: Exception, key: Hashable, size: int) -> ServerError:
+        if isinstance(exc, ServerError):
+            return exc
+        log.error("batch of %d %r items failed", size, key, exc_info=exc)
+        return InferenceError(f"model call failed ({type(exc).__name__})")
 
     def _deliver(self, batch: list[_Pending[T, R]], results: Mapping[int, Any]) -> None:
         expected = {item.id for item in batch}

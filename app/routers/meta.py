@@ -19,11 +19,14 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(request: Request) -> JSONResponse:
-    """Readiness: 200 once every model worker is loaded, warmed up and alive, else 503."""
-    pool = getattr(request.app.state, "pool", None)
-    ready = pool is not None and pool.ready and not request.app.state.closing
+    """Readiness: 200 while a model worker is ready and the server is not stopping, else 503."""
+    state = request.app.state
+    pool, streamer = getattr(state, "pool", None), getattr(state, "streamer", None)
+    ready = pool is not None and pool.ready and not state.closing
     body = Readiness(
         status="ready" if ready else "not_ready",
+        queue_depth=streamer.queue_depth if streamer is not None else 0,
+        in_flight=streamer.in_flight if streamer is not None else 0,
         workers=pool.describe() if pool is not None else [],
     )
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

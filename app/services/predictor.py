@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from app.batching import Streamer
-from app.errors import InvalidParameter
+from app.errors import DeadlineExceeded, InvalidParameter
 from app.jobs import ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.services.images import preprocess
@@ -23,7 +24,8 @@ class Predictor:
     """What the routers call. Holds no torch: the Streamer carries jobs to the workers.
 
     >>> # predictor = Predictor(streamer, manifest, classes, decode_pool, timeout_s=30)
-    >>> # await predictor.tag(jpeg_bytes, k=5) -> [Tag(name='tabby', prob=0.61), ...]
+    >>> # await predictor.tag(jpeg_bytes, k=5, deadline=time.monotonic() + 30)
+    >>> # [Tag(name='tabby', prob=0.61), ...]
     """
 
     def __init__(
@@ -41,24 +43,31 @@ class Predictor:
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
 
-    async def _pixels(self, data: bytes) -> ImageJob:
+    async def _run(self, task: Task, data: bytes, top_k: int, deadline: float) -> object:
+        # Refuse before decoding when the answer is already 503: overload answers stay fast.
+        self._streamer.check_admission()
         loop = asyncio.get_running_loop()
         pixels = await loop.run_in_executor(
             self._decode_pool,
             lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
         )
-        return ImageJob(pixels)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded("the deadline passed while decoding the image")
+        return await self._streamer.submit(
+            ImageJob(pixels, top_k=top_k), key=task, timeout_s=remaining
+        )
 
-    async def embedding(self, data: bytes) -> list[float]:
-        job = await self._pixels(data)
-        result = await self._streamer.submit(job, key=Task.EMBEDDING)
+    async def embedding(self, data: bytes, deadline: float) -> list[float]:
+        """The embedding of one encoded image, answered before ``deadline`` (monotonic)."""
+        result = await self._run(Task.EMBEDDING, data, 0, deadline)
         return result.tolist()  # type: ignore[attr-defined,no-any-return]
 
-    async def tag(self, data: bytes, k: int) -> list[Tag]:
+    async def tag(self, data: bytes, k: int, deadline: float) -> list[Tag]:
+        """The top-``k`` classes of one encoded image, answered before ``deadline``."""
         if not 1 <= k <= len(self.classes):
             raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
-        job = await self._pixels(data)
-        result = await self._streamer.submit(ImageJob(job.pixels, top_k=k), key=Task.TAG)
+        result = await self._run(Task.TAG, data, k, deadline)
         assert isinstance(result, TopK)
         return [
             Tag(self.classes[int(index)], float(prob))

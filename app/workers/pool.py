@@ -54,6 +54,7 @@ class _Worker:
     pending: asyncio.Future[BatchDone] | None = None
     pending_id: int | None = None
     batches: int = 0
+    items: int = 0
 
 
 @dataclass
@@ -82,7 +83,14 @@ async def _wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
 
 
 class WorkerPool:
-    """``MB_WORKER_NUM`` worker processes spread over the devices, one batch each at a time."""
+    """``MB_WORKER_NUM`` worker processes spread over the devices, one batch each at a time.
+
+    It supervises them: a worker that dies (or hangs on a batch past ``batch_timeout_s`` and
+    is killed) fails its in-flight batch with ``WorkerDied`` at once and is restarted with
+    capped exponential backoff, while the others keep serving.
+    """
+
+    RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap
 
     def __init__(
         self,
@@ -94,6 +102,7 @@ class WorkerPool:
         threads_per_worker: int | None,
         max_batch_size: int,
         start_timeout_s: float,
+        batch_timeout_s: float = 60.0,
     ) -> None:
         self.model_store = model_store
         self.manifest = manifest
@@ -102,12 +111,17 @@ class WorkerPool:
         self._threads = threads_per_worker
         self.max_batch_size = max_batch_size
         self.start_timeout_s = start_timeout_s
+        self.batch_timeout_s = batch_timeout_s
         size = manifest.input.crop_size
         self.image_shape = (size, size, 3)
         self.devices: list[str] = []
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._batch_ids = itertools.count()
+        self._restarts: dict[int, asyncio.Task[None]] = {}
+        self._failures: dict[int, int] = {}
+        self._closing = False
+        self.restart_count = 0
         self.stats = PoolStats()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -138,32 +152,38 @@ class WorkerPool:
             return max(1, (os.cpu_count() or 1) // workers)
         return 1  # a GPU worker's CPU threads only feed the device
 
+    def _spawn(self, index: int, device: str, workers: int) -> _Worker:
+        buffer = InputBuffer.create(self.max_batch_size, self.image_shape)
+        spec = WorkerSpec(
+            index=index,
+            device=device,
+            threads=self._threads_for(device, workers),
+            model_store=str(self.model_store),
+            buffer_path=buffer.path,
+            max_batch_size=self.max_batch_size,
+            image_shape=self.image_shape,
+        )
+        context = mp.get_context("spawn")
+        parent, child = context.Pipe(duplex=True)
+        process = context.Process(
+            target=worker_main, args=(spec, child), name=f"model-worker-{index}", daemon=True
+        )
+        try:
+            process.start()
+        except BaseException:
+            buffer.unlink()
+            buffer.close()
+            raise
+        child.close()  # so the parent sees EOF the moment the worker dies
+        return _Worker(spec, process, parent, buffer)
+
     async def start(self) -> None:
         """Spawn every worker and wait until each has loaded and warmed up its models."""
         assigned = self.assigned_devices()
-        context = mp.get_context("spawn")
-        loop = asyncio.get_running_loop()
-        for index, device in enumerate(assigned):
-            buffer = InputBuffer.create(self.max_batch_size, self.image_shape)
-            spec = WorkerSpec(
-                index=index,
-                device=device,
-                threads=self._threads_for(device, len(assigned)),
-                model_store=str(self.model_store),
-                buffer_path=buffer.path,
-                max_batch_size=self.max_batch_size,
-                image_shape=self.image_shape,
-            )
-            parent, child = context.Pipe(duplex=True)
-            process = context.Process(
-                target=worker_main, args=(spec, child), name=f"model-worker-{index}", daemon=True
-            )
-            process.start()
-            child.close()  # so the parent sees EOF the moment the worker dies
-            self._workers.append(_Worker(spec, process, parent, buffer))
+        self._workers = [self._spawn(i, device, len(assigned)) for i, device in enumerate(assigned)]
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(self._await_ready(w, loop) for w in self._workers)),
+                asyncio.gather(*(self._await_ready(w) for w in self._workers)),
                 self.start_timeout_s,
             )
         except TimeoutError:
@@ -175,16 +195,15 @@ class WorkerPool:
             await self.aclose()
             raise
         for worker in self._workers:
-            worker.buffer.unlink()  # both sides have it mapped; nothing to leak from now on
-            loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
-            self._idle.put_nowait(worker)
+            self._activate(worker)
         log.info(
             "%d worker(s) ready: %s",
             len(self._workers),
             ", ".join(f"{w.spec.device} ({w.spec.threads} threads)" for w in self._workers),
         )
 
-    async def _await_ready(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> None:
+    async def _await_ready(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
         readable = asyncio.Event()
         loop.add_reader(worker.conn.fileno(), readable.set)
         try:
@@ -194,7 +213,7 @@ class WorkerPool:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):
-            worker.process.join(timeout=1)
+            await _wait_for_exit(worker.process, 1.0)
             raise WorkerStartError(
                 f"worker {worker.spec.index} on {worker.spec.device} exited during start-up "
                 f"(exit code {worker.process.exitcode})"
@@ -206,35 +225,45 @@ class WorkerPool:
         assert isinstance(message, Ready)
         worker.ready = True
 
+    def _activate(self, worker: _Worker) -> None:
+        worker.buffer.unlink()  # both sides have it mapped; nothing to leak from now on
+        asyncio.get_running_loop().add_reader(worker.conn.fileno(), self._on_readable, worker)
+        self._idle.put_nowait(worker)
+
     async def aclose(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (politely, then by force) and release its buffer."""
-        loop = asyncio.get_running_loop()
+        self._closing = True
+        for task in self._restarts.values():
+            task.cancel()
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         for worker in self._workers:
             if worker.alive:
-                try:
-                    loop.remove_reader(worker.conn.fileno())
+                with contextlib.suppress(OSError, ValueError):
+                    asyncio.get_running_loop().remove_reader(worker.conn.fileno())
                     worker.conn.send(STOP)
-                except (OSError, ValueError):
-                    pass
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
-            await _wait_for_exit(worker.process, deadline - time.monotonic())
-            if worker.process.is_alive():
-                log.warning("worker %d did not stop in time; killing it", worker.spec.index)
-                worker.process.kill()
-            worker.process.join(timeout=5)
-            self._mark_dead(worker, "worker pool is shutting down")
-            worker.conn.close()
-            worker.buffer.unlink()
-            worker.buffer.close()
+            await self._stop(worker, deadline - time.monotonic(), "worker pool is shutting down")
         self._workers.clear()
+
+    async def _stop(self, worker: _Worker, timeout_s: float, reason: str) -> None:
+        await _wait_for_exit(worker.process, timeout_s)
+        if worker.process.is_alive():
+            log.warning("worker %d did not stop in time; killing it", worker.spec.index)
+            worker.process.kill()
+            await _wait_for_exit(worker.process, 5.0)
+        worker.process.join(timeout=1)
+        self._mark_dead(worker, reason)
+        worker.conn.close()
+        worker.buffer.unlink()
+        worker.buffer.close()
 
     # -- state -------------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        """True when every worker is loaded and alive."""
-        return bool(self._workers) and all(w.ready and w.alive for w in self._workers)
+        """True while at least one worker is loaded and alive (it can serve requests)."""
+        return any(w.ready and w.alive for w in self._workers)
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -246,6 +275,7 @@ class WorkerPool:
                 "ready": w.ready,
                 "alive": w.alive,
                 "batches": w.batches,
+                "items": w.items,
             }
             for w in self._workers
         ]
@@ -267,15 +297,26 @@ class WorkerPool:
         batch_id = next(self._batch_ids)
         future: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
         worker.pending, worker.pending_id = future, batch_id
+        worker.batches += 1
+        worker.items += len(items)
+        self.stats.record(task.value, len(items))
         try:
             worker.conn.send(RunBatch(batch_id, task, ids, top_k))
         except OSError:
             self._on_death(worker)
-        worker.batches += 1
-        self.stats.record(task.value, len(items))
-        # Not cancelled with the caller: the worker keeps computing, and only its reply may
-        # hand it back to the idle queue.
-        reply = await asyncio.shield(future)
+        # shield: the worker keeps computing if the caller goes away, and only its reply (or
+        # its death) may hand it back.
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(future), self.batch_timeout_s)
+        except TimeoutError:
+            log.error(
+                "worker %d spent over MB_BATCH_TIMEOUT=%g s on a batch of %d: killing it",
+                worker.spec.index,
+                self.batch_timeout_s,
+                len(items),
+            )
+            worker.process.kill()
+            reply = await asyncio.wait_for(future, 10)  # its death fails the future
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
         return self._split(task, items, reply.outputs)
@@ -299,10 +340,10 @@ class WorkerPool:
 
     async def _acquire(self) -> _Worker:
         while True:
-            if not any(w.alive for w in self._workers):
-                raise WorkerDied("no model worker is running", retry_after_s=5)
+            if not self.ready:
+                raise WorkerDied("no model worker is running; one is restarting", retry_after_s=2)
             worker = await self._idle.get()
-            if worker.alive:
+            if worker.alive and worker in self._workers:
                 return worker
 
     def _on_readable(self, worker: _Worker) -> None:
@@ -320,10 +361,13 @@ class WorkerPool:
             return
         worker.pending = worker.pending_id = None
         self._idle.put_nowait(worker)
+        self._failures.pop(worker.spec.index, None)  # it works: reset its restart backoff
         if future is None or future.done():
             return
         if isinstance(message, BatchFailed):
-            future.set_exception(InferenceError(f"model call failed: {message.message}"))
+            # The full message (it may hold paths) goes to the log, not to HTTP clients.
+            log.error("worker %d: batch failed: %s", worker.spec.index, message.message)
+            future.set_exception(InferenceError("model call failed"))
         else:
             future.set_result(message)
 
@@ -340,9 +384,46 @@ class WorkerPool:
         self._mark_dead(worker, f"model worker {worker.spec.index} died")
         # Wake everyone waiting for an idle worker (at most one per worker) so they see that
         # none is left; _acquire skips dead entries.
-        if not any(w.alive for w in self._workers):
+        if not self.ready:
             for _ in self._workers:
                 self._idle.put_nowait(worker)
+        if not self._closing:
+            index = worker.spec.index
+            self._restarts[index] = asyncio.create_task(
+                self._restart(worker), name=f"restart-{index}"
+            )
+
+    async def _restart(self, dead: _Worker) -> None:
+        index = dead.spec.index
+        try:
+            await self._stop(dead, 0.0, f"model worker {index} died")
+            while not self._closing:
+                failures = self._failures.get(index, 0)
+                first, cap = self.RESTART_BACKOFF_S
+                delay = min(cap, first * 2**failures)
+                self._failures[index] = failures + 1
+                log.warning("restarting worker %d on %s in %.1f s", index, dead.spec.device, delay)
+                await asyncio.sleep(delay)
+                worker = self._spawn(index, dead.spec.device, len(self._workers))
+                self._workers[index] = worker
+                try:
+                    await asyncio.wait_for(self._await_ready(worker), self.start_timeout_s)
+                except (WorkerStartError, TimeoutError) as exc:
+                    log.error("worker %d failed to restart: %s", index, exc)
+                    worker.process.kill()
+                    await self._stop(worker, 1.0, "restart failed")
+                    continue
+                self._activate(worker)
+                self.restart_count += 1
+                log.info(
+                    "worker %d on %s restarted (pid %s)",
+                    index,
+                    dead.spec.device,
+                    worker.process.pid,
+                )
+                return
+        finally:
+            self._restarts.pop(index, None)
 
     def _mark_dead(self, worker: _Worker, reason: str) -> None:
         if worker.alive:

@@ -15,7 +15,8 @@ from PIL import Image
 
 from app.manifest import read_manifest
 from app.services.images import preprocess
-from tests.conftest import TINY_DIM, distinct_images, running_app, tiny_expected_embedding
+from tests.conftest import distinct_images, running_app
+from tests.models import TINY_DIM, tiny_expected_embedding
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -16,6 +16,7 @@ from app.errors import (
     InvalidImage,
     NotReady,
     QueueFull,
+    WorkerDied,
 )
 
 
@@ -223,6 +224,68 @@ async def test_per_item_exception_fails_only_that_item() -> None:
         )
     assert results[0] == 0 and results[2] == 2
     assert isinstance(results[1], InvalidImage) and isinstance(results[3], InvalidImage)
+
+
+async def test_failed_batch_is_retried_item_by_item_so_only_the_poison_one_fails() -> None:
+    calls: list[list[str]] = []
+
+    async def fragile(key: Hashable, items: Sequence[BatchItem[str]]) -> dict[int, str]:
+        calls.append([item.payload for item in items])
+        if any(item.payload == "poison" for item in items):
+            raise RuntimeError("model crashed")
+        return {item.id: item.payload.upper() for item in items}
+
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit("first"))
+        await model.started.wait()
+        streamer._batch_fn = fragile  # type: ignore[assignment]
+        payloads = ["a", "poison", "b", "c"]
+        tasks = [asyncio.create_task(streamer.submit(p)) for p in payloads]
+        await wait_until(lambda: streamer.queue_depth == 4)
+        model.release.set()
+        await blocker
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert results[0] == "A" and results[2] == "B" and results[3] == "C"
+    assert isinstance(results[1], InferenceError)
+    assert calls == [payloads, ["a"], ["poison"], ["b"], ["c"]]
+    assert streamer.stats.retried_batches == 1
+
+
+async def test_unavailable_batch_is_not_retried() -> None:
+    calls = 0
+
+    async def dead(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
+        nonlocal calls
+        calls += 1
+        raise WorkerDied("worker 0 died")
+
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit(-1))
+        await model.started.wait()
+        streamer._batch_fn = dead  # type: ignore[assignment]
+        tasks = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
+        await wait_until(lambda: streamer.queue_depth == 3)
+        model.release.set()
+        await blocker
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, WorkerDied) for r in results)
+    assert calls == 1
+
+
+async def test_check_admission_refuses_before_any_work() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=1, max_latency_s=10, max_queue_size=1) as streamer:
+        streamer.check_admission()
+        blocker = asyncio.create_task(streamer.submit(0))
+        await model.started.wait()
+        queued = asyncio.create_task(streamer.submit(1))
+        await wait_until(lambda: streamer.queue_depth == 1)
+        with pytest.raises(QueueFull):
+            streamer.check_admission()
+        model.release.set()
+        await asyncio.gather(blocker, queued)
 
 
 @pytest.mark.parametrize("mode", ["missing", "extra", "not_a_mapping"])

@@ -1,0 +1,69 @@
+"""Helpers shared by the prediction routes: reading uploads, deadlines, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request, UploadFile
+
+from app.errors import ClientDisconnected, InvalidParameter, PayloadTooLarge
+
+T = TypeVar("T")
+
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+async def read_upload(image: UploadFile, max_bytes: int) -> bytes:
+    """The uploaded file's bytes; 413 past ``max_bytes`` without reading further."""
+    if image.size is not None and image.size > max_bytes:
+        raise PayloadTooLarge(f"upload is {image.size} bytes; at most {max_bytes} allowed")
+    data = await image.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"upload is over {max_bytes} bytes")
+    return data
+
+
+def request_deadline(request: Request, default_timeout_s: float) -> float:
+    """Monotonic deadline for this request: ``MB_REQUEST_TIMEOUT``, or sooner when the client
+    sends ``X-Request-Timeout: <seconds>`` (a client can shorten the timeout, never extend it)."""
+    timeout = default_timeout_s
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            asked = float(header)
+        except ValueError:
+            raise InvalidParameter(f"{TIMEOUT_HEADER} must be a number of seconds") from None
+        if not asked > 0:
+            raise InvalidParameter(f"{TIMEOUT_HEADER} must be positive")
+        timeout = min(timeout, asked)
+    return time.monotonic() + timeout
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect (servers
+    # also send it once the response is done, by which time this task is gone).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it (so a queued item leaves the
+    queue and is never computed) and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnected("the client closed the connection")
+        watcher.cancel()
+    return task.result()

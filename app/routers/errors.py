@@ -1,0 +1,100 @@
+"""The HTTP edge of the error hierarchy: one JSON shape for every error, and the body limit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import ServerError, Unavailable, http_status
+
+log = logging.getLogger("app")
+
+
+def error_response(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
+
+
+HTTP_ERROR_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+# Room for the multipart envelope and the small form fields around the file itself.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error with the same JSON shape; status from ``app.errors.HTTP_STATUS``."""
+
+    @app.exception_handler(ServerError)
+    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        headers = None
+        if isinstance(exc, Unavailable):
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return error_response(http_status(exc), exc.code, exc.message, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Raised by Starlette/FastAPI themselves: unknown route, body over the limit, a
+        # malformed multipart body. Same JSON shape as everything else.
+        code = HTTP_ERROR_CODES.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        return error_response(422, "invalid_request", problems)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal server error")
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: 413 for a request body over ``max_body_bytes``, decided from
+    Content-Length before reading, or while the body streams in when there is none."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        message = f"request body is over {limit} bytes"
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                response = error_response(
+                    413, "payload_too_large", message, {"Connection": "close"}
+                )
+                await response(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            incoming = await receive()
+            if incoming["type"] == "http.request":
+                received += len(incoming.get("body", b""))
+                if received > limit:
+                    # An HTTPException passes through FastAPI's body parsing untouched and
+                    # reaches the handler above, which answers in our JSON shape.
+                    raise StarletteHTTPException(413, message)
+            return incoming
+
+        await self.app(scope, limited_receive, send)

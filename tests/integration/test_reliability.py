@@ -1,0 +1,442 @@
+"""Every request gets exactly one answer: its own result or a typed error, under load, worker
+deaths, hangs, overload, disconnects and shutdown. Real worker processes throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app.bench.loadgen import Response, closed_loop, multipart_request
+from app.manifest import read_manifest
+from app.services.images import preprocess
+from app.workers.models import load_models
+from tests.conftest import distinct_images, running_app
+from tests.models import POISON_RGB, tiny_expected_embedding
+from tests.server import ServerProcess, alive, shm_files
+
+pytestmark = pytest.mark.slow
+
+
+class Expectation:
+    """Computes, in the test process, what the tiny model must answer for a given upload."""
+
+    def __init__(self, store: Path) -> None:
+        self.spec = read_manifest(store).input
+        self.classifier = load_models(store, torch.device("cpu")).classifier
+        self.classes = (store / "classes.txt").read_text().splitlines()
+
+    def embedding(self, data: bytes) -> np.ndarray:
+        return tiny_expected_embedding(preprocess(data, self.spec))
+
+    def probs(self, data: bytes) -> np.ndarray:
+        with torch.inference_mode():
+            logits = self.classifier(torch.from_numpy(self.embedding(data))[None])
+        return torch.softmax(logits, dim=1)[0].numpy()
+
+    def check(self, task: str, data: bytes, answer: Any) -> bool:
+        if task == "embedding":
+            return bool(np.allclose(answer, self.embedding(data), atol=1e-5))
+        probs = self.probs(data)
+        top = [self.classes.index(tag["name"]) for tag in answer]
+        return top[0] == int(np.argmax(probs)) and bool(
+            np.allclose([tag["prob"] for tag in answer], probs[top], atol=1e-5)
+        )
+
+
+async def httpx_closed_loop(
+    base_url: str,
+    jobs: list[tuple[str, bytes]],
+    clients: int,
+    *,
+    timeout_s: float = 30,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> list[tuple[int, int, Any]]:
+    """Send every job once from ``clients`` concurrent clients; returns (job index, status,
+    body) per job. A client timeout is recorded as status 0."""
+    results: list[tuple[int, int, Any]] = []
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(jobs)):
+        queue.put_nowait(index)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout_s, limits=limits, transport=transport
+    ) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                index = queue.get_nowait()
+                task, data = jobs[index]
+                try:
+                    response = await client.post(
+                        f"/predict/{task}", files={"image": ("x.png", data)}, data={"k": "3"}
+                    )
+                except httpx.TimeoutException:
+                    results.append((index, 0, None))
+                    continue
+                results.append((index, response.status_code, response.json()))
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return results
+
+
+# The slow test model takes ~0.25 s a batch on one thread: long enough to act mid-batch.
+SLOW_ONE_WORKER = {"MB_WORKER_NUM": "1", "MB_WORKER_THREADS": "1"}
+
+
+def mixed_jobs(images: list[bytes]) -> list[tuple[str, bytes]]:
+    return [("embedding" if i % 2 else "tag", data) for i, data in enumerate(images)]
+
+
+async def test_thousands_of_concurrent_requests_each_get_their_own_answer(tiny_store: Path) -> None:
+    expect = Expectation(tiny_store)
+    images = distinct_images(4000, size=40)
+    jobs = mixed_jobs(images)
+    answers: dict[int, list[Any]] = {}
+    with ServerProcess(MODEL_STORE=str(tiny_store), MB_BATCH_SIZE="32") as server:
+        requests = [
+            multipart_request(
+                "127.0.0.1", server.port, f"/predict/{task}", data, fields=[("k", "3")]
+            )
+            for task, data in jobs
+        ]
+
+        def record(index: int, response: Response) -> None:
+            answers.setdefault(index, []).append((response.status, json.loads(response.body)))
+
+        result = await closed_loop(
+            "127.0.0.1", server.port, requests, clients=64, total=len(jobs), check=record
+        )
+        workers = server.readiness()[1]["workers"]
+    statuses = Counter(status for replies in answers.values() for status, _ in replies)
+    mismatches = [
+        i for i, [(_, body)] in answers.items() if not expect.check(jobs[i][0], jobs[i][1], body)
+    ]
+    embeddings = {
+        tuple(np.round(replies[0][1], 5))
+        for i, replies in answers.items()
+        if jobs[i][0] == "embedding"
+    }
+    batches = sum(w["batches"] for w in workers)
+    print(
+        f"\nmix-up: {len(jobs)} requests from 64 clients in {result.seconds:.1f} s "
+        f"({result.rate:.0f}/s), statuses {dict(statuses)}, mismatches {len(mismatches)}, "
+        f"mean batch {len(jobs) / batches:.2f}"
+    )
+    assert result.errors == 0
+    assert sorted(answers) == list(range(len(jobs)))  # none missing
+    assert all(len(replies) == 1 for replies in answers.values())  # none twice
+    assert statuses == {200: len(jobs)}
+    assert mismatches == []
+    assert len(embeddings) == len(jobs) // 2  # distinct inputs, distinct answers
+    assert batches < len(jobs), "some batch held more than one image"
+
+
+async def test_real_model_under_concurrency_answers_as_when_alone(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    from skimage import data
+
+    from tests.conftest import jpeg
+
+    photos = [cat_jpeg, coffee_jpeg, jpeg(data.astronaut()), jpeg(data.rocket())]
+    async with running_app(
+        model_store=default_store, cuda_devices="cpu", mb_worker_num=1, mb_batch_size=16
+    ) as (app, client):
+        alone = {}
+        for index, photo in enumerate(photos):
+            for task in ("embedding", "tag"):
+                response = await client.post(
+                    f"/predict/{task}", files={"image": ("p.jpg", photo)}, data={"k": "3"}
+                )
+                alone[task, index] = response.json()
+        jobs = [("embedding" if i % 3 else "tag", photos[i % 4]) for i in range(120)]
+        transport = httpx.ASGITransport(app=app)
+        results = await httpx_closed_loop("http://test", jobs, clients=16, transport=transport)
+        sizes = app.state.pool.stats.batch_sizes
+    assert Counter(status for _, status, _ in results) == {200: 120}
+    for index, _, body in results:
+        task, expected = jobs[index][0], alone[jobs[index][0], index % 4]
+        if task == "embedding":
+            np.testing.assert_allclose(body, expected, atol=1e-4)
+        else:
+            assert [t["name"] for t in body] == [t["name"] for t in expected]
+            np.testing.assert_allclose(
+                [t["prob"] for t in body], [t["prob"] for t in expected], atol=1e-4
+            )
+    assert max(max(s) for s in sizes.values()) > 1
+
+
+async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) -> None:
+    bound, extra = 16, 5
+    expect = Expectation(tiny_store)
+    async with running_app(
+        model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1, mb_max_queue=bound
+    ) as (app, client):
+        streamer = app.state.streamer
+        real, gate, entered = streamer._batch_fn, asyncio.Event(), asyncio.Event()
+
+        async def blocked(key: Any, items: Any) -> Any:
+            entered.set()
+            await gate.wait()
+            return await real(key, items)
+
+        streamer._batch_fn = blocked
+        images = distinct_images(1 + bound + extra)
+
+        async def post(data: bytes) -> tuple[httpx.Response, float]:
+            started = time.monotonic()
+            response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
+            return response, time.monotonic() - started
+
+        first = asyncio.create_task(post(images[0]))
+        await asyncio.wait_for(entered.wait(), 10)  # the only worker is now blocked
+        queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
+        async with asyncio.timeout(10):
+            while streamer.queue_depth < bound:
+                await asyncio.sleep(0.005)
+        rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
+        gate.set()
+        admitted = await asyncio.gather(first, *queued)
+    assert [r.status_code for r, _ in rejected] == [503] * extra
+    assert all(r.json()["error"]["type"] == "queue_full" for r, _ in rejected)
+    assert all(int(r.headers["Retry-After"]) >= 1 for r, _ in rejected)
+    assert max(seconds for _, seconds in rejected) < 0.5
+    assert [r.status_code for r, _ in admitted] == [200] * (1 + bound)
+    for (response, _), data in zip(admitted, images, strict=False):
+        assert expect.check("embedding", data, response.json())
+
+
+async def test_killed_workers_under_load_give_only_200_or_503_and_come_back(
+    tiny_store: Path,
+) -> None:
+    images = distinct_images(400, size=40)
+    jobs = mixed_jobs(images) * 10
+    recoveries = []
+    with ServerProcess(
+        MODEL_STORE=str(tiny_store), MB_WORKER_NUM="2", MB_BATCH_SIZE="16"
+    ) as server:
+        load = asyncio.create_task(
+            httpx_closed_loop(server.base_url, jobs, clients=32, timeout_s=15)
+        )
+        for round_ in range(3):
+            await asyncio.sleep(1.0)
+            victim = server.worker_pids()[round_ % 2]
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            async with asyncio.timeout(30):
+                while True:
+                    _, body = await asyncio.to_thread(server.readiness)
+                    workers = body["workers"]
+                    if victim not in [w["pid"] for w in workers] and all(
+                        w["ready"] and w["alive"] for w in workers
+                    ):
+                        break
+                    await asyncio.sleep(0.05)
+            recoveries.append(time.monotonic() - killed)
+        results = await load
+        final_status, final = server.readiness()
+        after = await httpx_closed_loop(server.base_url, mixed_jobs(images[:40]), clients=8)
+    statuses = Counter(status for _, status, _ in results)
+    print(
+        f"\nworker kills: statuses {dict(statuses)}, recovery s {[round(r, 2) for r in recoveries]}"
+    )
+    assert set(statuses) <= {200, 503}, statuses  # no 500, no client timeout (0)
+    assert statuses[200] > len(jobs) * 0.5
+    assert len(results) == len(jobs)
+    assert final_status == 200 and all(w["alive"] and w["ready"] for w in final["workers"])
+    assert Counter(status for _, status, _ in after) == {200: 40}
+
+
+async def test_only_worker_dying_gives_fast_503s_and_readiness_503_until_restarted(
+    slow_store: Path,
+) -> None:
+    with ServerProcess(MODEL_STORE=str(slow_store), MB_WORKER_NUM="1") as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            in_flight = asyncio.create_task(
+                client.post("/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])})
+            )
+            async with asyncio.timeout(10):  # wait until it is inside the slow model
+                while (await client.get("/readyz")).json()["in_flight"] == 0:
+                    await asyncio.sleep(0.005)
+            os.kill(server.worker_pids()[0], signal.SIGKILL)
+            died = await in_flight
+            status_after_kill = (await client.get("/readyz")).status_code
+            fresh = await client.post(
+                "/predict/embedding", files={"image": ("x.png", distinct_images(2)[1])}
+            )
+            started = time.monotonic()
+            async with asyncio.timeout(30):
+                while (await client.get("/readyz")).status_code != 200:
+                    await asyncio.sleep(0.05)
+            recovery = time.monotonic() - started
+            again = await client.post(
+                "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
+            )
+    assert died.status_code == 503 and died.json()["error"]["type"] == "worker_died"
+    assert status_after_kill == 503
+    assert fresh.status_code == 503 and "Retry-After" in fresh.headers
+    assert again.status_code == 200
+    print(f"\nsingle worker recovered in {recovery:.2f} s")
+
+
+async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -> None:
+    # The slow model needs ~0.25 s a batch; a 0.05 s batch timeout makes every batch "hang".
+    with ServerProcess(
+        MODEL_STORE=str(slow_store), MB_BATCH_TIMEOUT="0.05", **SLOW_ONE_WORKER
+    ) as server:
+        pid = server.worker_pids()[0]
+        started = time.monotonic()
+        response = httpx.post(
+            f"{server.base_url}/predict/embedding",
+            files={"image": ("x.png", distinct_images(1)[0])},
+            timeout=30,
+        )
+        elapsed = time.monotonic() - started
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.stop() == 0
+    assert response.status_code == 503 and response.json()["error"]["type"] == "worker_died"
+    assert elapsed < 2.0
+    assert not alive(pid)
+
+
+async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: Path) -> None:
+    shm_before = shm_files()
+    images = distinct_images(12)
+    server = ServerProcess(MODEL_STORE=str(slow_store), MB_BATCH_SIZE="4", **SLOW_ONE_WORKER)
+    server.start()
+    workers = server.worker_pids()
+    try:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            requests = [
+                asyncio.create_task(
+                    client.post("/predict/embedding", files={"image": ("x.png", data)})
+                )
+                for data in images
+            ]
+            async with asyncio.timeout(10):
+                while (await client.get("/readyz")).json()["queue_depth"] < 4:
+                    await asyncio.sleep(0.01)
+            server.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            responses = await asyncio.gather(*requests)
+        code = await asyncio.to_thread(server.stop)
+    finally:
+        if server.process and server.process.poll() is None:
+            server.process.kill()
+    assert [r.status_code for r in responses] == [200] * len(images)
+    assert code == 0, server.output
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if alive(pid)]
+    assert shm_files() == shm_before
+
+
+def _multipart_request(port: int, data: bytes) -> bytes:
+    boundary = "testboundary42"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
+            f"Content-Type: image/png\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    head = (
+        f"POST /predict/embedding HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+async def test_a_thousand_disconnects_leave_nothing_queued_or_computed(slow_store: Path) -> None:
+    image = distinct_images(1)[0]
+    with ServerProcess(
+        MODEL_STORE=str(slow_store), MB_BATCH_SIZE="8", MB_MAX_QUEUE="2000", **SLOW_ONE_WORKER
+    ) as server:
+        request = _multipart_request(server.port, image)
+        for _ in range(5):  # five waves of 200 clients that send a request and hang up
+            writers = []
+            for _ in range(200):
+                _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(request)
+                writers.append(writer)
+            await asyncio.gather(*(w.drain() for w in writers))
+            await asyncio.sleep(0.3)
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+        async with asyncio.timeout(30):
+            while True:
+                _, state = await asyncio.to_thread(server.readiness)
+                if state["queue_depth"] == 0 and state["in_flight"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+        computed = state["workers"][0]["items"]
+        after = await httpx_closed_loop(server.base_url, mixed_jobs(distinct_images(16)), clients=8)
+    print(f"\n1000 disconnects: {computed} images computed, queue back to 0")
+    assert computed < 300, f"{computed} of 1000 abandoned requests were computed"
+    assert Counter(status for _, status, _ in after) == {200: 16}
+
+
+async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
+    poison_store: Path,
+) -> None:
+    expect = Expectation(poison_store)
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), POISON_RGB).save(buffer, format="PNG")
+    poison = buffer.getvalue()
+    good = distinct_images(6)
+    async with running_app(
+        model_store=poison_store, cuda_devices="cpu", mb_worker_num=1, mb_max_latency=0.5
+    ) as (app, client):
+        streamer = app.state.streamer
+        real, gate, entered = streamer._batch_fn, asyncio.Event(), asyncio.Event()
+
+        async def held(key: Any, items: Any) -> Any:
+            entered.set()
+            await gate.wait()
+            return await real(key, items)
+
+        streamer._batch_fn = held
+        uploads = [good[0], *good[1:3], poison, *good[3:]]
+        first = asyncio.create_task(
+            client.post("/predict/embedding", files={"image": ("x.png", uploads[0])})
+        )
+        await asyncio.wait_for(entered.wait(), 10)
+        rest = [
+            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", d)}))
+            for d in uploads[1:]
+        ]
+        async with asyncio.timeout(10):
+            while streamer.queue_depth < len(rest):
+                await asyncio.sleep(0.005)
+        gate.set()
+        responses = await asyncio.gather(first, *rest)
+        retried = streamer.stats.retried_batches
+        pool_ready = app.state.pool.ready
+    statuses = [r.status_code for r in responses]
+    assert statuses == [200, 200, 200, 500, 200, 200, 200]
+    assert responses[3].json()["error"] == {
+        "type": "inference_error",
+        "message": "model call failed",
+    }
+    for response, data in zip(responses, uploads, strict=True):
+        if response.status_code == 200:
+            assert expect.check("embedding", data, response.json())
+    assert retried == 1 and pool_ready

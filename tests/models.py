@@ -1,0 +1,98 @@
+"""Test-only models. Fault injection lives here, never in the app: a slow model (to hold
+requests in flight) and a model that fails on a marker image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from app.export import SplitModel, export_split
+from app.manifest import InputSpec
+
+TINY_DIM = 48
+TINY_INPUT = InputSpec(
+    crop_size=32,
+    resize_size=36,
+    interpolation="bilinear",
+    mean=(0.0, 0.0, 0.0),
+    std=(1.0, 1.0, 1.0),
+)
+CLASSES = [f"class_{i}" for i in range(1000)]
+POISON_RGB = (255, 0, 255)
+
+
+class TinyEmbedding(nn.Module):
+    """4x4 average pooling of the normalised image: the embedding encodes its input, so each
+    answer can be checked against its own upload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(x).flatten(1)
+
+
+class SlowEmbedding(TinyEmbedding):
+    """TinyEmbedding plus a fixed amount of matrix work per call (not per image), so a batch
+    takes a predictable while regardless of its size; the output is unchanged."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__()
+        self.rounds = rounds
+        self.register_buffer("weight", torch.randn(384, 384) / 384**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.weight
+        for _ in range(self.rounds):
+            state = torch.tanh(state @ self.weight)
+        return self.pool(x).flatten(1) + 0.0 * state.mean()
+
+
+class PoisonEmbedding(nn.Module):
+    """TinyEmbedding that fails the whole call when any image in the batch is pure magenta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        means = x.mean(dim=(2, 3))
+        magenta = (means[:, 0] > 0.99) & (means[:, 1] < 0.01) & (means[:, 2] > 0.99)
+        if bool(magenta.any()):
+            raise RuntimeError("poison image")
+        return self.pool(x).flatten(1)
+
+
+def tiny_expected_embedding(pixels: np.ndarray) -> np.ndarray:
+    """What TinyEmbedding returns for one preprocessed uint8 [32, 32, 3] image."""
+    x = pixels.astype(np.float32) / 255.0
+    return x.reshape(4, 8, 4, 8, 3).mean(axis=(1, 3)).transpose(2, 0, 1).reshape(-1)
+
+
+def export_test_model(out: Path, embedding: nn.Module, arch: str = "tiny-test") -> Path:
+    torch.manual_seed(0)
+    split = SplitModel(
+        embedding=embedding.eval(),
+        classifier=nn.Linear(TINY_DIM, 1000).eval(),
+        input=TINY_INPUT,
+        embedding_dim=TINY_DIM,
+        num_classes=1000,
+    )
+    export_split(split, arch=arch, weights="random", out=out, classes=CLASSES)
+    return out
+
+
+def export_tiny(out: Path) -> Path:
+    return export_test_model(out, TinyEmbedding())
+
+
+def export_slow(out: Path, rounds: int = 150) -> Path:
+    return export_test_model(out, SlowEmbedding(rounds), arch="slow-test")
+
+
+def export_poison(out: Path) -> Path:
+    return export_test_model(out, torch.jit.script(PoisonEmbedding()), arch="poison-test")

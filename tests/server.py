@@ -1,0 +1,114 @@
+"""A real server process (`python -m app`) on 127.0.0.1 for tests where processes, sockets
+and signals matter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def shm_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("microbatch-*")} if shm.is_dir() else set()
+
+
+class ServerProcess:
+    """``with ServerProcess(MODEL_STORE=...) as server:`` starts the server and waits until
+    /readyz answers 200; leaving the block stops it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, **env: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "HOST": "127.0.0.1",
+            "PORT": str(self.port),
+            "CUDA_DEVICES": "cpu",
+            "LOG_LEVEL": "warning",
+            **env,
+        }
+        self.process: subprocess.Popen[str] | None = None
+        self.output = ""
+
+    def start(self, ready_timeout_s: float = 90) -> ServerProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "app"],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                self.output = self.process.communicate()[0]
+                raise AssertionError(f"server exited during start:\n{self.output}")
+            try:
+                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("server never became ready")
+            time.sleep(0.1)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        response = httpx.get(f"{self.base_url}/readyz", timeout=5)
+        return response.status_code, response.json()
+
+    def worker_pids(self) -> list[int]:
+        return [w["pid"] for w in self.readiness()[1]["workers"]]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Send ``sig`` and wait; returns the exit status (output in ``self.output``)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.output = self.process.communicate(timeout=timeout_s)[0]
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.output = self.process.communicate()[0]
+            raise AssertionError(f"server did not stop within {timeout_s} s") from None
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.stop()
