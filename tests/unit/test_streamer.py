@@ -46,7 +46,7 @@ class FakeModel:
 async def wait_until(predicate: Callable[[], bool]) -> None:
     """Poll a condition the test caused (bounded, so a bug fails instead of hanging)."""
     async with asyncio.timeout(5):
-        while not predicate():  # noqa: ASYNC110 - polls state owned by the Streamer
+        while not predicate():
             await asyncio.sleep(0.001)
 
 
