@@ -9,7 +9,7 @@ WEIGHTS ?= pretrained
 MODEL_STORE ?= model_store
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: run test lint model install install-dev clean
+.PHONY: run test lint bench bench-quick model install install-dev clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -18,6 +18,12 @@ test: install-dev  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests
 	$(PY) -m mypy
 	$(PY) -m pytest
+
+bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (~7 min)
+	$(PY) -m app.bench --plot docs/performance.png
+
+bench-quick: install-dev  ## the same, default model only, under 2 minutes
+	$(PY) -m app.bench --quick
 
 lint: install-dev
 	$(PY) -m ruff check app tests

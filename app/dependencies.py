@@ -1,4 +1,7 @@
-"""``Annotated`` dependency aliases used by the routers."""
+"""``Annotated`` dependency aliases used by the routers.
+
+The dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in its
+thread pool, which would cost three thread hops per request for a few attribute lookups."""
 
 from __future__ import annotations
 
@@ -12,20 +15,20 @@ from app.services.predictor import Predictor
 from app.settings import Settings
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def _predictor(request: Request) -> Predictor:
+async def _predictor(request: Request) -> Predictor:
     predictor: Predictor | None = getattr(request.app.state, "predictor", None)
     if predictor is None or request.app.state.closing:
         raise NotReady("the server is starting or stopping")
     return predictor
 
 
-def _require_api_key(request: Request) -> None:
-    expected = _settings(request).api_key
+async def _require_api_key(request: Request) -> None:
+    expected = (await _settings(request)).api_key
     if expected is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -103,8 +104,11 @@ def _serve(runner: BatchRunner, buffer: InputBuffer, conn: Connection) -> None:
             return
         assert isinstance(message, RunBatch)
         try:
+            started = time.perf_counter()
             outputs = runner.run(message.task, buffer.array[: len(message.ids)], message.top_k)
-            reply: BatchDone | BatchFailed = BatchDone(message.batch_id, message.ids, outputs)
+            reply: BatchDone | BatchFailed = BatchDone(
+                message.batch_id, message.ids, outputs, time.perf_counter() - started
+            )
         except Exception as exc:
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())
             reply = BatchFailed(message.batch_id, message.ids, f"{type(exc).__name__}: {exc}")

@@ -61,6 +61,7 @@ class BatchDone:
     ids: tuple[int, ...]
     # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]}
     outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+    compute_s: float = 0.0  # time the worker spent on the batch, for metrics
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,329 @@
+"""``python -m app.bench``: this server against the raw model, service-streamer and a plain
+FastAPI app, on the same model, JPEGs and thread budget, in one run.
+
+    python -m app.bench                   # full run, about 7 minutes on 2 cores
+    python -m app.bench --quick           # default model, fewer and shorter steps (< 2 min)
+    python -m app.bench --plot perf.png   # also draw throughput and latency vs concurrency
+
+Prints, per model: the raw pipeline (decode + preprocess + model, no HTTP) at batch sizes 1,
+8 and MB_BATCH_SIZE; each server at each concurrency (closed loop over real HTTP with
+multipart JPEG uploads): images/s, p50, p99 and the mean batch the model saw; then the
+ratios the project's targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from app.bench.loadgen import closed_loop, multipart_request
+from app.bench.systems import (
+    RunningServer,
+    bench_jpegs,
+    export_bench_model,
+    raw_pipeline,
+    serve,
+)
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Point:
+    system: str
+    clients: int
+    images_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_batch: float
+    errors: int
+    client_cpu_pct: float
+
+
+@dataclass
+class ModelReport:
+    model: str
+    raw: dict[int, tuple[float, float]] = field(default_factory=dict)  # bs -> (img/s, ms)
+    points: list[Point] = field(default_factory=list)
+
+    def best_raw(self) -> float:
+        return max(rate for rate, _ in self.raw.values())
+
+    def point(self, system: str, clients: int) -> Point | None:
+        return next((p for p in self.points if p.system == system and p.clients == clients), None)
+
+
+def measure(server: RunningServer, jpegs: list[bytes], clients: int, seconds: float) -> Point:
+    path = "/predict/tag" if server.name != "noop" else "/predict/embedding"
+    requests = [
+        multipart_request(HOST, server.port, path, data, fields=[("k", "5")]) for data in jpegs
+    ]
+    before = server.batches_and_items()
+    result = asyncio.run(
+        closed_loop(HOST, server.port, requests, clients=clients, duration_s=seconds)
+    )
+    after = server.batches_and_items()
+    mean_batch = 1.0
+    if before is not None and after is not None and after[0] > before[0]:
+        mean_batch = (after[1] - before[1]) / (after[0] - before[0])
+    bad = sum(n for status, n in result.statuses.items() if status != 200)
+    return Point(
+        system=server.name if server.name != "ours" else "ours",
+        clients=clients,
+        images_per_s=result.rate,
+        p50_ms=result.percentile_ms(50),
+        p99_ms=result.percentile_ms(99),
+        mean_batch=mean_batch,
+        errors=bad,
+        client_cpu_pct=100 * result.client_cpu_s / result.seconds,
+    )
+
+
+def warm_up(server: RunningServer, jpegs: list[bytes]) -> None:
+    measure(server, jpegs, clients=2, seconds=1.0)
+
+
+def run_model(
+    model: str, args: argparse.Namespace, jpegs: list[bytes], scratch: Path
+) -> ModelReport:
+    report = ModelReport(model)
+    store = export_bench_model(model, scratch / model)
+    for batch_size in sorted({1, 8, args.batch_size}):
+        raw = raw_pipeline(store, jpegs, batch_size, args.raw_seconds, args.threads)
+        report.raw[batch_size] = (raw.images_per_s, raw.batch_p50_ms)
+        print(
+            f"  raw pipeline bs={batch_size:<3} {raw.images_per_s:7.1f} img/s  "
+            f"{raw.batch_p50_ms:8.1f} ms/batch",
+            flush=True,
+        )
+    systems = [("ours", str(args.batch_size), "ours")]
+    if args.auto:
+        systems.append(("ours", "auto", "ours-auto"))
+    systems += [
+        ("service-streamer", str(args.batch_size), "service-streamer"),
+        ("plain", str(args.batch_size), "plain"),
+    ]
+    for kind, batch_size, label in systems:
+        with serve(
+            kind, store, batch_size=batch_size, max_latency=args.max_latency, threads=args.threads
+        ) as server:
+            warm_up(server, jpegs)
+            for clients in args.clients:
+                point = measure(server, jpegs, clients, args.seconds)
+                point.system = label
+                report.points.append(point)
+                print(
+                    f"  {label:<17} c={clients:<4} {point.images_per_s:7.1f} img/s  "
+                    f"p50 {point.p50_ms:8.1f} ms  p99 {point.p99_ms:8.1f} ms  "
+                    f"batch {point.mean_batch:5.1f}  non-200 {point.errors}",
+                    flush=True,
+                )
+    return report
+
+
+def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> dict[str, float]:
+    """Requests/s at 64 clients: a do-nothing FastAPI upload endpoint vs this server with a
+    model that does no real work; also the load generator's own CPU use at that ceiling."""
+    store = export_bench_model("passthrough", scratch / "passthrough")
+    out: dict[str, float] = {}
+    for kind in ("noop", "ours"):
+        with serve(
+            kind,
+            store,
+            batch_size=str(args.batch_size),
+            max_latency=args.max_latency,
+            threads=args.threads,
+        ) as server:
+            warm_up(server, jpegs)
+            requests = [
+                multipart_request(HOST, server.port, "/predict/embedding", d) for d in jpegs
+            ]
+            result = asyncio.run(
+                closed_loop(HOST, server.port, requests, clients=64, duration_s=args.seconds)
+            )
+            out[f"{kind}_rps"] = result.rate
+            out[f"{kind}_client_cpu_pct"] = 100 * result.client_cpu_s / result.seconds
+            print(
+                f"  {kind:<5} {result.rate:8.1f} requests/s  (load generator CPU "
+                f"{out[f'{kind}_client_cpu_pct']:.0f}% of one core)",
+                flush=True,
+            )
+    return out
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
+    lines = []
+    for report in reports:
+        m = report.model
+        best_raw = report.best_raw()
+        at64 = report.point("ours-auto", 64) or report.point("ours", 64)
+        target = 0.90 if m == "resnet50" else 0.80
+        if at64:
+            r = at64.images_per_s / best_raw
+            lines.append(
+                f"{m}: saturation ({at64.system}@64 / raw best) = {r:.2f}  "
+                f"(target >= {target:.2f})  {verdict(r >= target)}"
+            )
+        one = report.point("ours", 1)
+        raw1_ms = report.raw[1][1]
+        if one:
+            r, added = one.p50_ms / raw1_ms, one.p50_ms - raw1_ms
+            lines.append(
+                f"{m}: idle latency (p50@1 / raw single) = {r:.2f}, +{added:.1f} ms  "
+                f"(target <= 1.10 and <= 5 ms)  {verdict(r <= 1.10 and added <= 5)}"
+            )
+        for clients in sorted({p.clients for p in report.points}):
+            ours = report.point("ours", clients)
+            theirs = report.point("service-streamer", clients)
+            if not (ours and theirs):
+                continue
+            tput = ours.images_per_s / theirs.images_per_s
+            lat = ours.p50_ms / theirs.p50_ms
+            need_tput = 1.3 if clients == 8 else 1.0
+            need_lat = 0.5 if clients == 1 and m == "efficientnet_lite0" else 1.0
+            lines.append(
+                f"{m}: vs service-streamer @{clients}: throughput x{tput:.2f} (>= {need_tput}), "
+                f"p50 x{lat:.2f} (<= {need_lat})  {verdict(tput >= need_tput and lat <= need_lat)}"
+            )
+    if mach:
+        r = mach["ours_rps"] / mach["noop_rps"]
+        lines.append(
+            f"machinery: passthrough model {mach['ours_rps']:.0f} req/s / bare FastAPI "
+            f"upload {mach['noop_rps']:.0f} req/s = {r:.2f}  (target >= 0.70)  "
+            f"{verdict(r >= 0.70)}"
+        )
+    return lines
+
+
+def plot(reports: list[ModelReport], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(reports), 2, figsize=(12, 4.2 * len(reports)), squeeze=False)
+    for row, report in enumerate(reports):
+        systems = list(dict.fromkeys(p.system for p in report.points))
+        tput, lat = axes[row]
+        for system in systems:
+            pts = [p for p in report.points if p.system == system]
+            xs = [p.clients for p in pts]
+            tput.plot(xs, [p.images_per_s for p in pts], marker="o", label=system)
+            (line,) = lat.plot(xs, [p.p50_ms for p in pts], marker="o", label=f"{system} p50")
+            lat.plot(
+                xs,
+                [p.p99_ms for p in pts],
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{system} p99",
+            )
+        tput.axhline(
+            report.best_raw(), color="grey", linestyle=":", label="raw pipeline, best batch"
+        )
+        tput.set(
+            title=f"{report.model}: throughput",
+            xlabel="concurrent clients",
+            ylabel="images/s",
+            xscale="log",
+        )
+        lat.set(
+            title=f"{report.model}: latency",
+            xlabel="concurrent clients",
+            ylabel="ms",
+            xscale="log",
+            yscale="log",
+        )
+        tput.legend(fontsize=8)
+        lat.legend(fontsize=7, ncol=2)
+        for axis in (tput, lat):
+            axis.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="default model, 3 steps, short")
+    parser.add_argument("--models", default="efficientnet_lite0,resnet50")
+    parser.add_argument("--clients", default="1,8,32,64,128")
+    parser.add_argument("--seconds", type=float, default=6.0, help="per concurrency step")
+    parser.add_argument("--raw-seconds", type=float, default=5.0)
+    parser.add_argument("--batch-size", type=int, default=32, help="MB_BATCH_SIZE for all")
+    parser.add_argument("--max-latency", type=float, default=0.05, help="max latency for all, s")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for every system")
+    parser.add_argument(
+        "--no-auto",
+        dest="auto",
+        action="store_false",
+        help="skip the MB_BATCH_SIZE=auto run of this server",
+    )
+    parser.add_argument("--plot", type=Path, help="write a PNG of throughput and latency")
+    parser.add_argument("--json", type=Path, help="write every figure as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.clients, args.seconds, args.raw_seconds = (
+            "efficientnet_lite0",
+            "1,8,64",
+            3.0,
+            3.0,
+        )
+    args.clients = [int(c) for c in args.clients.split(",")]
+    started = time.monotonic()
+    jpegs = bench_jpegs()
+    print(
+        f"bench: {len(jpegs)} JPEGs ({sum(map(len, jpegs)) // len(jpegs) // 1024} KB average), "
+        f"batch size {args.batch_size}, max latency {args.max_latency} s, "
+        f"{args.threads} torch threads, {args.seconds:g} s per step",
+        flush=True,
+    )
+    reports: list[ModelReport] = []
+    with tempfile.TemporaryDirectory(prefix="microbatch-bench-") as tmp:
+        scratch = Path(tmp)
+        print("load generator ceiling and machinery cost (64 clients):", flush=True)
+        mach = machinery(args, jpegs, scratch)
+        for model in args.models.split(","):
+            print(f"{model}:", flush=True)
+            reports.append(run_model(model, args, jpegs, scratch))
+    print(f"\nratios (one run, same machine, {time.monotonic() - started:.0f} s):")
+    for line in ratios(reports, mach):
+        print("  " + line)
+    if args.plot:
+        plot(reports, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machinery": mach,
+                    "models": [
+                        {
+                            "model": r.model,
+                            "raw": {str(k): v for k, v in r.raw.items()},
+                            "points": [asdict(p) for p in r.points],
+                        }
+                        for r in reports
+                    ],
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

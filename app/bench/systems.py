@@ -1,0 +1,221 @@
+"""What the benchmark runs: bench images and models, the raw in-process pipeline, and the
+servers (ours and the peers) as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from app.export import SplitModel, export, export_split
+from app.jobs import Task
+from app.manifest import InputSpec, read_manifest
+from app.services.images import preprocess
+from app.workers.models import load_models
+from app.workers.process import BatchRunner
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bench_jpegs(count: int = 8) -> list[bytes]:
+    """Real photos shipped with scikit-image, as JPEGs of roughly 30-60 KB each."""
+    from skimage import data
+
+    photos = [data.chelsea(), data.coffee(), data.astronaut(), data.rocket()]  # type: ignore[no-untyped-call]
+    jpegs = []
+    for index in range(count):
+        photo = photos[index % len(photos)]
+        if index >= len(photos):  # more distinct files: mirror and shift the same photos
+            photo = np.ascontiguousarray(np.roll(photo[:, ::-1], 17 * index, axis=1))
+        buffer = io.BytesIO()
+        Image.fromarray(photo).save(buffer, format="JPEG", quality=85)
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+class Passthrough(nn.Module):
+    """A model with no real compute (channel means): isolates the serving machinery."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3))
+
+
+def export_bench_model(name: str, out: Path) -> Path:
+    """Export ``efficientnet_lite0`` (real weights), ``resnet50`` (random) or ``passthrough``."""
+    if name == "passthrough":
+        torch.manual_seed(0)
+        split = SplitModel(
+            embedding=Passthrough(),
+            classifier=nn.Linear(3, 1000),
+            input=InputSpec(
+                crop_size=32, resize_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+            ),
+            embedding_dim=3,
+            num_classes=1000,
+        )
+        export_split(
+            split,
+            arch="passthrough",
+            weights="random",
+            out=out,
+            classes=[str(i) for i in range(1000)],
+        )
+    else:
+        export(name, "pretrained" if name == "efficientnet_lite0" else "random", out)
+    return out
+
+
+@dataclass
+class RawResult:
+    batch_size: int
+    images_per_s: float
+    batch_p50_ms: float
+
+
+def raw_pipeline(
+    store: Path, jpegs: list[bytes], batch_size: int, seconds: float, threads: int
+) -> RawResult:
+    """The server's work without HTTP: decode + preprocess + model, in one thread of control."""
+    torch.set_num_threads(threads)
+    spec = read_manifest(store).input
+    runner = BatchRunner(load_models(store, torch.device("cpu")), torch.device("cpu"))
+
+    def one_batch(start: int) -> None:
+        pixels = np.stack(
+            [preprocess(jpegs[(start + i) % len(jpegs)], spec) for i in range(batch_size)]
+        )
+        runner.run(Task.TAG, pixels, 5)
+
+    one_batch(0)  # warm-up: the TorchScript executor optimises on its first calls
+    one_batch(1)
+    times: list[float] = []
+    images, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds or len(times) < 3:
+        began = time.perf_counter()
+        one_batch(images)
+        times.append(time.perf_counter() - began)
+        images += batch_size
+    return RawResult(
+        batch_size, images / (time.perf_counter() - started), 1000 * statistics.median(times)
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    stats_path: str  # "/readyz" (ours) or "/stats" (service-streamer) or "" (none)
+
+    def batches_and_items(self) -> tuple[int, int] | None:
+        if not self.stats_path:
+            return None
+        body = httpx.get(f"http://127.0.0.1:{self.port}{self.stats_path}", timeout=10).json()
+        if "workers" in body:
+            return sum(w["batches"] for w in body["workers"]), sum(
+                w["items"] for w in body["workers"]
+            )
+        return body["batches"], body["items"]
+
+
+@contextmanager
+def serve(
+    kind: str, store: Path | None, *, batch_size: str, max_latency: float, threads: int
+) -> Iterator[RunningServer]:
+    """Start ``ours``, ``service-streamer``, ``plain`` or ``noop`` and wait until it answers."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stats_path = ""
+    with tempfile.TemporaryDirectory() as scratch:
+        if kind == "ours":
+            assert store is not None
+            env |= {
+                "HOST": "127.0.0.1",
+                "PORT": str(port),
+                "MODEL_STORE": str(store),
+                "CUDA_DEVICES": "cpu",
+                "MB_WORKER_NUM": "1",
+                "MB_WORKER_THREADS": str(threads),
+                "MB_BATCH_SIZE": batch_size,
+                "MB_MAX_LATENCY": str(max_latency),
+                "MB_MAX_QUEUE": "4096",
+                "LOG_LEVEL": "warning",
+            }
+            command = [sys.executable, "-m", "app"]
+            stats_path, probe = "/readyz", "/readyz"
+        else:
+            factory = {
+                "service-streamer": "streamer_app",
+                "plain": "plain_app",
+                "noop": "noop_app",
+            }[kind]
+            env |= {
+                "BENCH_MODEL_STORE": str(store or ""),
+                "BENCH_BATCH_SIZE": batch_size,
+                "BENCH_MAX_LATENCY": str(max_latency),
+                "BENCH_THREADS": str(threads),
+                "BENCH_STATS_FILE": str(Path(scratch) / "batches.txt"),
+            }
+            (Path(scratch) / "batches.txt").touch()
+            command = [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                f"app.bench.peers:{factory}",
+                "--factory",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ]
+            stats_path = "/stats" if kind == "service-streamer" else ""
+            probe = "/docs"
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if process.poll() is not None:
+                    error = process.stderr.read().decode()[-2000:] if process.stderr else ""
+                    raise RuntimeError(f"{kind} server exited: {error}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}{probe}", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{kind} server did not start")
+                time.sleep(0.2)
+            yield RunningServer(kind, port, process, stats_path)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
