@@ -85,14 +85,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             devices=settings.cuda_device_ids,
             worker_num=settings.mb_worker_num,
             threads_per_worker=settings.mb_worker_threads,
-            max_batch_size=settings.mb_batch_size,
+            max_batch_size=settings.max_batch_size,
+            auto_batch=settings.mb_batch_size == "auto",
+            dtype=settings.mb_dtype,
+            optimize=settings.mb_optimize,
             start_timeout_s=settings.mb_worker_start_timeout,
             batch_timeout_s=settings.mb_batch_timeout,
         )
         await pool.start()
         streamer: Streamer[ImageJob, object] = Streamer(
             pool.run_batch,
-            max_batch_size=settings.mb_batch_size,
+            max_batch_size=pool.batch_size,
             max_latency_s=settings.mb_max_latency,
             max_queue_size=settings.mb_max_queue,
             max_concurrent_batches=pool.capacity,
@@ -108,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "serving %s from %s: batch<=%d, max latency %g s, %d worker(s)",
             manifest.arch,
             settings.model_store,
-            settings.mb_batch_size,
+            pool.batch_size,
             settings.mb_max_latency,
             pool.capacity,
         )

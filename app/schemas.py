@@ -30,6 +30,7 @@ class WorkerState(BaseModel):
     pid: int | None
     ready: bool
     alive: bool
+    batch_size: int = Field(description="largest batch this worker takes (auto: its choice)")
     batches: int = Field(description="model calls this worker has run")
     items: int = Field(description="images this worker has been given")
 

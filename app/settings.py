@@ -31,7 +31,20 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind (python -m app / make run).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
-    mb_batch_size: int = Field(32, ge=1, le=4096, description="Most items in one model call.")
+    mb_batch_size: int | Literal["auto"] = Field(
+        32,
+        description=(
+            "Most items in one model call, or 'auto': each worker measures its throughput per "
+            "batch size at start-up and caps batches at the knee (at most MB_AUTO_BATCH_MAX)."
+        ),
+    )
+    mb_auto_batch_max: int = Field(64, ge=1, le=4096, description="Upper bound for 'auto'.")
+    mb_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Model precision in the workers (bfloat16/float16: opt-in)."
+    )
+    mb_optimize: bool = Field(
+        True, description="Freeze and optimise the TorchScript models for inference at load."
+    )
     mb_max_latency: float = Field(
         0.005,
         ge=0,
@@ -81,6 +94,18 @@ class Settings(BaseSettings):
     def _check_devices(cls, value: str | None) -> str | None:
         parse_cuda_devices(value)  # raises ValueError with a precise message
         return value
+
+    @field_validator("mb_batch_size")
+    @classmethod
+    def _check_batch_size(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 4096:
+            raise ValueError("must be between 1 and 4096, or 'auto'")
+        return value
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most images one model call may take (the buffer size for 'auto')."""
+        return self.mb_auto_batch_max if self.mb_batch_size == "auto" else int(self.mb_batch_size)
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -53,6 +53,8 @@ class _Worker:
     alive: bool = True
     pending: asyncio.Future[BatchDone] | None = None
     pending_id: int | None = None
+    batch_size: int = 0
+    throughput: dict[int, float] = field(default_factory=dict)
     batches: int = 0
     items: int = 0
 
@@ -103,6 +105,9 @@ class WorkerPool:
         max_batch_size: int,
         start_timeout_s: float,
         batch_timeout_s: float = 60.0,
+        auto_batch: bool = False,
+        dtype: str = "float32",
+        optimize: bool = True,
     ) -> None:
         self.model_store = model_store
         self.manifest = manifest
@@ -112,6 +117,9 @@ class WorkerPool:
         self.max_batch_size = max_batch_size
         self.start_timeout_s = start_timeout_s
         self.batch_timeout_s = batch_timeout_s
+        self.auto_batch = auto_batch
+        self.dtype = dtype
+        self.optimize = optimize
         size = manifest.input.crop_size
         self.image_shape = (size, size, 3)
         self.devices: list[str] = []
@@ -162,6 +170,9 @@ class WorkerPool:
             buffer_path=buffer.path,
             max_batch_size=self.max_batch_size,
             image_shape=self.image_shape,
+            auto_batch=self.auto_batch,
+            dtype=self.dtype,
+            optimize=self.optimize,
         )
         context = mp.get_context("spawn")
         parent, child = context.Pipe(duplex=True)
@@ -224,6 +235,16 @@ class WorkerPool:
             )
         assert isinstance(message, Ready)
         worker.ready = True
+        worker.batch_size, worker.throughput = message.batch_size, message.throughput
+        if self.auto_batch:
+            measured = ", ".join(f"{size}: {rate:.1f}" for size, rate in message.throughput.items())
+            log.info(
+                "worker %d on %s: MB_BATCH_SIZE=auto chose %d (images/s by batch size: %s)",
+                worker.spec.index,
+                worker.spec.device,
+                message.batch_size,
+                measured,
+            )
 
     def _activate(self, worker: _Worker) -> None:
         worker.buffer.unlink()  # both sides have it mapped; nothing to leak from now on
@@ -261,6 +282,12 @@ class WorkerPool:
     # -- state -------------------------------------------------------------------------------
 
     @property
+    def batch_size(self) -> int:
+        """The batch size to form: the maximum, or with auto the smallest worker's choice."""
+        chosen = [w.batch_size for w in self._workers if w.ready]
+        return min(chosen) if chosen else self.max_batch_size
+
+    @property
     def ready(self) -> bool:
         """True while at least one worker is loaded and alive (it can serve requests)."""
         return any(w.ready and w.alive for w in self._workers)
@@ -274,6 +301,7 @@ class WorkerPool:
                 "pid": w.process.pid,
                 "ready": w.ready,
                 "alive": w.alive,
+                "batch_size": w.batch_size,
                 "batches": w.batches,
                 "items": w.items,
             }

@@ -21,7 +21,7 @@ import torch
 
 from app.jobs import Task
 from app.manifest import InputSpec
-from app.workers.models import LoadedModels, load_models
+from app.workers.models import LoadedModels, LoadOptions, load_models
 from app.workers.protocol import (
     STOP,
     BatchDone,
@@ -53,7 +53,8 @@ class BatchRunner:
     def to_input(self, pixels: npt.NDArray[np.uint8]) -> torch.Tensor:
         """uint8 [n, H, W, 3] -> normalised float32 [n, 3, H, W] (channels-last in memory)."""
         batch = torch.from_numpy(pixels).to(self.device, non_blocking=True)
-        return torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
+        normalised = torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
+        return normalised.to(self.models.dtype)
 
     def run(self, task: Task, pixels: npt.NDArray[np.uint8], top_k: int) -> dict[str, Any]:
         with torch.inference_mode():
@@ -63,6 +64,38 @@ class BatchRunner:
             probs = torch.softmax(self.models.classifier(features).float(), dim=1)
             values, indices = torch.topk(probs, k=top_k, dim=1)
             return {"indices": indices.cpu().numpy(), "probs": values.cpu().numpy()}
+
+
+# A batch size is worth it only if it is this close to the best throughput seen: among
+# near-equals, the smaller batch answers sooner.
+KNEE_FRACTION = 0.95
+# Stop trying bigger batches once one call takes this long: a batch that slow would add its
+# whole duration to the latency of every request in it.
+AUTO_BATCH_MAX_CALL_S = 1.0
+
+
+def choose_batch_size(
+    runner: BatchRunner, image_shape: tuple[int, int, int], upper: int
+) -> tuple[int, dict[int, float]]:
+    """Measure images/s at batch sizes 1, 2, 4, ... <= ``upper`` on this worker's device and
+    return the smallest size within ``KNEE_FRACTION`` of the best, with the measurements."""
+    throughput: dict[int, float] = {}
+    size = 1
+    while size <= upper:
+        pixels = np.zeros((size, *image_shape), dtype=np.uint8)
+        runner.run(Task.TAG, pixels, 1)  # first call at a new shape may be slower
+        calls, started = 0, time.perf_counter()
+        while calls < 2 or time.perf_counter() - started < 0.2:
+            runner.run(Task.TAG, pixels, 1)
+            calls += 1
+        elapsed = time.perf_counter() - started
+        throughput[size] = size * calls / elapsed
+        if elapsed / calls > AUTO_BATCH_MAX_CALL_S:
+            break
+        size *= 2
+    best = max(throughput.values())
+    chosen = min(s for s, rate in throughput.items() if rate >= KNEE_FRACTION * best)
+    return chosen, throughput
 
 
 def _configure_threads(spec: WorkerSpec) -> None:
@@ -78,18 +111,24 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        runner = BatchRunner(load_models(Path(spec.model_store), device), device)
+        options = LoadOptions(dtype=getattr(torch, spec.dtype), optimize=spec.optimize)
+        runner = BatchRunner(load_models(Path(spec.model_store), device, options), device)
         buffer = InputBuffer(spec.buffer_path, spec.max_batch_size, spec.image_shape)
         warm = np.zeros((1, *spec.image_shape), dtype=np.uint8)
         for _ in range(2):  # the TorchScript executor optimises on its first calls
             runner.run(Task.TAG, warm, top_k=1)
+        batch_size, throughput = spec.max_batch_size, dict[int, float]()
+        if spec.auto_batch:
+            batch_size, throughput = choose_batch_size(
+                runner, spec.image_shape, spec.max_batch_size
+            )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException as exc:
         conn.send(StartFailed(spec.index, f"{type(exc).__name__}: {exc}"))
         conn.close()
         return
-    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid()))
+    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), batch_size, throughput))
     _serve(runner, buffer, conn)
 
 

@@ -31,6 +31,9 @@ class WorkerSpec:
     buffer_path: str
     max_batch_size: int
     image_shape: tuple[int, int, int]
+    auto_batch: bool = False  # measure throughput per batch size and pick the knee
+    dtype: str = "float32"
+    optimize: bool = True
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class Ready:
     device: str
     threads: int
     pid: int
+    batch_size: int  # the largest batch this worker wants (its auto choice, or the maximum)
+    throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
 
 
 @dataclass(frozen=True)

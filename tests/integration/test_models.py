@@ -115,3 +115,35 @@ async def test_several_cpu_workers_share_the_load(tiny_store: Path) -> None:
     assert len(workers) == 2 and all(w["ready"] and w["alive"] for w in workers)
     assert len({w["pid"] for w in workers}) == 2
     assert all(w["batches"] > 0 for w in workers), workers
+
+
+async def test_auto_batch_size_is_measured_and_used(tiny_store: Path) -> None:
+    async with running_app(
+        model_store=tiny_store,
+        cuda_devices="cpu",
+        mb_worker_num=1,
+        mb_batch_size="auto",
+        mb_auto_batch_max=8,
+    ) as (app, client):
+        worker = app.state.pool.describe()[0]
+        ready = (await client.get("/readyz")).json()
+        streamer_batch = app.state.streamer.max_batch_size
+    assert 1 <= worker["batch_size"] <= 8
+    assert streamer_batch == worker["batch_size"]
+    assert ready["workers"][0]["batch_size"] == worker["batch_size"]
+
+
+def test_bfloat16_agrees_with_float32_on_the_photos(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    from app.workers.models import LoadOptions
+
+    spec = read_manifest(default_store).input
+    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    cpu = torch.device("cpu")
+    full = BatchRunner(load_models(default_store, cpu), cpu).run(Task.TAG, pixels, 5)
+    half = BatchRunner(load_models(default_store, cpu, LoadOptions(dtype=torch.bfloat16)), cpu).run(
+        Task.TAG, pixels, 5
+    )
+    assert list(half["indices"][:, 0]) == list(full["indices"][:, 0])  # same top-1
+    np.testing.assert_allclose(half["probs"][:, 0], full["probs"][:, 0], atol=0.05)

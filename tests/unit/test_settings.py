@@ -34,6 +34,16 @@ def test_environment_names_from_the_article(
     assert settings.mb_max_queue == 10
 
 
+def test_batch_size_auto(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MB_BATCH_SIZE", "auto")
+    monkeypatch.setenv("MB_AUTO_BATCH_MAX", "16")
+    settings = load_settings()
+    assert settings.mb_batch_size == "auto" and settings.max_batch_size == 16
+    monkeypatch.setenv("MB_BATCH_SIZE", "8")
+    assert load_settings().max_batch_size == 8
+
+
 def test_dotenv_file_is_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".env").write_text("MB_BATCH_SIZE=7\nCUDA_DEVICES=cpu\n")
@@ -47,6 +57,8 @@ def test_dotenv_file_is_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     [
         ("MB_BATCH_SIZE", "0"),
         ("MB_BATCH_SIZE", "lots"),
+        ("MB_BATCH_SIZE", "5000"),
+        ("MB_DTYPE", "int8"),
         ("MB_MAX_LATENCY", "-1"),
         ("MB_WORKER_NUM", "0"),
         ("MB_MAX_QUEUE", "0"),

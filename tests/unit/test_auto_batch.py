@@ -1,0 +1,57 @@
+"""MB_BATCH_SIZE=auto: the knee of measured throughput, with a fake clock (deterministic)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.jobs import Task
+from app.workers import process
+from app.workers.process import choose_batch_size
+
+
+class FakeRunner:
+    """Each call 'takes' cost(batch size) seconds on a fake clock."""
+
+    def __init__(self, cost: Any) -> None:
+        self.cost = cost
+        self.now = 0.0
+        self.sizes: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, task: Task, pixels: np.ndarray, top_k: int) -> dict[str, Any]:
+        self.sizes.append(len(pixels))
+        self.now += self.cost(len(pixels))
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("cost", "upper", "expected"),
+    [
+        (lambda n: 0.010 * n, 64, 1),  # per-image cost flat (CPU-like): batch 1 is as good
+        (lambda n: 0.010 + 0.001 * n, 64, 64),  # fixed overhead dominates (GPU-like): grow
+        (lambda n: 0.02 + 0.002 * n, 8, 8),  # capped by the upper bound
+        (lambda n: 0.010 * n * (1.5 if n >= 16 else 1.0), 64, 1),  # big batches get slower
+        (lambda n: 0.08 if n <= 8 else 0.01 * n, 64, 8),  # plateau from 8 on: take its start
+    ],
+)
+def test_knee(monkeypatch: pytest.MonkeyPatch, cost: Any, upper: int, expected: int) -> None:
+    runner = FakeRunner(cost)
+    monkeypatch.setattr(process.time, "perf_counter", runner.clock)
+    chosen, table = choose_batch_size(runner, (4, 4, 3), upper)  # type: ignore[arg-type]
+    best = max(table.values())
+    assert chosen == expected, table
+    assert table[chosen] >= 0.95 * best
+    assert max(table) <= upper
+
+
+def test_stops_growing_once_a_call_is_too_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = FakeRunner(lambda n: 0.3 * n)  # batch 4 takes 1.2 s a call
+    monkeypatch.setattr(process.time, "perf_counter", runner.clock)
+    chosen, table = choose_batch_size(runner, (4, 4, 3), 64)  # type: ignore[arg-type]
+    assert max(table) == 4 and 8 not in runner.sizes
+    assert chosen == 1
