@@ -28,7 +28,11 @@ def main() -> int:
         signal.signal(sig, lambda *_: None)
     server = uvicorn.Server(
         uvicorn.Config(
-            "app.main:app", host=settings.host, port=settings.port, log_level=settings.log_level
+            "app.main:app",
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=False,  # the app logs each request itself, with its request id
         )
     )
     server.run()

@@ -24,6 +24,8 @@ from app.batching import Streamer
 from app.errors import SettingsError
 from app.jobs import ImageJob
 from app.manifest import read_classes, read_manifest
+from app.metrics import Metrics
+from app.observability import RequestLog, configure_logging
 from app.routers import meta, predict
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.services.predictor import Predictor
@@ -69,11 +71,8 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the application. Nothing starts until the ASGI lifespan runs."""
     settings = settings or get_settings()
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+    configure_logging(settings.log_level, settings.log_format)
+    metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,6 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             auto_batch=settings.mb_batch_size == "auto",
             dtype=settings.mb_dtype,
             optimize=settings.mb_optimize,
+            on_compute=metrics.on_compute,
             start_timeout_s=settings.mb_worker_start_timeout,
             batch_timeout_s=settings.mb_batch_timeout,
         )
@@ -100,10 +100,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_queue_size=settings.mb_max_queue,
             max_concurrent_batches=pool.capacity,
             default_timeout_s=settings.mb_request_timeout,
+            on_batch=metrics.on_batch,
         )
         decode_pool = ThreadPoolExecutor(settings.mb_decode_threads, thread_name_prefix="decode")
         await streamer.start()
         app.state.pool, app.state.streamer = pool, streamer
+        app.state.manifest = manifest
+        metrics.watch(
+            lambda: {
+                "queue_depth": streamer.queue_depth,
+                "in_flight": streamer.in_flight,
+                "workers": pool.describe(),
+                "restarts": pool.restart_count,
+            }
+        )
         app.state.predictor = Predictor(
             streamer, manifest, classes, decode_pool, max_pixels=settings.max_image_pixels
         )
@@ -132,8 +142,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.metrics = metrics
     app.state.closing = False
-    install_error_handlers(app)
+    install_error_handlers(app, metrics)
     # Enforced while the body streams in (and from Content-Length before reading): an
     # oversized upload is never read whole. The exact file-size check is in the route.
     app.add_middleware(
@@ -141,6 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(predict.router, form_limits={"max_files": 1, "max_fields": 8})
     app.include_router(meta.router)
+    app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     return app
 
 

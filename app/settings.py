@@ -88,6 +88,7 @@ class Settings(BaseSettings):
         None, description="When set, prediction routes need 'Authorization: Bearer <key>'."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description="'json': one object a line.")
 
     @field_validator("cuda_devices")
     @classmethod

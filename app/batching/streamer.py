@@ -53,6 +53,18 @@ class BatchItem(Generic[T]):
 BatchFn = Callable[[Hashable, Sequence[BatchItem[T]]], Awaitable[Mapping[int, Any]]]
 
 
+@dataclass(slots=True)
+class Trace:
+    """Filled in by the Streamer for one submitted item: what its batch looked like."""
+
+    batch_size: int = 0
+    queue_wait_s: float = 0.0
+
+
+# Called once per dispatched batch with its key, its size and each item's queue wait (s).
+BatchObserver = Callable[[Hashable, int, Sequence[float]], None]
+
+
 @dataclass(eq=False, slots=True)
 class _Pending(Generic[T, R]):
     id: int
@@ -61,6 +73,7 @@ class _Pending(Generic[T, R]):
     future: asyncio.Future[R]
     enqueued_at: float
     deadline: float | None
+    trace: Trace | None = None
     dispatched: bool = False
 
 
@@ -102,6 +115,7 @@ class Streamer(Generic[T, R]):
         max_concurrent_batches: int = 1,
         default_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_batch: BatchObserver | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -118,6 +132,7 @@ class Streamer(Generic[T, R]):
         self.max_concurrent_batches = max_concurrent_batches
         self.default_timeout_s = default_timeout_s
         self._clock = clock
+        self._on_batch = on_batch
         self._queue: deque[_Pending[T, R]] = deque()
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -181,20 +196,32 @@ class Streamer(Generic[T, R]):
             )
 
     async def submit(
-        self, payload: T, *, key: Hashable = "default", timeout_s: float | None = None
+        self,
+        payload: T,
+        *,
+        key: Hashable = "default",
+        timeout_s: float | None = None,
+        trace: Trace | None = None,
     ) -> R:
         """Queue ``payload`` and wait for its result.
 
         Raises ``QueueFull`` at once when the queue is at its bound, ``DeadlineExceeded`` when
         ``timeout_s`` (or the default) passes first, ``NotReady`` while closing, and whatever
-        the batch produced for this item otherwise.
+        the batch produced for this item otherwise. ``trace``, if given, is filled in with the
+        size of the batch the item ran in and how long it waited in the queue.
         """
         self.check_admission()
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         item = _Pending(
-            next(self._ids), key, payload, future, now, None if timeout is None else now + timeout
+            next(self._ids),
+            key,
+            payload,
+            future,
+            now,
+            None if timeout is None else now + timeout,
+            trace,
         )
         self._queue.append(item)
         self.stats.submitted += 1
@@ -279,6 +306,13 @@ class Streamer(Generic[T, R]):
     def _launch(self, batch: list[_Pending[T, R]]) -> None:
         if not batch:
             return
+        now = self._clock()
+        waits = [now - item.enqueued_at for item in batch]
+        for item, wait in zip(batch, waits, strict=True):
+            if item.trace is not None:
+                item.trace.batch_size, item.trace.queue_wait_s = len(batch), wait
+        if self._on_batch is not None:
+            self._on_batch(batch[0].key, len(batch), waits)
         self._in_flight += 1
         task = asyncio.create_task(self._execute(batch))
         self._tasks.add(task)

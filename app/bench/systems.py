@@ -3,8 +3,10 @@ servers (ours and the peers) as subprocesses on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -194,8 +196,15 @@ def serve(
             ]
             stats_path = "/stats" if kind == "service-streamer" else ""
             probe = "/docs"
+        # Its own process group: the peers' workers (service-streamer's are plain daemon
+        # processes) go down with it even if the server itself does not stop cleanly.
         process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         try:
             deadline = time.monotonic() + 300
@@ -219,3 +228,5 @@ def serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)

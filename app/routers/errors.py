@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ServerError, Unavailable, http_status
+from app.metrics import Metrics
 
 log = logging.getLogger("app")
 
@@ -33,11 +34,12 @@ HTTP_ERROR_CODES = {
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     """Answer every error with the same JSON shape; status from ``app.errors.HTTP_STATUS``."""
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        metrics.on_error(exc)
         headers = None
         if isinstance(exc, Unavailable):
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
@@ -48,10 +50,13 @@ def install_error_handlers(app: FastAPI) -> None:
         # Raised by Starlette/FastAPI themselves: unknown route, body over the limit, a
         # malformed multipart body. Same JSON shape as everything else.
         code = HTTP_ERROR_CODES.get(exc.status_code, "http_error")
+        if exc.status_code in (400, 413):
+            metrics.rejected.labels("bad_input").inc()
         return error_response(exc.status_code, code, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels("bad_input").inc()
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )

@@ -1,12 +1,15 @@
-"""Health, readiness and class names."""
+"""Health, readiness, metrics, what is being served, and class names."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from typing import Any
 
-from app.dependencies import PredictorDep
-from app.schemas import Health, Readiness
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.dependencies import PredictorDep, SettingsDep
+from app.schemas import Health, Readiness, WorkerState
 
 router = APIRouter(tags=["meta"])
 
@@ -15,6 +18,11 @@ router = APIRouter(tags=["meta"])
 async def healthz() -> Health:
     """Liveness: the process is up and its event loop answers."""
     return Health(status="ok")
+
+
+def _workers(request: Request) -> list[dict[str, Any]]:
+    pool = getattr(request.app.state, "pool", None)
+    return pool.describe() if pool is not None else []
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
@@ -27,9 +35,35 @@ async def readyz(request: Request) -> JSONResponse:
         status="ready" if ready else "not_ready",
         queue_depth=streamer.queue_depth if streamer is not None else 0,
         in_flight=streamer.in_flight if streamer is not None else 0,
-        workers=pool.describe() if pool is not None else [],
+        workers=[WorkerState(**w) for w in _workers(request)],
     )
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (text exposition format)."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/info")
+async def info(request: Request, predictor: PredictorDep, settings: SettingsDep) -> dict[str, Any]:
+    """What is being served: the model manifest, the effective batching settings, the workers."""
+    streamer = request.app.state.streamer
+    return {
+        "model": predictor.manifest.model_dump(),
+        "batching": {
+            "batch_size": streamer.max_batch_size,
+            "batch_size_setting": settings.mb_batch_size,
+            "max_latency_s": streamer.max_latency_s,
+            "max_queue": streamer.max_queue_size,
+            "request_timeout_s": settings.mb_request_timeout,
+            "batch_timeout_s": settings.mb_batch_timeout,
+            "dtype": settings.mb_dtype,
+            "optimize": settings.mb_optimize,
+        },
+        "workers": _workers(request),
+    }
 
 
 @router.get("/tags", response_model=list[str])

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
+from app.batching import Trace
 from app.dependencies import ApiKeyDep, PredictorDep, SettingsDep
 from app.routers.common import read_upload, request_deadline, unless_disconnected
 from app.schemas import ErrorResponse, TagOut
@@ -26,7 +27,11 @@ async def embedding(
     """Embed one image: the model's pooled feature vector as a list of floats."""
     deadline = request_deadline(request, settings.mb_request_timeout)
     data = await read_upload(image, settings.max_upload_bytes)
-    vector = await unless_disconnected(request, predictor.embedding(data, deadline))
+    trace = Trace()
+    try:
+        vector = await unless_disconnected(request, predictor.embedding(data, deadline, trace))
+    finally:
+        request.state.batch_size = trace.batch_size
     return JSONResponse(vector)
 
 
@@ -41,5 +46,9 @@ async def tag(
     """Tag one image: the top-k class names with their probabilities, most probable first."""
     deadline = request_deadline(request, settings.mb_request_timeout)
     data = await read_upload(image, settings.max_upload_bytes)
-    tags = await unless_disconnected(request, predictor.tag(data, k, deadline))
+    trace = Trace()
+    try:
+        tags = await unless_disconnected(request, predictor.tag(data, k, deadline, trace))
+    finally:
+        request.state.batch_size = trace.batch_size
     return JSONResponse([{"name": t.name, "prob": t.prob} for t in tags])

@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from app.batching import Streamer
+from app.batching import Streamer, Trace
 from app.errors import DeadlineExceeded, InvalidParameter
 from app.jobs import ImageJob, Task, TopK
 from app.manifest import Manifest
@@ -43,7 +43,9 @@ class Predictor:
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
 
-    async def _run(self, task: Task, data: bytes, top_k: int, deadline: float) -> object:
+    async def _run(
+        self, task: Task, data: bytes, top_k: int, deadline: float, trace: Trace | None
+    ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission()
         loop = asyncio.get_running_loop()
@@ -55,19 +57,23 @@ class Predictor:
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
-            ImageJob(pixels, top_k=top_k), key=task, timeout_s=remaining
+            ImageJob(pixels, top_k=top_k), key=task, timeout_s=remaining, trace=trace
         )
 
-    async def embedding(self, data: bytes, deadline: float) -> list[float]:
+    async def embedding(
+        self, data: bytes, deadline: float, trace: Trace | None = None
+    ) -> list[float]:
         """The embedding of one encoded image, answered before ``deadline`` (monotonic)."""
-        result = await self._run(Task.EMBEDDING, data, 0, deadline)
+        result = await self._run(Task.EMBEDDING, data, 0, deadline, trace)
         return result.tolist()  # type: ignore[attr-defined,no-any-return]
 
-    async def tag(self, data: bytes, k: int, deadline: float) -> list[Tag]:
+    async def tag(
+        self, data: bytes, k: int, deadline: float, trace: Trace | None = None
+    ) -> list[Tag]:
         """The top-``k`` classes of one encoded image, answered before ``deadline``."""
         if not 1 <= k <= len(self.classes):
             raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
-        result = await self._run(Task.TAG, data, k, deadline)
+        result = await self._run(Task.TAG, data, k, deadline, trace)
         assert isinstance(result, TopK)
         return [
             Tag(self.classes[int(index)], float(prob))

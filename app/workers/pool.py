@@ -16,7 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -108,6 +108,7 @@ class WorkerPool:
         auto_batch: bool = False,
         dtype: str = "float32",
         optimize: bool = True,
+        on_compute: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self.model_store = model_store
         self.manifest = manifest
@@ -120,6 +121,7 @@ class WorkerPool:
         self.auto_batch = auto_batch
         self.dtype = dtype
         self.optimize = optimize
+        self._on_compute = on_compute  # (task, batch size, seconds in the worker) per batch
         size = manifest.input.crop_size
         self.image_shape = (size, size, 3)
         self.devices: list[str] = []
@@ -345,6 +347,8 @@ class WorkerPool:
             )
             worker.process.kill()
             reply = await asyncio.wait_for(future, 10)  # its death fails the future
+        if self._on_compute is not None:
+            self._on_compute(task.value, len(items), reply.compute_s)
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
         return self._split(task, items, reply.outputs)

@@ -1,0 +1,111 @@
+"""Metrics, /info, request ids and log lines, against real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.observability import JsonFormatter
+from tests.conftest import distinct_images, running_app
+
+pytestmark = pytest.mark.slow
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+async def test_metrics_info_and_request_ids(
+    tiny_store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.request")
+    images = distinct_images(24)
+    async with running_app(
+        model_store=tiny_store,
+        cuda_devices="cpu",
+        mb_worker_num=1,
+        mb_batch_size=8,
+        mb_max_queue=64,
+    ) as (app, client):
+        logging.getLogger("app.request").addHandler(caplog.handler)  # app loggers don't propagate
+        tagged = await asyncio.gather(
+            *(client.post("/predict/tag", files={"image": ("x.png", d)}) for d in images)
+        )
+        mine = await client.post(
+            "/predict/embedding",
+            files={"image": ("x.png", images[0])},
+            headers={"X-Request-ID": "client-chosen-42"},
+        )
+        bad = await client.post("/predict/tag", files={"image": ("x.txt", b"nope")})
+        scrape = await client.get("/metrics")
+        info = (await client.get("/info")).json()
+    assert all(r.status_code == 200 for r in tagged) and bad.status_code == 400
+    # Request ids: echoed when sane, generated otherwise, and unique.
+    assert mine.headers["x-request-id"] == "client-chosen-42"
+    generated = {r.headers["x-request-id"] for r in tagged}
+    assert len(generated) == len(tagged) and all(len(i) == 32 for i in generated)
+    # Metrics.
+    assert scrape.headers["content-type"].startswith("text/plain")
+    found = samples(scrape.text)
+    route_ok = ("microbatch_http_requests_total", (("route", "/predict/tag"), ("status", "200")))
+    assert found[route_ok] == len(images)
+    assert found["microbatch_batch_size_count", (("task", "tag"),)] >= 1
+    assert found["microbatch_batch_size_sum", (("task", "tag"),)] == len(images)
+    assert found["microbatch_queue_wait_seconds_count", (("task", "tag"),)] == len(images)
+    assert found["microbatch_model_seconds_count", (("task", "embedding"),)] == 1
+    assert found["microbatch_rejected_total", (("reason", "bad_input"),)] == 1
+    assert found["microbatch_queue_depth", ()] == 0
+    assert found["microbatch_workers_alive", (("device", "cpu"),)] == 1
+    assert found["microbatch_workers_ready", (("device", "cpu"),)] == 1
+    sizes = found["microbatch_batch_size_count", (("task", "tag"),)]
+    assert sizes < len(images), "24 concurrent requests formed batches larger than one"
+    # /info.
+    assert info["model"]["arch"] == "tiny-test"
+    assert set(info["model"]["files"]) == {"embedding", "classifier", "classes"}
+    assert info["batching"]["batch_size"] == 8 and info["batching"]["max_queue"] == 64
+    assert info["workers"][0]["device"] == "cpu" and info["workers"][0]["ready"]
+    logging.getLogger("app.request").removeHandler(caplog.handler)
+    # One log line per request, with id, route, status, latency and batch size.
+    lines = [r for r in caplog.records if r.name == "app.request"]
+    line = next(r for r in lines if getattr(r, "request_id", None) == "client-chosen-42")
+    assert line.route == "/predict/embedding" and line.status == 200  # type: ignore[attr-defined]
+    assert line.batch_size == 1 and line.latency_ms > 0  # type: ignore[attr-defined]
+    assert "client-chosen-42" in line.getMessage()
+
+
+def test_json_log_lines_carry_the_extra_fields() -> None:
+    record = logging.makeLogRecord(
+        {
+            "name": "app.request",
+            "levelname": "INFO",
+            "msg": "POST /predict/tag 200",
+            "request_id": "abc",
+            "status": 200,
+            "batch_size": 3,
+        }
+    )
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["message"] == "POST /predict/tag 200"
+    assert (entry["request_id"], entry["status"], entry["batch_size"]) == ("abc", 200, 3)
+    assert entry["level"] == "info" and entry["logger"] == "app.request"
+
+
+def test_settings_accept_log_format(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from app.errors import SettingsError
+    from app.settings import load_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOG_FORMAT", "json")
+    assert load_settings().log_format == "json"
+    monkeypatch.setenv("LOG_FORMAT", "xml")
+    with pytest.raises(SettingsError, match="LOG_FORMAT"):
+        load_settings()
