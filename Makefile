@@ -9,7 +9,7 @@ WEIGHTS ?= pretrained
 MODEL_STORE ?= model_store
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: run test lint bench bench-quick model install install-dev clean
+.PHONY: run test lint bench bench-quick loadtest model install install-dev clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -24,6 +24,9 @@ bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI
 
 bench-quick: install-dev  ## the same, default model only, under 2 minutes
 	$(PY) -m app.bench --quick
+
+loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, against a local server
+	PY=$(PY) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) tests/load/run_loadtest.sh
 
 lint: install-dev
 	$(PY) -m ruff check app tests

@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
@@ -20,17 +19,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from app.batching import Streamer
+from app.engine import start_engine
 from app.errors import SettingsError
-from app.jobs import ImageJob
-from app.manifest import read_classes, read_manifest
 from app.metrics import Metrics
 from app.observability import RequestLog, configure_logging
 from app.routers import meta, predict
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
-from app.services.predictor import Predictor
 from app.settings import Settings, get_settings
-from app.workers.pool import WorkerPool
 
 log = logging.getLogger("app")
 
@@ -76,54 +71,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        manifest = read_manifest(settings.model_store, verify=True)
-        classes = read_classes(settings.model_store, manifest)
-        pool = WorkerPool(
-            model_store=settings.model_store,
-            manifest=manifest,
-            devices=settings.cuda_device_ids,
-            worker_num=settings.mb_worker_num,
-            threads_per_worker=settings.mb_worker_threads,
-            max_batch_size=settings.max_batch_size,
-            auto_batch=settings.mb_batch_size == "auto",
-            dtype=settings.mb_dtype,
-            optimize=settings.mb_optimize,
-            on_compute=metrics.on_compute,
-            start_timeout_s=settings.mb_worker_start_timeout,
-            batch_timeout_s=settings.mb_batch_timeout,
-        )
-        await pool.start()
-        streamer: Streamer[ImageJob, object] = Streamer(
-            pool.run_batch,
-            max_batch_size=pool.batch_size,
-            max_latency_s=settings.mb_max_latency,
-            max_queue_size=settings.mb_max_queue,
-            max_concurrent_batches=pool.capacity,
-            default_timeout_s=settings.mb_request_timeout,
-            on_batch=metrics.on_batch,
-        )
-        decode_pool = ThreadPoolExecutor(settings.mb_decode_threads, thread_name_prefix="decode")
-        await streamer.start()
-        app.state.pool, app.state.streamer = pool, streamer
-        app.state.manifest = manifest
+        engine = await start_engine(settings, metrics)
+        app.state.pool, app.state.streamer = engine.pool, engine.streamer
+        app.state.predictor = engine.predictor
         metrics.watch(
             lambda: {
-                "queue_depth": streamer.queue_depth,
-                "in_flight": streamer.in_flight,
-                "workers": pool.describe(),
-                "restarts": pool.restart_count,
+                "queue_depth": engine.streamer.queue_depth,
+                "in_flight": engine.streamer.in_flight,
+                "workers": engine.pool.describe(),
+                "restarts": engine.pool.restart_count,
             }
-        )
-        app.state.predictor = Predictor(
-            streamer, manifest, classes, decode_pool, max_pixels=settings.max_image_pixels
-        )
-        log.info(
-            "serving %s from %s: batch<=%d, max latency %g s, %d worker(s)",
-            manifest.arch,
-            settings.model_store,
-            pool.batch_size,
-            settings.mb_max_latency,
-            pool.capacity,
         )
         restore_signals = _flag_closing_on_signals(app)
         try:
@@ -131,9 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             restore_signals()
             app.state.closing = True
-            await streamer.aclose(drain_timeout_s=settings.mb_request_timeout)
-            await pool.aclose()
-            decode_pool.shutdown(wait=False, cancel_futures=True)
+            await engine.aclose(drain_timeout_s=settings.mb_request_timeout)
 
     app = FastAPI(
         title="microbatch-server",

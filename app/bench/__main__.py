@@ -1,7 +1,7 @@
 """``python -m app.bench``: this server against the raw model, service-streamer and a plain
 FastAPI app, on the same model, JPEGs and thread budget, in one run.
 
-    python -m app.bench                   # full run, about 7 minutes on 2 cores
+    python -m app.bench                   # full run, under 10 minutes on 2 cores
     python -m app.bench --quick           # default model, fewer and shorter steps (< 2 min)
     python -m app.bench --plot perf.png   # also draw throughput and latency vs concurrency
 
@@ -182,19 +182,21 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
                 f"{m}: idle latency (p50@1 / raw single) = {r:.2f}, +{added:.1f} ms  "
                 f"(target <= 1.10 and <= 5 ms)  {verdict(r <= 1.10 and added <= 5)}"
             )
-        for clients in sorted({p.clients for p in report.points}):
-            ours = report.point("ours", clients)
-            theirs = report.point("service-streamer", clients)
-            if not (ours and theirs):
-                continue
-            tput = ours.images_per_s / theirs.images_per_s
-            lat = ours.p50_ms / theirs.p50_ms
-            need_tput = 1.3 if clients == 8 else 1.0
-            need_lat = 0.5 if clients == 1 and m == "efficientnet_lite0" else 1.0
-            lines.append(
-                f"{m}: vs service-streamer @{clients}: throughput x{tput:.2f} (>= {need_tput}), "
-                f"p50 x{lat:.2f} (<= {need_lat})  {verdict(tput >= need_tput and lat <= need_lat)}"
-            )
+        for label in ("ours", "ours-auto"):
+            for clients in sorted({p.clients for p in report.points}):
+                ours = report.point(label, clients)
+                theirs = report.point("service-streamer", clients)
+                if not (ours and theirs):
+                    continue
+                tput = ours.images_per_s / theirs.images_per_s
+                lat = ours.p50_ms / theirs.p50_ms
+                need_tput = 1.3 if clients == 8 else 1.0
+                need_lat = 0.5 if clients == 1 and m == "efficientnet_lite0" else 1.0
+                ok = tput >= need_tput and lat <= need_lat
+                lines.append(
+                    f"{m}: {label} vs service-streamer @{clients}: throughput x{tput:.2f} "
+                    f"(>= {need_tput}), p50 x{lat:.2f} (<= {need_lat})  {verdict(ok)}"
+                )
     if mach:
         r = mach["ours_rps"] / mach["noop_rps"]
         lines.append(
@@ -261,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="default model, 3 steps, short")
     parser.add_argument("--models", default="efficientnet_lite0,resnet50")
     parser.add_argument("--clients", default="1,8,32,64,128")
-    parser.add_argument("--seconds", type=float, default=6.0, help="per concurrency step")
-    parser.add_argument("--raw-seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per concurrency step")
+    parser.add_argument("--raw-seconds", type=float, default=3.0)
     parser.add_argument("--batch-size", type=int, default=32, help="MB_BATCH_SIZE for all")
     parser.add_argument("--max-latency", type=float, default=0.05, help="max latency for all, s")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for every system")

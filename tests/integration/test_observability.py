@@ -35,7 +35,7 @@ async def test_metrics_info_and_request_ids(
         mb_worker_num=1,
         mb_batch_size=8,
         mb_max_queue=64,
-    ) as (app, client):
+    ) as (_, client):
         logging.getLogger("app.request").addHandler(caplog.handler)  # app loggers don't propagate
         tagged = await asyncio.gather(
             *(client.post("/predict/tag", files={"image": ("x.png", d)}) for d in images)

@@ -16,8 +16,10 @@ SETTING_NAMES = {name.upper() for name in Settings.model_fields}
 def test_compose_services_use_settings_the_app_reads() -> None:
     compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"server", "server-gpu"} <= set(services)
+    assert {"server", "server-gpu", "locust"} <= set(services)
     for name, service in services.items():
+        if name == "locust":
+            continue
         for key in service.get("environment", {}):
             assert key in SETTING_NAMES, f"{name} sets {key}, which the app does not read"
     assert services["server"]["ports"] == ["127.0.0.1:${PORT:-8000}:8000"]
@@ -37,3 +39,15 @@ def test_dockerfile_copies_files_that_exist_and_runs_real_modules() -> None:
     assert "USER app" in dockerfile and "HEALTHCHECK" in dockerfile and "/readyz" in dockerfile
     env = dict(re.findall(r"^\s+(\w+)=(\S+)", dockerfile, flags=re.M))
     assert {"HOST", "PORT", "MODEL_STORE"} <= SETTING_NAMES & set(env)
+
+
+def test_compose_locust_service_runs_the_repo_locustfile() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    locust = compose["services"]["locust"]
+    assert locust["profiles"] == ["loadtest"]
+    assert "http://server:8000" in locust["command"][0]
+    mounted = {v.split(":")[0] for v in locust["volumes"]}
+    for source in mounted:
+        assert (REPO / "docker" / source).resolve().exists(), source
+    assert "tests/load/locustfile.py" in locust["command"][0]
+    assert (REPO / "tests" / "load" / "locustfile.py").is_file()

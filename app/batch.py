@@ -1,0 +1,191 @@
+"""Push a folder of images through the same workers and preprocessing as the server.
+
+    python -m app.batch photos/ --task tag --out tags.jsonl
+    python -m app.batch photos/ --task embedding --out vectors.jsonl --resume
+
+One reader walks the folder and feeds the Streamer (decoding in a thread pool), the workers on
+every configured device do the rest, and each result becomes one JSON line:
+``{"path": ..., "result": ...}`` or ``{"path": ..., "error": {"type": ..., "message": ...}}``.
+Lines are appended whole and flushed; ``--resume`` first cuts off a line a crash may have left
+half-written, then skips every path already in the file. The usual settings apply
+(``MODEL_STORE``, ``CUDA_DEVICES``, ``MB_WORKER_NUM``, ``MB_BATCH_SIZE``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from app.engine import start_engine
+from app.errors import ServerError, StartupError
+from app.settings import load_settings
+
+log = logging.getLogger("app.batch")
+
+
+def list_files(root: Path) -> list[Path]:
+    """Every regular, non-hidden file under ``root``, in a stable order."""
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        found += [Path(directory, f) for f in sorted(files) if not f.startswith(".")]
+    return found
+
+
+def done_paths(out: Path) -> set[str]:
+    """Paths already answered in ``out``. A trailing partial line (a crash mid-write) is cut
+    off first, so the file only ever holds whole lines."""
+    if not out.exists():
+        return set()
+    with out.open("r+b") as handle:
+        data = handle.read()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            log.warning("%s ended with a partial line; removing it", out)
+            handle.truncate(end)
+    paths = set()
+    for line in data[:end].splitlines():
+        paths.add(json.loads(line)["path"])
+    return paths
+
+
+def _plan(root: Path, out: Path, resume: bool) -> tuple[list[Path], list[Path]]:
+    """All files under ``root``, and those still to do (all of them unless resuming)."""
+    files = list_files(root)
+    skip = done_paths(out) if resume else set()
+    if not resume:
+        out.write_bytes(b"")
+    return files, [f for f in files if str(f.relative_to(root)) not in skip]
+
+
+class ResultWriter:
+    """Appends whole JSON lines, each with one write() and a flush."""
+
+    def __init__(self, out: Path) -> None:
+        self._handle = out.open("ab", buffering=0)
+
+    def write(self, entry: dict[str, Any]) -> None:
+        self._handle.write((json.dumps(entry) + "\n").encode())
+
+    def close(self) -> None:
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+
+
+async def run(
+    root: Path, task: str, out: Path, *, top_k: int, resume: bool, progress: bool = True
+) -> dict[str, int]:
+    settings = load_settings(mb_request_timeout=3600.0)
+    files, todo = await asyncio.to_thread(_plan, root, out, resume)
+    engine = await start_engine(settings)
+    counts = {"ok": 0, "error": 0, "skipped": len(files) - len(todo)}
+    writer = ResultWriter(out)
+    # Enough in flight to keep every worker busy with full batches, not so much that the
+    # queue bound or memory is at risk.
+    window = asyncio.Semaphore(
+        min(settings.mb_max_queue, 4 * engine.pool.batch_size * engine.pool.capacity)
+    )
+    bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
+
+    async def one(path: Path) -> None:
+        entry: dict[str, Any] = {"path": str(path.relative_to(root))}
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+            deadline = time.monotonic() + settings.mb_request_timeout
+            if task == "tag":
+                tags = await engine.predictor.tag(data, top_k, deadline)
+                entry["result"] = [{"name": t.name, "prob": t.prob} for t in tags]
+            else:
+                entry["result"] = await engine.predictor.embedding(data, deadline)
+            counts["ok"] += 1
+        except (ServerError, OSError) as exc:
+            code = getattr(exc, "code", "unreadable_file")
+            entry["error"] = {"type": code, "message": getattr(exc, "message", str(exc))}
+            counts["error"] += 1
+        finally:
+            window.release()
+        writer.write(entry)
+        bar.update(1)
+
+    started = time.perf_counter()
+    try:
+        tasks = []
+        for path in todo:
+            await window.acquire()
+            tasks.append(asyncio.create_task(one(path)))
+        await asyncio.gather(*tasks)
+    finally:
+        bar.close()
+        writer.close()
+        await engine.aclose()
+    elapsed = time.perf_counter() - started
+    counts["seconds"] = round(elapsed, 2)  # type: ignore[assignment]
+    counts["images_per_s"] = round(len(todo) / elapsed, 1) if elapsed else 0  # type: ignore[assignment]
+    return counts
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input_dir", type=Path)
+    parser.add_argument("--task", choices=["tag", "embedding"], required=True)
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines file to write")
+    parser.add_argument("-k", "--top-k", type=int, default=5, help="labels per image (tag)")
+    parser.add_argument("--resume", action="store_true", help="skip paths already in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.input_dir.is_dir():
+        print(f"error: {args.input_dir} is not a directory", file=sys.stderr)
+        return 2
+    if args.out.exists() and not (args.resume or args.overwrite):
+        print(
+            f"error: {args.out} exists; pass --resume to continue it or --overwrite",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        counts = asyncio.run(
+            run(
+                args.input_dir,
+                args.task,
+                args.out,
+                top_k=args.top_k,
+                resume=args.resume,
+                progress=not args.no_progress,
+            )
+        )
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(counts))
+    return 0
+
+
+def iter_results(out: Path) -> Iterator[dict[str, Any]]:
+    """Read a results file back, one dict per line."""
+    with out.open() as handle:
+        for line in handle:
+            yield json.loads(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

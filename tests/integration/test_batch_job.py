@@ -1,0 +1,103 @@
+"""python -m app.batch: every file answered once, bad files reported, crash-safe resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.batch import iter_results, list_files, main
+from app.manifest import read_manifest
+from app.services.images import preprocess
+from tests.conftest import distinct_images
+from tests.models import tiny_expected_embedding
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    root = tmp_path / "photos"
+    (root / "sub").mkdir(parents=True)
+    for index, data in enumerate(distinct_images(40)):
+        (root / ("sub" if index % 3 == 0 else ".") / f"img_{index:03d}.png").write_bytes(data)
+    (root / "notes.txt").write_text("not an image")
+    (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format="TIFF")
+    (root / "scan.tif").write_bytes(buffer.getvalue())
+    (root / ".hidden.png").write_bytes(distinct_images(1)[0])
+    return root
+
+
+@pytest.fixture(autouse=True)
+def tiny_environment(monkeypatch: pytest.MonkeyPatch, tiny_store: Path) -> None:
+    monkeypatch.setenv("MODEL_STORE", str(tiny_store))
+    monkeypatch.setenv("CUDA_DEVICES", "cpu")
+    monkeypatch.setenv("MB_WORKER_NUM", "1")
+    monkeypatch.setenv("MB_BATCH_SIZE", "8")
+
+
+def test_every_file_gets_one_line_with_its_own_result(
+    folder: Path, tmp_path: Path, tiny_store: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    assert main([str(folder), "--task", "embedding", "--out", str(out), "--no-progress"]) == 0
+    results = list(iter_results(out))
+    paths = [r["path"] for r in results]
+    expected = {str(p.relative_to(folder)) for p in list_files(folder)}
+    assert sorted(paths) == sorted(expected) and len(paths) == 43  # 40 images + 3 bad, no hidden
+    spec = read_manifest(tiny_store).input
+    for entry in results:
+        if entry["path"].endswith(".png"):
+            pixels = preprocess((folder / entry["path"]).read_bytes(), spec)
+            np.testing.assert_allclose(entry["result"], tiny_expected_embedding(pixels), atol=1e-5)
+    errors = {r["path"]: r["error"]["type"] for r in results if "error" in r}
+    assert errors == {
+        "notes.txt": "invalid_image",
+        "broken.jpg": "invalid_image",
+        "scan.tif": "unsupported_image_format",
+    }
+
+
+def test_resume_after_a_crash_mid_line_finishes_without_duplicates(
+    folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "tags.jsonl"
+    assert main([str(folder), "--task", "tag", "-k", "3", "--out", str(out), "--no-progress"]) == 0
+    lines = out.read_bytes().splitlines(keepends=True)
+    # A crash after 10 whole lines and half of the 11th.
+    out.write_bytes(b"".join(lines[:10]) + lines[10][: len(lines[10]) // 2])
+    assert (
+        main(
+            [
+                str(folder),
+                "--task",
+                "tag",
+                "-k",
+                "3",
+                "--out",
+                str(out),
+                "--resume",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    results = list(iter_results(out))  # every line parses: the half line is gone
+    assert len(results) == 43 and len({r["path"] for r in results}) == 43
+    assert all(len(r["result"]) == 3 for r in results if "result" in r)
+    assert [json.loads(line) for line in lines[:10]] == results[:10]  # kept, not redone
+
+
+def test_refuses_to_clobber_or_read_a_missing_folder(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    assert main([str(folder), "--task", "tag", "--out", str(out)]) == 2
+    assert main([str(tmp_path / "nope"), "--task", "tag", "--out", str(tmp_path / "x")]) == 2
+    shutil.rmtree(folder)
