@@ -46,7 +46,8 @@ class SlowEmbedding(TinyEmbedding):
         self.register_buffer("weight", torch.randn(384, 384) / 384**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = self.weight
+        # Tied to the input so that freezing the model cannot precompute the work.
+        state = self.weight + 0.0 * x.mean()
         for _ in range(self.rounds):
             state = torch.tanh(state @ self.weight)
         return self.pool(x).flatten(1) + 0.0 * state.mean()

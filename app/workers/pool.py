@@ -4,7 +4,7 @@ This is the transport between the Streamer and the workers. Its whole public sur
 ``start``/``aclose``, ``capacity``, ``ready`` and ``run_batch`` (the Streamer's ``BatchFn``),
 so another transport (a broker shared by many front ends, say) can stand in its place.
 
-Replies are read on the event loop with ``add_reader``: no thread waits on any worker.
+Replies are read by one asyncio task per worker (``Channel``): no thread waits on any worker.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,13 @@ from app.workers.protocol import (
     STOP,
     BatchDone,
     BatchFailed,
+    Channel,
     InputBuffer,
     Ready,
     RunBatch,
     StartFailed,
     WorkerSpec,
+    channel_pair,
 )
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 class _Worker:
     spec: WorkerSpec
     process: BaseProcess
-    conn: Connection
+    conn: Channel
     buffer: InputBuffer
+    reader: asyncio.Task[None] | None = None
     ready: bool = False
     alive: bool = True
     pending: asyncio.Future[BatchDone] | None = None
@@ -177,7 +179,7 @@ class WorkerPool:
             optimize=self.optimize,
         )
         context = mp.get_context("spawn")
-        parent, child = context.Pipe(duplex=True)
+        parent, child = channel_pair()
         process = context.Process(
             target=worker_main, args=(spec, child), name=f"model-worker-{index}", daemon=True
         )
@@ -216,16 +218,10 @@ class WorkerPool:
         )
 
     async def _await_ready(self, worker: _Worker) -> None:
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        loop.add_reader(worker.conn.fileno(), readable.set)
         try:
-            await readable.wait()
-        finally:
-            loop.remove_reader(worker.conn.fileno())
-        try:
-            message = worker.conn.recv()
-        except (EOFError, OSError):
+            await worker.conn.open()
+            message = await worker.conn.recv()
+        except (asyncio.IncompleteReadError, OSError):
             await _wait_for_exit(worker.process, 1.0)
             raise WorkerStartError(
                 f"worker {worker.spec.index} on {worker.spec.device} exited during start-up "
@@ -250,7 +246,9 @@ class WorkerPool:
 
     def _activate(self, worker: _Worker) -> None:
         worker.buffer.unlink()  # both sides have it mapped; nothing to leak from now on
-        asyncio.get_running_loop().add_reader(worker.conn.fileno(), self._on_readable, worker)
+        worker.reader = asyncio.create_task(
+            self._read_replies(worker), name=f"worker-{worker.spec.index}-replies"
+        )
         self._idle.put_nowait(worker)
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
@@ -261,8 +259,7 @@ class WorkerPool:
         await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         for worker in self._workers:
             if worker.alive:
-                with contextlib.suppress(OSError, ValueError):
-                    asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+                with contextlib.suppress(OSError, ValueError, AssertionError, RuntimeError):
                     worker.conn.send(STOP)
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
@@ -332,7 +329,7 @@ class WorkerPool:
         self.stats.record(task.value, len(items))
         try:
             worker.conn.send(RunBatch(batch_id, task, ids, top_k))
-        except OSError:
+        except (OSError, RuntimeError):  # transport already closed: the worker is gone
             self._on_death(worker)
         # shield: the worker keeps computing if the caller goes away, and only its reply (or
         # its death) may hand it back.
@@ -378,13 +375,15 @@ class WorkerPool:
             if worker.alive and worker in self._workers:
                 return worker
 
-    def _on_readable(self, worker: _Worker) -> None:
-        try:
-            while worker.conn.poll():
-                message = worker.conn.recv()
-                self._on_reply(worker, message)
-        except (EOFError, OSError):
-            self._on_death(worker)
+    async def _read_replies(self, worker: _Worker) -> None:
+        while True:
+            try:
+                message = await worker.conn.recv()
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                log.debug("worker %d channel closed: %r", worker.spec.index, exc)
+                self._on_death(worker)
+                return
+            self._on_reply(worker, message)
 
     def _on_reply(self, worker: _Worker, message: object) -> None:
         future, expected = worker.pending, worker.pending_id
@@ -405,6 +404,9 @@ class WorkerPool:
 
     def _on_death(self, worker: _Worker) -> None:
         if not worker.alive:
+            return
+        if self._closing:  # it was told to stop: an ordinary exit
+            self._mark_dead(worker, "worker pool is shutting down")
             return
         worker.process.join(timeout=0.1)
         log.error(
@@ -460,8 +462,9 @@ class WorkerPool:
     def _mark_dead(self, worker: _Worker, reason: str) -> None:
         if worker.alive:
             worker.alive = False
-            with contextlib.suppress(OSError, ValueError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+            reader = worker.reader
+            if reader is not None and reader is not asyncio.current_task():
+                reader.cancel()
         future, worker.pending = worker.pending, None
         if future is not None and not future.done():
             future.set_exception(WorkerDied(reason))

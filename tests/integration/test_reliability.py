@@ -440,3 +440,44 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
         if response.status_code == 200:
             assert expect.check("embedding", data, response.json())
     assert retried == 1 and pool_ready
+
+
+async def test_stop_signal_turns_readiness_and_new_requests_to_503(tiny_store: Path) -> None:
+    import signal as signals
+
+    async with running_app(model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1) as (
+        _,
+        client,
+    ):
+        assert (await client.get("/readyz")).status_code == 200
+        handler = signals.getsignal(signals.SIGINT)
+        assert callable(handler)
+        # Our handler flips readiness, then hands over to the previous one (here Python's
+        # default, which raises KeyboardInterrupt; under uvicorn, its graceful shutdown).
+        with pytest.raises(KeyboardInterrupt):
+            handler(signals.SIGINT, None)
+        ready = await client.get("/readyz")
+        refused = await client.post(
+            "/predict/tag", files={"image": ("x.png", distinct_images(1)[0])}
+        )
+    assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "not_ready"
+    assert "Retry-After" in refused.headers
+
+
+async def test_large_replies_under_concurrency_on_the_real_server(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    """Batches of 1280-d embeddings are replies far larger than a socket buffer; under
+    uvloop (which `python -m app` uses) they must arrive whole, with no worker 'dying'."""
+    with ServerProcess(MODEL_STORE=str(default_store), MB_BATCH_SIZE="16") as server:
+        requests = [
+            multipart_request("127.0.0.1", server.port, "/predict/embedding", data)
+            for data in (cat_jpeg, coffee_jpeg)
+        ]
+        result = await closed_loop("127.0.0.1", server.port, requests, clients=32, total=96)
+        _, state = server.readiness()
+    assert result.statuses == {200: 96}
+    assert all(w["alive"] and w["ready"] for w in state["workers"])
+    assert sum(w["items"] for w in state["workers"]) == 96
+    assert sum(w["batches"] for w in state["workers"]) < 96  # they were batched

@@ -51,3 +51,9 @@ def test_compose_locust_service_runs_the_repo_locustfile() -> None:
         assert (REPO / "docker" / source).resolve().exists(), source
     assert "tests/load/locustfile.py" in locust["command"][0]
     assert (REPO / "tests" / "load" / "locustfile.py").is_file()
+
+
+def test_root_compose_file_includes_the_docker_one() -> None:
+    root = yaml.safe_load((REPO / "compose.yaml").read_text())
+    assert root["include"] == ["docker/docker-compose.yml"]
+    assert (REPO / root["include"][0]).is_file()
