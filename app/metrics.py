@@ -13,7 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.errors import ClientError, DeadlineExceeded, QueueFull, ServerError, WorkerDied
+from app.errors import (
+    ClientDisconnected,
+    ClientError,
+    DeadlineExceeded,
+    QueueFull,
+    ServerError,
+    WorkerDied,
+)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -27,6 +34,8 @@ def rejection_reason(error: ServerError) -> str | None:
         return "timeout"
     if isinstance(error, WorkerDied):
         return "worker_died"
+    if isinstance(error, ClientDisconnected):
+        return "client_disconnected"
     if isinstance(error, ClientError):
         return "bad_input"
     return None

@@ -470,7 +470,7 @@ async def test_large_replies_under_concurrency_on_the_real_server(
 ) -> None:
     """Batches of 1280-d embeddings are replies far larger than a socket buffer; under
     uvloop (which `python -m app` uses) they must arrive whole, with no worker 'dying'."""
-    with ServerProcess(MODEL_STORE=str(default_store), MB_BATCH_SIZE="16") as server:
+    with ServerProcess(MODEL_STORE=str(default_store), MB_BATCH_SIZE="32") as server:
         requests = [
             multipart_request("127.0.0.1", server.port, "/predict/embedding", data)
             for data in (cat_jpeg, coffee_jpeg)

@@ -15,4 +15,7 @@ for _ in $(seq 300); do
 done
 "$PY" -m locust -f tests/load/locustfile.py --host "http://127.0.0.1:$PORT" \
     --headless -u "$USERS" -r "$USERS" -t "$DURATION" --only-summary --exit-code-on-error 1
-curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^microbatch_(batch_size|rejected|http_requests)' | head -20
+echo "--- metrics after the run"
+curl -s "http://127.0.0.1:$PORT/metrics" | grep -E \
+    '^microbatch_(http_requests_total|batch_size_(count|sum)|queue_wait_seconds_(count|sum)|model_seconds_(count|sum)|rejected_total|workers_(alive|ready)|queue_depth|worker_restarts_total)'
+

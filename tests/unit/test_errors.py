@@ -32,3 +32,20 @@ def test_codes_are_unique() -> None:
     ]
     codes = [c.code for c in classes]
     assert len(codes) == len(set(codes))
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (errors.QueueFull("x"), "queue_full"),
+        (errors.DeadlineExceeded("x"), "timeout"),
+        (errors.WorkerDied("x"), "worker_died"),
+        (errors.ClientDisconnected("x"), "client_disconnected"),
+        (errors.InvalidImage("x"), "bad_input"),
+        (errors.InferenceError("x"), None),
+    ],
+)
+def test_rejection_reasons(error: errors.ServerError, reason: str | None) -> None:
+    from app.metrics import rejection_reason
+
+    assert rejection_reason(error) == reason
