@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,3 +88,43 @@ async def running_app(**settings: object) -> AsyncIterator[tuple[object, object]
             transport=transport, base_url="http://test", timeout=60
         ) as client:
             yield app, client
+
+
+class BatchGate:
+    """Holds every batch an app's Streamer dispatches until ``open()``: the only worker looks
+    busy, so later requests pile up in the queue, where a test can count them.
+
+    >>> # with BatchGate(app.state.streamer) as gate:
+    >>> #     first = asyncio.create_task(...); await gate.wait_entered()
+    >>> #     ...; await gate.wait_queued(16); gate.open()
+    """
+
+    def __init__(self, streamer: Any) -> None:
+        self.streamer = streamer
+        self._real = streamer._batch_fn
+        self._gate = asyncio.Event()
+        self._entered = asyncio.Event()
+
+    async def _held(self, key: Any, items: Any) -> Any:
+        self._entered.set()
+        await self._gate.wait()
+        return await self._real(key, items)
+
+    def __enter__(self) -> BatchGate:
+        self.streamer._batch_fn = self._held
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._gate.set()
+        self.streamer._batch_fn = self._real
+
+    async def wait_entered(self) -> None:
+        await asyncio.wait_for(self._entered.wait(), 10)
+
+    async def wait_queued(self, count: int) -> None:
+        async with asyncio.timeout(20):
+            while self.streamer.queue_depth < count:
+                await asyncio.sleep(0.005)
+
+    def open(self) -> None:
+        self._gate.set()

@@ -15,7 +15,7 @@ from PIL import Image
 
 from app.manifest import read_manifest
 from app.services.images import preprocess
-from tests.conftest import distinct_images, running_app
+from tests.conftest import BatchGate, distinct_images, running_app
 from tests.models import TINY_DIM, tiny_expected_embedding
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -162,30 +162,14 @@ async def test_128_concurrent_http_requests_form_one_batch_of_128(served: tuple[
     behind FastAPI was stuck at 40, the threadpool size)."""
     app, client = served
     streamer = app.state.streamer
-    real = streamer._batch_fn
-    gate = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def gated(key: Any, items: Any) -> Any:
-        entered.set()
-        await gate.wait()
-        return await real(key, items)
-
-    streamer._batch_fn = gated
-    try:
+    with BatchGate(streamer) as gate:
         images = distinct_images(129)
         first = asyncio.create_task(embed(client, images[0]))
-        await asyncio.wait_for(entered.wait(), 10)
+        await gate.wait_entered()
         rest = [asyncio.create_task(embed(client, data)) for data in images[1:]]
-        for _ in range(2000):
-            if streamer.queue_depth == 128:
-                break
-            await asyncio.sleep(0.01)
+        await gate.wait_queued(128)
         assert streamer.queue_depth == 128
-        gate.set()
+        gate.open()
         results = await asyncio.gather(first, *rest)
-    finally:
-        streamer._batch_fn = real
-        gate.set()
     assert len(results) == 129
     assert app.state.pool.stats.batch_sizes["embedding"].get(128, 0) >= 1

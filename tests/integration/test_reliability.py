@@ -23,7 +23,7 @@ from app.bench.loadgen import Response, closed_loop, multipart_request
 from app.manifest import read_manifest
 from app.services.images import preprocess
 from app.workers.models import load_models
-from tests.conftest import distinct_images, running_app
+from tests.conftest import BatchGate, distinct_images, running_app
 from tests.models import POISON_RGB, tiny_expected_embedding
 from tests.server import ServerProcess, alive, shm_files
 
@@ -186,30 +186,21 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
         model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1, mb_max_queue=bound
     ) as (app, client):
         streamer = app.state.streamer
-        real, gate, entered = streamer._batch_fn, asyncio.Event(), asyncio.Event()
+        with BatchGate(streamer) as gate:
+            images = distinct_images(1 + bound + extra)
 
-        async def blocked(key: Any, items: Any) -> Any:
-            entered.set()
-            await gate.wait()
-            return await real(key, items)
+            async def post(data: bytes) -> tuple[httpx.Response, float]:
+                started = time.monotonic()
+                response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
+                return response, time.monotonic() - started
 
-        streamer._batch_fn = blocked
-        images = distinct_images(1 + bound + extra)
-
-        async def post(data: bytes) -> tuple[httpx.Response, float]:
-            started = time.monotonic()
-            response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
-            return response, time.monotonic() - started
-
-        first = asyncio.create_task(post(images[0]))
-        await asyncio.wait_for(entered.wait(), 10)  # the only worker is now blocked
-        queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
-        async with asyncio.timeout(10):
-            while streamer.queue_depth < bound:
-                await asyncio.sleep(0.005)
-        rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
-        gate.set()
-        admitted = await asyncio.gather(first, *queued)
+            first = asyncio.create_task(post(images[0]))
+            await gate.wait_entered()  # the only worker is now blocked
+            queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
+            await gate.wait_queued(bound)
+            rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
+            gate.open()
+            admitted = await asyncio.gather(first, *queued)
     assert [r.status_code for r, _ in rejected] == [503] * extra
     assert all(r.json()["error"]["type"] == "queue_full" for r, _ in rejected)
     assert all(int(r.headers["Retry-After"]) >= 1 for r, _ in rejected)
@@ -406,28 +397,21 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
         model_store=poison_store, cuda_devices="cpu", mb_worker_num=1, mb_max_latency=0.5
     ) as (app, client):
         streamer = app.state.streamer
-        real, gate, entered = streamer._batch_fn, asyncio.Event(), asyncio.Event()
-
-        async def held(key: Any, items: Any) -> Any:
-            entered.set()
-            await gate.wait()
-            return await real(key, items)
-
-        streamer._batch_fn = held
-        uploads = [good[0], *good[1:3], poison, *good[3:]]
-        first = asyncio.create_task(
-            client.post("/predict/embedding", files={"image": ("x.png", uploads[0])})
-        )
-        await asyncio.wait_for(entered.wait(), 10)
-        rest = [
-            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", d)}))
-            for d in uploads[1:]
-        ]
-        async with asyncio.timeout(10):
-            while streamer.queue_depth < len(rest):
-                await asyncio.sleep(0.005)
-        gate.set()
-        responses = await asyncio.gather(first, *rest)
+        with BatchGate(streamer) as gate:
+            uploads = [good[0], *good[1:3], poison, *good[3:]]
+            first = asyncio.create_task(
+                client.post("/predict/embedding", files={"image": ("x.png", uploads[0])})
+            )
+            await gate.wait_entered()
+            rest = [
+                asyncio.create_task(
+                    client.post("/predict/embedding", files={"image": ("x.png", d)})
+                )
+                for d in uploads[1:]
+            ]
+            await gate.wait_queued(len(rest))
+            gate.open()
+            responses = await asyncio.gather(first, *rest)
         retried = streamer.stats.retried_batches
         pool_ready = app.state.pool.ready
     statuses = [r.status_code for r in responses]
