@@ -57,3 +57,9 @@ def test_root_compose_file_includes_the_docker_one() -> None:
     root = yaml.safe_load((REPO / "compose.yaml").read_text())
     assert root["include"] == ["docker/docker-compose.yml"]
     assert (REPO / root["include"][0]).is_file()
+
+
+def test_readme_documents_every_setting() -> None:
+    readme = (REPO / "README.md").read_text()
+    missing = [name for name in sorted(SETTING_NAMES) if f"`{name}`" not in readme]
+    assert missing == []
