@@ -63,3 +63,14 @@ def test_readme_documents_every_setting() -> None:
     readme = (REPO / "README.md").read_text()
     missing = [name for name in sorted(SETTING_NAMES) if f"`{name}`" not in readme]
     assert missing == []
+
+
+def test_dockerfile_healthcheck_is_valid_python_probing_readyz() -> None:
+    import shlex
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    command = dockerfile.split("HEALTHCHECK", 1)[1].split("CMD", 1)[1].split("\n")[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "-c"]
+    compile(argv[2], "healthcheck", "exec")
+    assert "/readyz" in argv[2] and 'os.environ["PORT"]' in argv[2]
