@@ -11,13 +11,12 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 from app.engine import start_engine
 from app.errors import SettingsError
@@ -28,12 +27,6 @@ from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_
 from app.settings import Settings, get_settings
 
 log = logging.getLogger("app")
-
-
-def error_response(
-    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
 def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:

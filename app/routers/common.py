@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from fastapi import Request, UploadFile
 
+from app.batching import Trace
 from app.errors import ClientDisconnected, InvalidParameter, PayloadTooLarge
 
 T = TypeVar("T")
@@ -41,6 +43,17 @@ def request_deadline(request: Request, default_timeout_s: float) -> float:
             raise InvalidParameter(f"{TIMEOUT_HEADER} must be positive")
         timeout = min(timeout, asked)
     return time.monotonic() + timeout
+
+
+@contextmanager
+def batch_trace(request: Request) -> Iterator[Trace]:
+    """A ``Trace`` for the Streamer to fill; its batch size goes to the request's log line,
+    whether the prediction succeeds or not."""
+    trace = Trace()
+    try:
+        yield trace
+    finally:
+        request.state.batch_size = trace.batch_size
 
 
 async def _disconnected(request: Request) -> None:

@@ -7,9 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
-from app.batching import Trace
 from app.dependencies import ApiKeyDep, PredictorDep, SettingsDep
-from app.routers.common import read_upload, request_deadline, unless_disconnected
+from app.routers.common import (
+    batch_trace,
+    read_upload,
+    request_deadline,
+    unless_disconnected,
+)
 from app.schemas import ErrorResponse, TagOut
 
 router = APIRouter(prefix="/predict", tags=["predict"], dependencies=[ApiKeyDep])
@@ -27,11 +31,8 @@ async def embedding(
     """Embed one image: the model's pooled feature vector as a list of floats."""
     deadline = request_deadline(request, settings.mb_request_timeout)
     data = await read_upload(image, settings.max_upload_bytes)
-    trace = Trace()
-    try:
+    with batch_trace(request) as trace:
         vector = await unless_disconnected(request, predictor.embedding(data, deadline, trace))
-    finally:
-        request.state.batch_size = trace.batch_size
     return JSONResponse(vector)
 
 
@@ -46,9 +47,6 @@ async def tag(
     """Tag one image: the top-k class names with their probabilities, most probable first."""
     deadline = request_deadline(request, settings.mb_request_timeout)
     data = await read_upload(image, settings.max_upload_bytes)
-    trace = Trace()
-    try:
+    with batch_trace(request) as trace:
         tags = await unless_disconnected(request, predictor.tag(data, k, deadline, trace))
-    finally:
-        request.state.batch_size = trace.batch_size
     return JSONResponse([{"name": t.name, "prob": t.prob} for t in tags])
