@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import pytest
 
-from app.batching import BatchItem, Streamer
+from app.batching import BatchItem, Streamer, StreamerStats
 from app.errors import (
     BatchContractError,
     DeadlineExceeded,
@@ -48,6 +49,22 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
     async with asyncio.timeout(5):
         while not predicate():
             await asyncio.sleep(0.001)
+
+
+async def as_one_batch(batch_fn: Any, payloads: list[Any]) -> tuple[list[Any], StreamerStats]:
+    """Submit ``payloads`` while the only worker is busy, so they wait and then reach
+    ``batch_fn`` together as one batch; returns each result or exception, and the stats."""
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit("blocker"))
+        await model.started.wait()
+        streamer._batch_fn = batch_fn
+        tasks = [asyncio.create_task(streamer.submit(p)) for p in payloads]
+        await wait_until(lambda: streamer.queue_depth == len(payloads))
+        model.release.set()
+        await blocker
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    return results, streamer.stats
 
 
 async def test_concurrent_items_are_batched_and_each_caller_gets_its_own_result() -> None:
@@ -235,21 +252,12 @@ async def test_failed_batch_is_retried_item_by_item_so_only_the_poison_one_fails
             raise RuntimeError("model crashed")
         return {item.id: item.payload.upper() for item in items}
 
-    model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
-        blocker = asyncio.create_task(streamer.submit("first"))
-        await model.started.wait()
-        streamer._batch_fn = fragile  # type: ignore[assignment]
-        payloads = ["a", "poison", "b", "c"]
-        tasks = [asyncio.create_task(streamer.submit(p)) for p in payloads]
-        await wait_until(lambda: streamer.queue_depth == 4)
-        model.release.set()
-        await blocker
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+    payloads = ["a", "poison", "b", "c"]
+    results, stats = await as_one_batch(fragile, payloads)
     assert results[0] == "A" and results[2] == "B" and results[3] == "C"
     assert isinstance(results[1], InferenceError)
     assert calls == [payloads, ["a"], ["poison"], ["b"], ["c"]]
-    assert streamer.stats.retried_batches == 1
+    assert stats.retried_batches == 1
 
 
 async def test_unavailable_batch_is_not_retried() -> None:
@@ -260,16 +268,7 @@ async def test_unavailable_batch_is_not_retried() -> None:
         calls += 1
         raise WorkerDied("worker 0 died")
 
-    model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
-        blocker = asyncio.create_task(streamer.submit(-1))
-        await model.started.wait()
-        streamer._batch_fn = dead  # type: ignore[assignment]
-        tasks = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
-        await wait_until(lambda: streamer.queue_depth == 3)
-        model.release.set()
-        await blocker
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+    results, _ = await as_one_batch(dead, [0, 1, 2])
     assert all(isinstance(r, WorkerDied) for r in results)
     assert calls == 1
 
@@ -297,16 +296,7 @@ async def test_batch_contract_violation_fails_the_whole_batch_loudly(mode: str) 
             return {**{i.id: i.payload for i in items}, 10_000: 0}
         return [i.payload for i in items]
 
-    model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
-        blocker = asyncio.create_task(streamer.submit(-1))
-        await model.started.wait()
-        streamer._batch_fn = liar  # type: ignore[assignment]
-        tasks = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
-        await wait_until(lambda: streamer.queue_depth == 3)
-        model.release.set()
-        await blocker
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+    results, _ = await as_one_batch(liar, [0, 1, 2])
     assert all(isinstance(r, BatchContractError) for r in results)
 
 
