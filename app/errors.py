@@ -9,6 +9,7 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     │   ├── InvalidImage             not an image, truncated or corrupt        400
     │   ├── UnsupportedImageFormat   an image, but not an allowed format       415
     │   ├── PayloadTooLarge          upload or image over its limit            413
+    │   ├── InvalidRequest           a field missing or malformed (e.g. k=abc) 422
     │   ├── InvalidParameter         a parameter out of range (e.g. k)         422
     │   ├── Unauthorized             API_KEY is set and the token is wrong     401
     │   └── ClientDisconnected       the client left before its answer         499
@@ -55,6 +56,10 @@ class UnsupportedImageFormat(ClientError):
 
 class PayloadTooLarge(ClientError):
     code = "payload_too_large"
+
+
+class InvalidRequest(ClientError):
+    code = "invalid_request"
 
 
 class InvalidParameter(ClientError):
@@ -111,6 +116,7 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (Unauthorized, 401),
     (PayloadTooLarge, 413),
     (UnsupportedImageFormat, 415),
+    (InvalidRequest, 422),
     (InvalidParameter, 422),
     (ClientDisconnected, 499),
     (ClientError, 400),

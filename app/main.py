@@ -98,7 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(
         BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
     )
-    app.include_router(predict.router, form_limits={"max_files": 1, "max_fields": 8})
+    app.include_router(predict.router)
     app.include_router(meta.router)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     return app

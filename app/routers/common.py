@@ -1,4 +1,4 @@
-"""Helpers shared by the prediction routes: reading uploads, deadlines, client disconnects."""
+"""Helpers shared by the prediction routes: deadlines, batch traces, client disconnects."""
 
 from __future__ import annotations
 
@@ -9,24 +9,14 @@ from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from fastapi import Request, UploadFile
+from fastapi import Request
 
 from app.batching import Trace
-from app.errors import ClientDisconnected, InvalidParameter, PayloadTooLarge
+from app.errors import ClientDisconnected, InvalidParameter
 
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
-
-
-async def read_upload(image: UploadFile, max_bytes: int) -> bytes:
-    """The uploaded file's bytes; 413 past ``max_bytes`` without reading further."""
-    if image.size is not None and image.size > max_bytes:
-        raise PayloadTooLarge(f"upload is {image.size} bytes; at most {max_bytes} allowed")
-    data = await image.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"upload is over {max_bytes} bytes")
-    return data
 
 
 def request_deadline(request: Request, default_timeout_s: float) -> float:

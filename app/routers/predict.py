@@ -2,51 +2,105 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from app.dependencies import ApiKeyDep, PredictorDep, SettingsDep
-from app.routers.common import (
-    batch_trace,
-    read_upload,
-    request_deadline,
-    unless_disconnected,
-)
+from app.dependencies import app_settings, require_api_key, serving_predictor
+from app.errors import InvalidRequest
+from app.routers.common import batch_trace, request_deadline, unless_disconnected
+from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import ErrorResponse, TagOut
+from app.services.predictor import Predictor
 
-router = APIRouter(prefix="/predict", tags=["predict"], dependencies=[ApiKeyDep])
+router = APIRouter(prefix="/predict", tags=["predict"])
 
 ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 422, 503, 504)
 }
-ImageField = Annotated[UploadFile, File(description="the image (JPEG, PNG, WebP, BMP or GIF)")]
+MAX_K = 1000
+K_HELP = "how many labels to return"
 
 
-@router.post("/embedding", response_model=list[float], responses=ERRORS)
-async def embedding(
-    request: Request, image: ImageField, predictor: PredictorDep, settings: SettingsDep
-) -> JSONResponse:
-    """Embed one image: the model's pooled feature vector as a list of floats."""
+def _upload_body(*, with_k: bool) -> dict[str, Any]:
+    """OpenAPI for the body the routes read themselves (see ``app.routers.uploads``)."""
+    image = {
+        "type": "string",
+        "format": "binary",
+        "description": "the image (JPEG, PNG, WebP, BMP or GIF)",
+    }
+    form: dict[str, Any] = {"type": "object", "properties": {FILE_FIELD: image}}
+    form["required"] = [FILE_FIELD]
+    if with_k:
+        form["properties"]["k"] = {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_K,
+            "default": 5,
+            "description": f"{K_HELP} (or the query parameter k)",
+        }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {"schema": form},
+                "image/*": {"schema": image},
+                "application/octet-stream": {"schema": image},
+            },
+        }
+    }
+
+
+def _k(form_value: str | None, query_value: int | None) -> int:
+    if form_value is None:
+        return 5 if query_value is None else query_value
+    try:
+        k = int(form_value)
+    except ValueError:
+        raise InvalidRequest(f"k must be an integer, got {form_value[:20]!r}") from None
+    if not 1 <= k <= MAX_K:
+        raise InvalidRequest(f"k must be between 1 and {MAX_K}, got {k}")
+    return k
+
+
+async def _admit(request: Request) -> tuple[Predictor, Upload, float]:
+    """API key, readiness and deadline first (cheap refusals), then the upload."""
+    settings = app_settings(request)
+    require_api_key(request, settings)
+    predictor = serving_predictor(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
-    data = await read_upload(image, settings.max_upload_bytes)
+    return predictor, await read_upload(request, settings.max_upload_bytes), deadline
+
+
+@router.post(
+    "/embedding",
+    response_model=list[float],
+    responses=ERRORS,
+    openapi_extra=_upload_body(with_k=False),
+)
+async def embedding(request: Request) -> JSONResponse:
+    """Embed one image: the model's pooled feature vector as a list of floats."""
+    predictor, upload, deadline = await _admit(request)
     with batch_trace(request) as trace:
-        vector = await unless_disconnected(request, predictor.embedding(data, deadline, trace))
+        vector = await unless_disconnected(
+            request, predictor.embedding(upload.data, deadline, trace)
+        )
     return JSONResponse(vector)
 
 
-@router.post("/tag", response_model=list[TagOut], responses=ERRORS)
+@router.post(
+    "/tag", response_model=list[TagOut], responses=ERRORS, openapi_extra=_upload_body(with_k=True)
+)
 async def tag(
     request: Request,
-    image: ImageField,
-    predictor: PredictorDep,
-    settings: SettingsDep,
-    k: Annotated[int, Form(ge=1, le=1000, description="how many labels to return")] = 5,
+    k: Annotated[int | None, Query(ge=1, le=MAX_K, description=K_HELP)] = None,
 ) -> JSONResponse:
     """Tag one image: the top-k class names with their probabilities, most probable first."""
-    deadline = request_deadline(request, settings.mb_request_timeout)
-    data = await read_upload(image, settings.max_upload_bytes)
+    predictor, upload, deadline = await _admit(request)
+    top_k = _k(upload.fields.get("k"), k)
     with batch_trace(request) as trace:
-        tags = await unless_disconnected(request, predictor.tag(data, k, deadline, trace))
+        tags = await unless_disconnected(
+            request, predictor.tag(upload.data, top_k, deadline, trace)
+        )
     return JSONResponse([{"name": t.name, "prob": t.prob} for t in tags])

@@ -108,6 +108,75 @@ async def test_bad_requests_get_a_typed_json_4xx(
     assert body["error"]["message"]
 
 
+async def test_raw_image_body_is_accepted_with_k_in_the_query(
+    served: tuple[Any, Any], tiny_store: Path
+) -> None:
+    _, client = served
+    data = distinct_images(1)[0]
+    raw = await client.post(
+        "/predict/embedding", content=data, headers={"Content-Type": "image/png"}
+    )
+    assert raw.status_code == 200, raw.text
+    np.testing.assert_allclose(raw.json(), expected_for(data, tiny_store), atol=1e-5)
+    form = (await client.post("/predict/tag", files={"image": ("x.png", data)})).json()
+    tags = await client.post(
+        "/predict/tag?k=3", content=data, headers={"Content-Type": "application/octet-stream"}
+    )
+    assert tags.status_code == 200 and tags.json() == form[:3]
+    # A form field k wins over the query parameter.
+    both = await client.post("/predict/tag?k=3", files={"image": ("x", data)}, data={"k": "2"})
+    assert len(both.json()) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "code"),
+    [
+        (b'{"image": "x"}', "application/json", 422, "invalid_request"),
+        (b"whatever", None, 422, "invalid_request"),
+        (
+            b"--b\r\nContent-Disposition: form-data; name=",
+            "multipart/form-data",
+            400,
+            "bad_request",
+        ),
+        (
+            b'--b\r\nContent-Disposition: form-data; name="image"\r\n\r\nxx',
+            "multipart/form-data; boundary=b",
+            400,
+            "bad_request",
+        ),
+        (b"no boundary line at all", "multipart/form-data; boundary=b", 400, "bad_request"),
+        (
+            b'--b\r\nContent-Disposition: form-data; name="k"\r\n\r\n'
+            + b"9" * 2000
+            + b"\r\n--b--\r\n",
+            "multipart/form-data; boundary=b",
+            422,
+            "invalid_request",
+        ),
+        (b"\0" * (MAX_UPLOAD + 1), "image/jpeg", 413, "payload_too_large"),
+    ],
+    ids=["json", "no-type", "no-boundary", "truncated", "garbage", "huge-field", "huge-raw"],
+)
+async def test_malformed_bodies_get_a_typed_json_4xx(
+    served: tuple[Any, Any], content: bytes, content_type: str | None, status: int, code: str
+) -> None:
+    _, client = served
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = await client.post("/predict/tag", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["type"] == code
+
+
+async def test_openapi_documents_both_upload_shapes(served: tuple[Any, Any]) -> None:
+    _, client = served
+    spec = (await client.get("/openapi.json")).json()
+    body = spec["paths"]["/predict/tag"]["post"]["requestBody"]["content"]
+    assert set(body) == {"multipart/form-data", "image/*", "application/octet-stream"}
+    assert set(body["multipart/form-data"]["schema"]["properties"]) == {"image", "k"}
+    assert any(p["name"] == "k" for p in spec["paths"]["/predict/tag"]["post"]["parameters"])
+
+
 async def test_unsupported_format_is_415(served: tuple[Any, Any]) -> None:
     _, client = served
     buffer = io.BytesIO()

@@ -1,0 +1,157 @@
+"""Reading the image out of a prediction request, straight from the ASGI body stream.
+
+Two shapes are accepted:
+
+* ``multipart/form-data`` with the image in the field ``image`` (and small text fields such
+  as ``k``), what browsers, ``curl -F`` and locust send;
+* the image itself as the whole body, with an ``image/*`` or ``application/octet-stream``
+  Content-Type (``curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'``).
+
+The multipart body goes through python-multipart's streaming parser as the chunks arrive.
+FastAPI's own form handling (spooled temporary files, a validation model per field) cost this
+server more CPU per request than everything else it does except decoding the JPEG, so the
+prediction routes read the stream themselves: the upload limit still applies as the bytes
+arrive, and every malformed body still gets its own 4xx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+
+from app.errors import ClientError, InvalidRequest, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
+
+FILE_FIELD = "image"
+MAX_TEXT_FIELDS = 8
+MAX_TEXT_FIELD_BYTES = 1024
+RAW_BODY_TYPES = (b"image/", b"application/octet-stream")
+HOW_TO_SEND = (
+    f"send the image as the multipart/form-data field '{FILE_FIELD}', or as the whole body "
+    "with an image/* Content-Type"
+)
+
+
+@dataclass
+class Upload:
+    """The image's bytes and the form's text fields (empty for a raw body)."""
+
+    data: bytes
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+async def read_upload(request: Request, max_bytes: int) -> Upload:
+    """The uploaded image (413 as soon as it passes ``max_bytes``, without reading on)."""
+    media_type, options = parse_options_header(request.headers.get("content-type"))
+    if media_type == b"multipart/form-data":
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise ClientError("the multipart Content-Type has no boundary")
+        return await _read_form(request, boundary, max_bytes)
+    if media_type.startswith(RAW_BODY_TYPES):
+        return Upload(await _read_body(request, max_bytes))
+    raise InvalidRequest(HOW_TO_SEND)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise PayloadTooLarge(f"upload is {length} bytes; at most {max_bytes} allowed")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise PayloadTooLarge(f"upload is over {max_bytes} bytes")
+    return bytes(body)
+
+
+class _Form:
+    """python-multipart callbacks that keep the image part and the small text fields."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.image: bytes | None = None
+        self.fields: dict[str, str] = {}
+        self.files: list[str] = []  # names of the file parts, the image's included
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+        self._headers: dict[bytes, bytes] = {}
+        self._name = ""
+        self._is_file = False
+        self._limit = 0
+        self._data = bytearray()
+
+    def callbacks(self) -> MultipartCallbacks:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value_part,
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers.clear()
+        self._data = bytearray()
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def _header_value_part(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[bytes(self._header_name).lower()] = bytes(self._header_value)
+        self._header_name.clear()
+        self._header_value.clear()
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition"))
+        self._name = options.get(b"name", b"").decode("utf-8", "replace")
+        self._is_file = self._name == FILE_FIELD or b"filename" in options
+        if self._is_file:
+            self.files.append(self._name)
+            if len(self.files) > 1:
+                raise ClientError("send one image per request; this form has several files")
+            self._limit = self.max_bytes
+        else:
+            if len(self.fields) >= MAX_TEXT_FIELDS:
+                raise ClientError(f"the form has more than {MAX_TEXT_FIELDS} fields")
+            self._limit = MAX_TEXT_FIELD_BYTES
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        self._data += data[start:end]
+        if len(self._data) > self._limit:
+            if self._is_file:
+                raise PayloadTooLarge(f"upload is over {self.max_bytes} bytes")
+            raise InvalidRequest(f"form field '{self._name}' is over {self._limit} bytes")
+
+    def _part_end(self) -> None:
+        if self._name == FILE_FIELD:
+            self.image = bytes(self._data)
+        elif not self._is_file:
+            self.fields[self._name] = self._data.decode("utf-8", "replace")
+
+
+async def _read_form(request: Request, boundary: bytes, max_bytes: int) -> Upload:
+    form = _Form(max_bytes)
+    parser = MultipartParser(boundary, form.callbacks())
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+    except MultipartParseError as exc:
+        raise ClientError(f"malformed multipart body: {exc}") from None
+    if parser.state != MultipartState.END:
+        raise ClientError("malformed multipart body: it ends before its closing boundary")
+    if form.image is None:
+        others = f" (it has {', '.join(repr(n) for n in form.files)})" if form.files else ""
+        raise InvalidRequest(f"the form field '{FILE_FIELD}' is missing{others}; {HOW_TO_SEND}")
+    return Upload(form.image, form.fields)
