@@ -144,9 +144,16 @@ class RunningServer:
 
 @contextmanager
 def serve(
-    kind: str, store: Path | None, *, batch_size: str, max_latency: float, threads: int
+    kind: str,
+    store: Path | None,
+    *,
+    batch_size: str,
+    max_latency: float,
+    threads: int,
+    workers: int = 1,
 ) -> Iterator[RunningServer]:
-    """Start ``ours``, ``service-streamer``, ``plain`` or ``noop`` and wait until it answers."""
+    """Start ``ours``, ``service-streamer``, ``plain`` or ``noop`` and wait until it answers.
+    ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
@@ -158,8 +165,8 @@ def serve(
                 "PORT": str(port),
                 "MODEL_STORE": str(store),
                 "CUDA_DEVICES": "cpu",
-                "MB_WORKER_NUM": "1",
-                "MB_WORKER_THREADS": str(threads),
+                "MB_WORKER_NUM": str(workers),
+                "MB_WORKER_THREADS": str(max(1, threads // workers)),
                 "MB_BATCH_SIZE": batch_size,
                 "MB_MAX_LATENCY": str(max_latency),
                 "MB_MAX_QUEUE": "4096",
