@@ -30,8 +30,11 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "format": "binary",
         "description": "the image (JPEG, PNG, WebP, BMP or GIF)",
     }
-    form: dict[str, Any] = {"type": "object", "properties": {FILE_FIELD: image}}
-    form["required"] = [FILE_FIELD]
+    form: dict[str, Any] = {
+        "type": "object",
+        "properties": {FILE_FIELD: image},
+        "required": [FILE_FIELD],
+    }
     if with_k:
         form["properties"]["k"] = {
             "type": "integer",
