@@ -4,6 +4,7 @@ start the workers, put a Streamer in front of them, and stop it all again."""
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,14 +31,15 @@ class Engine:
     manifest: Manifest
     pool: WorkerPool
     streamer: Streamer[ImageJob, object]
-    decode_pool: ThreadPoolExecutor
+    decode_pool: ThreadPoolExecutor | None  # None: the workers decode
     predictor: Predictor
 
     async def aclose(self, drain_timeout_s: float = 0.0) -> None:
         """Let admitted work finish (up to ``drain_timeout_s``), then stop everything."""
         await self.streamer.aclose(drain_timeout_s=drain_timeout_s)
         await self.pool.aclose()
-        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        if self.decode_pool is not None:
+            self.decode_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def start_engine(settings: Settings, metrics: Metrics | None = None) -> Engine:
@@ -53,6 +55,9 @@ async def start_engine(settings: Settings, metrics: Metrics | None = None) -> En
         threads_per_worker=settings.mb_worker_threads,
         max_batch_size=settings.max_batch_size,
         auto_batch=settings.mb_batch_size == "auto",
+        decode=settings.mb_decode,
+        decode_threads=settings.mb_decode_threads,
+        max_pixels=settings.max_image_pixels,
         dtype=settings.mb_dtype,
         optimize=settings.mb_optimize,
         on_compute=metrics.on_compute if metrics else None,
@@ -69,17 +74,21 @@ async def start_engine(settings: Settings, metrics: Metrics | None = None) -> En
         default_timeout_s=settings.mb_request_timeout,
         on_batch=metrics.on_batch if metrics else None,
     )
-    decode_pool = ThreadPoolExecutor(settings.mb_decode_threads, thread_name_prefix="decode")
+    decode_pool = None
+    if not pool.decode_in_workers:
+        threads = settings.mb_decode_threads or min(8, os.cpu_count() or 1)
+        decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
     await streamer.start()
     predictor = Predictor(
         streamer, manifest, classes, decode_pool, max_pixels=settings.max_image_pixels
     )
     log.info(
-        "serving %s from %s: batch<=%d, max latency %g s, %d worker(s)",
+        "serving %s from %s: batch<=%d, max latency %g s, %d worker(s), decoding in the %s",
         manifest.arch,
         settings.model_store,
         pool.batch_size,
         settings.mb_max_latency,
         pool.capacity,
+        "workers" if pool.decode_in_workers else "server",
     )
     return Engine(settings, manifest, pool, streamer, decode_pool, predictor)

@@ -22,9 +22,10 @@ class Task(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ImageJob:
-    """A preprocessed image: ``pixels`` is uint8 HxWx3 RGB at the model's input size."""
+    """One image for the workers: uint8 HxWx3 RGB pixels at the model's input size, or the
+    encoded upload itself when the workers decode (``MB_DECODE``)."""
 
-    pixels: npt.NDArray[np.uint8]
+    image: npt.NDArray[np.uint8] | bytes
     top_k: int = 0
 
 

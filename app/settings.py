@@ -6,7 +6,6 @@ Every field maps to the upper-case environment variable of the same name, e.g.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -16,10 +15,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
 from app.workers.devices import parse_cuda_devices
-
-
-def _default_decode_threads() -> int:
-    return min(8, os.cpu_count() or 1)
 
 
 class Settings(BaseSettings):
@@ -71,8 +66,21 @@ class Settings(BaseSettings):
     mb_worker_start_timeout: float = Field(
         300.0, gt=0, description="Seconds the workers get to load and warm up."
     )
-    mb_decode_threads: int = Field(
-        default_factory=_default_decode_threads, ge=1, description="Image decode threads."
+    mb_decode: Literal["auto", "server", "worker"] = Field(
+        "auto",
+        description=(
+            "Where uploads are decoded: 'server' (threads in the HTTP process, overlapping the "
+            "model), 'worker' (each worker decodes its batch; the HTTP process only serves "
+            "HTTP), or 'auto': 'worker' when a worker runs on a GPU, else 'server'."
+        ),
+    )
+    mb_decode_threads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Decode threads: in the HTTP process (default min(8, cores)), or per worker with "
+            "MB_DECODE=worker (default: a CPU worker's torch threads, cores / workers on GPU)."
+        ),
     )
     model_store: Path = Field(Path("model_store"), description="Exported model directory.")
     max_upload_bytes: int = Field(

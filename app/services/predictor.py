@@ -1,4 +1,5 @@
-"""Prediction service: decode off the event loop, submit to the Streamer, shape the answer."""
+"""Prediction service: decode off the event loop (or leave it to the workers), submit to the
+Streamer, shape the answer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from app.batching import Streamer, Trace
 from app.errors import DeadlineExceeded, InvalidParameter
@@ -23,7 +27,7 @@ class Tag:
 class Predictor:
     """What the routers call. Holds no torch: the Streamer carries jobs to the workers.
 
-    >>> # predictor = Predictor(streamer, manifest, classes, decode_pool, timeout_s=30)
+    >>> # predictor = Predictor(streamer, manifest, classes, decode_pool, max_pixels=10**7)
     >>> # await predictor.tag(jpeg_bytes, k=5, deadline=time.monotonic() + 30)
     >>> # [Tag(name='tabby', prob=0.61), ...]
     """
@@ -33,7 +37,7 @@ class Predictor:
         streamer: Streamer[ImageJob, object],
         manifest: Manifest,
         classes: list[str],
-        decode_pool: ThreadPoolExecutor,
+        decode_pool: ThreadPoolExecutor | None,
         *,
         max_pixels: int,
     ) -> None:
@@ -48,16 +52,17 @@ class Predictor:
     ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission()
-        loop = asyncio.get_running_loop()
-        pixels = await loop.run_in_executor(
-            self._decode_pool,
-            lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
-        )
+        image: npt.NDArray[np.uint8] | bytes = data
+        if self._decode_pool is not None:  # else the workers decode (and answer a bad image)
+            image = await asyncio.get_running_loop().run_in_executor(
+                self._decode_pool,
+                lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
+            )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
-            ImageJob(pixels, top_k=top_k), key=task, timeout_s=remaining, trace=trace
+            ImageJob(image, top_k=top_k), key=task, timeout_s=remaining, trace=trace
         )
 
     async def embedding(

@@ -22,8 +22,18 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from app.batching import BatchItem
-from app.errors import InferenceError, WorkerDied, WorkerStartError
+from app.errors import (
+    InferenceError,
+    InvalidImage,
+    PayloadTooLarge,
+    ServerError,
+    UnsupportedImageFormat,
+    WorkerDied,
+    WorkerStartError,
+)
 from app.jobs import ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.workers.devices import assign_workers, cuda_device_count, resolve_devices
@@ -42,6 +52,14 @@ from app.workers.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# Room for each encoded upload in a worker's buffer when the workers decode (the buffer holds
+# at least a batch of pixels anyway); a batch of bigger uploads sends the rest inline.
+ENCODED_BYTES_PER_IMAGE = 128 * 1024
+# The errors a worker may report for one image, by class name.
+_IMAGE_ERRORS: dict[str, type[ServerError]] = {
+    cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
+}
 
 
 @dataclass(eq=False)
@@ -70,6 +88,13 @@ class PoolStats:
     def record(self, task: str, size: int) -> None:
         sizes = self.batch_sizes.setdefault(task, {})
         sizes[size] = sizes.get(size, 0) + 1
+
+
+def _image_error(name: str, message: str) -> ServerError:
+    """The typed error for an image a worker could not decode (its 4xx), or a plain
+    inference error for anything else (logged by the worker)."""
+    error = _IMAGE_ERRORS.get(name)
+    return error(message) if error is not None else InferenceError("could not decode the image")
 
 
 async def _wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
@@ -108,6 +133,9 @@ class WorkerPool:
         start_timeout_s: float,
         batch_timeout_s: float = 60.0,
         auto_batch: bool = False,
+        decode: str = "server",
+        decode_threads: int | None = None,
+        max_pixels: int = 40_000_000,
         dtype: str = "float32",
         optimize: bool = True,
         on_compute: Callable[[str, int, float], None] | None = None,
@@ -121,6 +149,9 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.auto_batch = auto_batch
+        self._decode = decode
+        self._decode_threads = decode_threads
+        self.max_pixels = max_pixels
         self.dtype = dtype
         self.optimize = optimize
         self._on_compute = on_compute  # (task, batch size, seconds in the worker) per batch
@@ -157,6 +188,14 @@ class WorkerPool:
                 )
         return assign_workers(self.devices, self._worker_num)
 
+    @property
+    def decode_in_workers(self) -> bool:
+        """Whether uploads travel encoded and the workers decode them (``MB_DECODE``):
+        ``auto`` means yes as soon as one worker runs on a GPU."""
+        if self._decode == "auto":
+            return any(device != "cpu" for device in self.assigned_devices())
+        return self._decode == "worker"
+
     def _threads_for(self, device: str, workers: int) -> int:
         if self._threads is not None:
             return self._threads
@@ -164,19 +203,34 @@ class WorkerPool:
             return max(1, (os.cpu_count() or 1) // workers)
         return 1  # a GPU worker's CPU threads only feed the device
 
+    def _decode_threads_for(self, device: str, workers: int) -> int:
+        if not self.decode_in_workers:
+            return 0
+        if self._decode_threads is not None:
+            return self._decode_threads
+        if device == "cpu":  # the model's threads idle while the batch decodes
+            return self._threads_for(device, workers)
+        return max(1, (os.cpu_count() or 1) // workers)  # a GPU worker's cores decode
+
     def _spawn(self, index: int, device: str, workers: int) -> _Worker:
-        buffer = InputBuffer.create(self.max_batch_size, self.image_shape)
+        per_image = int(np.prod(self.image_shape))
+        if self.decode_in_workers:
+            per_image = max(per_image, ENCODED_BYTES_PER_IMAGE)
+        buffer = InputBuffer.create(self.max_batch_size * per_image)
         spec = WorkerSpec(
             index=index,
             device=device,
             threads=self._threads_for(device, workers),
             model_store=str(self.model_store),
             buffer_path=buffer.path,
+            buffer_size=buffer.size,
             max_batch_size=self.max_batch_size,
             image_shape=self.image_shape,
             auto_batch=self.auto_batch,
             dtype=self.dtype,
             optimize=self.optimize,
+            decode_threads=self._decode_threads_for(device, workers),
+            max_pixels=self.max_pixels,
         )
         context = mp.get_context("spawn")
         parent, child = channel_pair()
@@ -319,16 +373,15 @@ class WorkerPool:
         worker = await self._acquire()
         ids = tuple(item.id for item in items)
         top_k = max((item.payload.top_k for item in items), default=0)
-        for row, item in enumerate(items):
-            worker.buffer.array[row] = item.payload.pixels
         batch_id = next(self._batch_ids)
+        message = self._write_batch(worker.buffer, batch_id, task, ids, top_k, items)
         future: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
         worker.pending, worker.pending_id = future, batch_id
         worker.batches += 1
         worker.items += len(items)
         self.stats.record(task.value, len(items))
         try:
-            worker.conn.send(RunBatch(batch_id, task, ids, top_k))
+            worker.conn.send(message)
         except (OSError, RuntimeError):  # transport already closed: the worker is gone
             self._on_death(worker)
         # shield: the worker keeps computing if the caller goes away, and only its reply (or
@@ -348,12 +401,37 @@ class WorkerPool:
             self._on_compute(task.value, len(items), reply.compute_s)
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
-        return self._split(task, items, reply.outputs)
+        failed = {items[pos].id: _image_error(*error) for pos, error in reply.errors.items()}
+        computed = [item for position, item in enumerate(items) if position not in reply.errors]
+        return {**self._split(task, computed, reply.outputs), **failed}
+
+    def _write_batch(
+        self,
+        buffer: InputBuffer,
+        batch_id: int,
+        task: Task,
+        ids: tuple[int, ...],
+        top_k: int,
+        items: Sequence[BatchItem[ImageJob]],
+    ) -> RunBatch:
+        """Put the batch's images into the worker's buffer; the message that runs it."""
+        if self.decode_in_workers:
+            blobs = [item.payload.image for item in items]
+            if not all(isinstance(blob, bytes) for blob in blobs):
+                raise TypeError("the workers decode: submit encoded images (bytes)")
+            spans, inline = buffer.pack(blobs)  # type: ignore[arg-type]
+            return RunBatch(batch_id, task, ids, top_k, spans, inline)
+        pixels = buffer.images(len(items), self.image_shape)
+        for row, item in enumerate(items):
+            pixels[row] = item.payload.image
+        return RunBatch(batch_id, task, ids, top_k)
 
     @staticmethod
     def _split(
         task: Task, items: Sequence[BatchItem[ImageJob]], outputs: dict[str, Any]
     ) -> dict[int, Any]:
+        if not items:
+            return {}
         if task is Task.EMBEDDING:
             embedding = outputs["embedding"]
             if len(embedding) != len(items):

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.errors import ServerError
 from app.jobs import Task
 from app.manifest import InputSpec
+from app.services.images import preprocess
 from app.workers.models import LoadedModels, LoadOptions, load_models
 from app.workers.protocol import (
     STOP,
@@ -112,8 +115,14 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         options = LoadOptions(dtype=getattr(torch, spec.dtype), optimize=spec.optimize)
-        runner = BatchRunner(load_models(Path(spec.model_store), device, options), device)
-        buffer = InputBuffer(spec.buffer_path, spec.max_batch_size, spec.image_shape)
+        models = load_models(Path(spec.model_store), device, options)
+        runner = BatchRunner(models, device)
+        buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
+        decoder = (
+            Decoder(models.manifest.input, spec.decode_threads, spec.max_pixels)
+            if spec.decode_threads
+            else None
+        )
         warm = np.zeros((1, *spec.image_shape), dtype=np.uint8)
         for _ in range(2):  # the TorchScript executor optimises on its first calls
             runner.run(Task.TAG, warm, top_k=1)
@@ -129,10 +138,72 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         conn.close()
         return
     conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), batch_size, throughput))
-    _serve(runner, buffer, conn)
+    _serve(runner, buffer, decoder, spec.image_shape, conn)
 
 
-def _serve(runner: BatchRunner, buffer: InputBuffer, conn: Connection) -> None:
+class Decoder:
+    """Decodes a batch of uploads in this worker (``MB_DECODE=worker``): the same
+    ``preprocess`` as the server's, on ``threads`` threads (Pillow releases the GIL)."""
+
+    def __init__(self, spec: InputSpec, threads: int, max_pixels: int) -> None:
+        self.spec = spec
+        self.max_pixels = max_pixels
+        self._pool = None
+        if threads > 1:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+
+    def _one(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
+        try:
+            return preprocess(data, self.spec, max_pixels=self.max_pixels)
+        except ServerError as exc:  # a bad image: that item's own 4xx
+            return (type(exc).__name__, str(exc))
+        except Exception as exc:  # a decoder bug: this item fails alone
+            log.error("decoding an upload failed:\n%s", traceback.format_exc())
+            return ("InferenceError", f"{type(exc).__name__}: {exc}")
+
+    def decode(
+        self, blobs: list[bytes], out: npt.NDArray[np.uint8]
+    ) -> tuple[int, dict[int, tuple[str, str]]]:
+        """Decode ``blobs`` into the first rows of ``out`` (skipping failures); returns the
+        number of rows written and ``{position: (error class, message)}`` for the failures."""
+        results = map(self._one, blobs) if self._pool is None else self._pool.map(self._one, blobs)
+        rows, errors = 0, {}
+        for position, result in enumerate(results):
+            if isinstance(result, tuple):
+                errors[position] = result
+            else:
+                out[rows] = result
+                rows += 1
+        return rows, errors
+
+
+def _batch_pixels(
+    message: RunBatch,
+    buffer: InputBuffer,
+    decoder: Decoder | None,
+    image_shape: tuple[int, int, int],
+    scratch: npt.NDArray[np.uint8],
+) -> tuple[npt.NDArray[np.uint8], dict[int, tuple[str, str]]]:
+    """The batch's uint8 pixels (decoded here if it came encoded) and its per-row errors."""
+    if decoder is None:
+        return buffer.images(len(message.ids), image_shape), {}
+    blobs = [
+        buffer.blob(span) if span is not None else inline
+        for span, inline in zip(message.spans, message.inline, strict=True)
+    ]
+    rows, errors = decoder.decode(blobs, scratch)  # type: ignore[arg-type]
+    return scratch[:rows], errors
+
+
+def _serve(
+    runner: BatchRunner,
+    buffer: InputBuffer,
+    decoder: Decoder | None,
+    image_shape: tuple[int, int, int],
+    conn: Connection,
+) -> None:
+    # Decoded uploads land here (the shared buffer holds the encoded bytes meanwhile).
+    scratch = np.empty((0, *image_shape), dtype=np.uint8)
     while True:
         try:
             message = conn.recv()
@@ -144,9 +215,12 @@ def _serve(runner: BatchRunner, buffer: InputBuffer, conn: Connection) -> None:
         assert isinstance(message, RunBatch)
         try:
             started = time.perf_counter()
-            outputs = runner.run(message.task, buffer.array[: len(message.ids)], message.top_k)
+            if decoder is not None and len(scratch) < len(message.ids):
+                scratch = np.empty((len(message.ids), *image_shape), dtype=np.uint8)
+            pixels, errors = _batch_pixels(message, buffer, decoder, image_shape, scratch)
+            outputs = runner.run(message.task, pixels, message.top_k) if len(pixels) else {}
             reply: BatchDone | BatchFailed = BatchDone(
-                message.batch_id, message.ids, outputs, time.perf_counter() - started
+                message.batch_id, message.ids, outputs, time.perf_counter() - started, errors
             )
         except Exception as exc:
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())

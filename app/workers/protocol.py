@@ -1,8 +1,9 @@
 """Messages between the pool (main process) and a worker process, and the shared input buffer.
 
-Pixels never go through the pipe: the pool writes each batch's uint8 images into a buffer
-mapped by both processes (one per worker; a worker runs one batch at a time), and only these
-small messages are pickled. Results come back in the reply (a few KB of float32).
+Images never go through the pipe: the pool writes each batch into a buffer mapped by both
+processes (one per worker; a worker runs one batch at a time), as uint8 pixels or, when the
+workers decode, as the encoded uploads. Only these small messages are pickled (plus any upload
+that did not fit in the buffer). Results come back in the reply (a few KB of float32).
 """
 
 from __future__ import annotations
@@ -35,19 +36,28 @@ class WorkerSpec:
     threads: int
     model_store: str
     buffer_path: str
+    buffer_size: int
     max_batch_size: int
     image_shape: tuple[int, int, int]
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
     dtype: str = "float32"
     optimize: bool = True
+    decode_threads: int = 0  # > 0: batches arrive encoded and this many threads decode them
+    max_pixels: int = 40_000_000  # the largest image a worker decodes
 
 
 @dataclass(frozen=True)
 class RunBatch:
+    """Run ``ids`` (one batch, in order). Decoded batches sit in the buffer as pixels; encoded
+    ones as bytes at ``spans[row] = (offset, length)``, or inline in ``inline[row]`` when the
+    buffer had no room left (``spans[row]`` is then ``None``)."""
+
     batch_id: int
     task: Task
     ids: tuple[int, ...]
     top_k: int = 0
+    spans: tuple[tuple[int, int] | None, ...] = ()
+    inline: tuple[bytes | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,11 @@ class BatchDone:
     batch_id: int
     ids: tuple[int, ...]
     # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]}
+    # Rows are the batch's items in order, less those in ``errors``.
     outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
     compute_s: float = 0.0  # time the worker spent on the batch, for metrics
+    # row -> (error class name, message) for images the worker could not decode
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -146,31 +159,55 @@ def _shm_dir(size: int) -> str | None:
 
 
 class InputBuffer:
-    """A file-backed shared buffer of ``[max_batch_size, H, W, 3]`` uint8 images.
+    """A file-backed buffer of ``size`` bytes shared by the pool and one worker: a batch's
+    uint8 pixels (``images``) or its encoded uploads packed end to end (``pack``).
 
     The creator (the pool) unlinks the file once the worker has mapped it, so nothing is left
     behind even if a process is killed.
     """
 
-    def __init__(self, path: str, max_batch_size: int, image_shape: tuple[int, int, int]) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path = path
-        self.shape = (max_batch_size, *image_shape)
-        size = int(np.prod(self.shape))
+        self.size = size
         with open(path, "r+b") as handle:
             self._map = mmap.mmap(handle.fileno(), size)
-        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8).reshape(
-            self.shape
-        )
+        self.raw: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, max_batch_size: int, image_shape: tuple[int, int, int]) -> InputBuffer:
-        size = max_batch_size * int(np.prod(image_shape))
+    def create(cls, size: int) -> InputBuffer:
         fd, path = tempfile.mkstemp(prefix="microbatch-", suffix=".buf", dir=_shm_dir(size))
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        return cls(path, max_batch_size, image_shape)
+        return cls(path, size)
+
+    def images(self, count: int, image_shape: tuple[int, int, int]) -> npt.NDArray[np.uint8]:
+        """The first ``count`` images, as a ``[count, H, W, 3]`` view."""
+        return self.raw[: count * int(np.prod(image_shape))].reshape(count, *image_shape)
+
+    def pack(
+        self, blobs: list[bytes]
+    ) -> tuple[tuple[tuple[int, int] | None, ...], tuple[bytes | None, ...]]:
+        """Copy ``blobs`` in end to end; those that no longer fit travel inline instead.
+        Returns ``RunBatch``'s ``spans`` and ``inline``."""
+        spans: list[tuple[int, int] | None] = []
+        inline: list[bytes | None] = []
+        offset = 0
+        for blob in blobs:
+            if offset + len(blob) <= self.size:
+                self.raw[offset : offset + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+                spans.append((offset, len(blob)))
+                inline.append(None)
+                offset += len(blob)
+            else:
+                spans.append(None)
+                inline.append(blob)
+        return tuple(spans), tuple(inline)
+
+    def blob(self, span: tuple[int, int]) -> bytes:
+        offset, length = span
+        return self._map[offset : offset + length]
 
     def unlink(self) -> None:
         Path(self.path).unlink(missing_ok=True)
@@ -178,5 +215,5 @@ class InputBuffer:
     def close(self) -> None:
         """Unmap the buffer (idempotent)."""
         if not self._map.closed:
-            del self.array
+            del self.raw
             self._map.close()

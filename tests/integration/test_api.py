@@ -23,8 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 MAX_UPLOAD = 300_000
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def served(tiny_store: Path) -> AsyncIterator[tuple[Any, Any]]:
+@pytest_asyncio.fixture(loop_scope="module", scope="module", params=["server", "worker"])
+async def served(
+    tiny_store: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[Any, Any]]:
+    """The app, once decoding uploads in the HTTP process and once in the workers: every test
+    here must pass both ways."""
     async with running_app(
         model_store=tiny_store,
         cuda_devices="cpu",
@@ -32,6 +36,7 @@ async def served(tiny_store: Path) -> AsyncIterator[tuple[Any, Any]]:
         mb_batch_size=128,
         mb_max_latency=0.005,
         max_upload_bytes=MAX_UPLOAD,
+        mb_decode=request.param,
     ) as pair:
         yield pair
 
@@ -242,3 +247,28 @@ async def test_128_concurrent_http_requests_form_one_batch_of_128(served: tuple[
         results = await asyncio.gather(first, *rest)
     assert len(results) == 129
     assert app.state.pool.stats.batch_sizes["embedding"].get(128, 0) >= 1
+
+
+async def test_a_bad_image_in_a_batch_fails_alone(
+    served: tuple[Any, Any], tiny_store: Path
+) -> None:
+    """Batch-mates of an image that cannot be decoded get their own results; it gets a 400.
+    (When the workers decode, the bad image really is in the batch.)"""
+    app, client = served
+    good = distinct_images(4)
+    truncated = good[3][: len(good[3]) // 2]
+    with BatchGate(app.state.streamer) as gate:
+        first = asyncio.create_task(embed(client, good[0]))
+        await gate.wait_entered()
+        rest = [
+            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", data)}))
+            for data in (good[1], truncated, good[2])
+        ]
+        await gate.wait_queued(3 if app.state.pool.decode_in_workers else 2)
+        gate.open()
+        await first
+        answers = await asyncio.gather(*rest)
+    assert [a.status_code for a in answers] == [200, 400, 200]
+    assert answers[1].json()["error"]["type"] == "invalid_image"
+    for answer, data in ((answers[0], good[1]), (answers[2], good[2])):
+        np.testing.assert_allclose(answer.json(), expected_for(data, tiny_store), atol=1e-5)

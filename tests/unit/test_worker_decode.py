@@ -1,0 +1,143 @@
+"""MB_DECODE=worker without processes: packing uploads into the shared buffer, decoding a
+batch with per-image errors, and turning those errors back into typed ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
+from app.jobs import Task
+from app.manifest import Manifest
+from app.workers.pool import WorkerPool, _image_error
+from app.workers.process import Decoder, _batch_pixels
+from app.workers.protocol import InputBuffer, RunBatch
+from tests.unit.test_images import SPEC, encode, gradient
+
+
+@pytest.fixture
+def buffer() -> Iterator[InputBuffer]:
+    created = InputBuffer.create(100)
+    yield created
+    created.unlink()
+    created.close()
+
+
+def test_pack_fills_the_buffer_in_order_and_sends_the_rest_inline(buffer: InputBuffer) -> None:
+    blobs = [b"a" * 60, b"b" * 60, b"c" * 40, b"d"]
+    spans, inline = buffer.pack(blobs)
+    assert spans == ((0, 60), None, (60, 40), None)
+    assert inline == (None, b"b" * 60, None, b"d")
+    assert [buffer.blob(s) if s else i for s, i in zip(spans, inline, strict=True)] == blobs
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decoder_writes_good_rows_in_order_and_reports_each_bad_one(threads: int) -> None:
+    good = [encode(gradient(80 + 8 * i, 60), "PNG") for i in range(3)]
+    tiff = encode(gradient(), "TIFF")
+    blobs = [good[0], b"not an image", good[1], tiff, good[2][:40]]
+    out = np.zeros((len(blobs), 32, 32, 3), dtype=np.uint8)
+    rows, errors = Decoder(SPEC, threads, max_pixels=10**6).decode(blobs, out)
+    assert rows == 2
+    assert {pos: name for pos, (name, _) in errors.items()} == {
+        1: "InvalidImage",
+        3: "UnsupportedImageFormat",
+        4: "InvalidImage",
+    }
+    assert "TIFF" in errors[3][1]
+    expected = Decoder(SPEC, 1, max_pixels=10**6)
+    for row, blob in enumerate(good[:2]):
+        single = np.zeros((1, 32, 32, 3), dtype=np.uint8)
+        expected.decode([blob], single)
+        assert np.array_equal(out[row], single[0])
+
+
+def test_decoder_enforces_the_pixel_limit() -> None:
+    big = encode(Image.new("RGB", (200, 200)), "PNG")
+    out = np.zeros((1, 32, 32, 3), dtype=np.uint8)
+    rows, errors = Decoder(SPEC, 1, max_pixels=10_000).decode([big], out)
+    assert rows == 0 and errors[0][0] == "PayloadTooLarge"
+
+
+def test_encoded_batch_is_read_from_the_buffer_and_inline() -> None:
+    small = encode(gradient(40, 40), "PNG")
+    buffer = InputBuffer.create(len(small) + 10)  # the second upload cannot fit
+    try:
+        spans, inline = buffer.pack([small, small])
+        assert spans == ((0, len(small)), None)
+        message = RunBatch(0, Task.EMBEDDING, (7, 8), 0, spans, inline)
+        scratch = np.zeros((2, 32, 32, 3), dtype=np.uint8)
+        decoder = Decoder(SPEC, 1, max_pixels=10**6)
+        pixels, errors = _batch_pixels(message, buffer, decoder, (32, 32, 3), scratch)
+        assert errors == {} and pixels.shape == (2, 32, 32, 3)
+        assert pixels[0].any() and np.array_equal(pixels[0], pixels[1])
+    finally:
+        buffer.unlink()
+        buffer.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("InvalidImage", InvalidImage),
+        ("UnsupportedImageFormat", UnsupportedImageFormat),
+        ("PayloadTooLarge", PayloadTooLarge),
+        ("InferenceError", InferenceError),
+        ("SystemExit", InferenceError),  # nothing but the image errors is rebuilt by name
+    ],
+)
+def test_worker_image_errors_come_back_typed(name: str, expected: type) -> None:
+    error = _image_error(name, "the message")
+    assert type(error) is expected
+    if expected is not InferenceError:
+        assert str(error) == "the message"
+
+
+def _pool(monkeypatch: pytest.MonkeyPatch, gpus: int, **options: Any) -> WorkerPool:
+    monkeypatch.setattr("app.workers.pool.cuda_device_count", lambda: gpus)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    manifest = Manifest(
+        arch="tiny",
+        weights="random",
+        input=SPEC,
+        embedding_dim=4,
+        num_classes=10,
+        files={},
+    )
+    return WorkerPool(
+        model_store=Path("unused"),
+        manifest=manifest,
+        devices=None,
+        worker_num=options.pop("worker_num", None),
+        threads_per_worker=options.pop("threads", None),
+        max_batch_size=8,
+        start_timeout_s=1,
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    ("decode", "gpus", "in_workers"),
+    [("auto", 0, False), ("auto", 2, True), ("server", 2, False), ("worker", 0, True)],
+)
+def test_where_uploads_are_decoded(
+    monkeypatch: pytest.MonkeyPatch, decode: str, gpus: int, in_workers: bool
+) -> None:
+    assert _pool(monkeypatch, gpus, decode=decode).decode_in_workers is in_workers
+
+
+def test_decode_threads_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = _pool(monkeypatch, 0, decode="worker", worker_num=4)
+    assert cpu._decode_threads_for("cpu", 4) == 4  # the worker's own torch threads (16 / 4)
+    gpu = _pool(monkeypatch, 2, decode="auto", worker_num=4)
+    assert gpu._threads_for("cuda:0", 4) == 1
+    assert gpu._decode_threads_for("cuda:0", 4) == 4  # the cores, shared by the workers
+    fixed = _pool(monkeypatch, 2, decode="worker", decode_threads=3)
+    assert fixed._decode_threads_for("cuda:1", 2) == 3
+    server = _pool(monkeypatch, 0, decode="server")
+    assert server._decode_threads_for("cpu", 1) == 0  # batches arrive decoded
