@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import torch
 from PIL import Image
 from torch import nn
@@ -88,32 +89,45 @@ class RawResult:
     batch_p50_ms: float
 
 
-def raw_pipeline(
-    store: Path, jpegs: list[bytes], batch_size: int, seconds: float, threads: int
-) -> RawResult:
-    """The server's work without HTTP: decode + preprocess + model, in one thread of control."""
-    torch.set_num_threads(threads)
-    spec = read_manifest(store).input
-    runner = BatchRunner(load_models(store, torch.device("cpu")), torch.device("cpu"))
+class RawPipeline:
+    """The server's work without HTTP: decode + preprocess + model, in one thread of control,
+    in this process."""
 
-    def one_batch(start: int) -> None:
-        pixels = np.stack(
-            [preprocess(jpegs[(start + i) % len(jpegs)], spec) for i in range(batch_size)]
-        )
-        runner.run(Task.TAG, pixels, 5)
+    def __init__(self, store: Path, jpegs: list[bytes], threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.jpegs = jpegs
+        self.spec = read_manifest(store).input
+        self.runner = BatchRunner(load_models(store, torch.device("cpu")), torch.device("cpu"))
+        self._next = 0
 
-    one_batch(0)  # warm-up: the TorchScript executor optimises on its first calls
-    one_batch(1)
-    times: list[float] = []
-    images, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds or len(times) < 3:
+    def batch(self, batch_size: int) -> float:
+        """Decode, preprocess and run the next ``batch_size`` JPEGs; the seconds it took."""
         began = time.perf_counter()
-        one_batch(images)
-        times.append(time.perf_counter() - began)
-        images += batch_size
-    return RawResult(
-        batch_size, images / (time.perf_counter() - started), 1000 * statistics.median(times)
-    )
+        pixels = np.stack(
+            [
+                preprocess(self.jpegs[(self._next + i) % len(self.jpegs)], self.spec)
+                for i in range(batch_size)
+            ]
+        )
+        self.runner.run(Task.TAG, pixels, 5)
+        self._next += batch_size
+        return time.perf_counter() - began
+
+    def batch_times(self, batch_size: int, seconds: float) -> list[float]:
+        """Back-to-back batches for ``seconds`` (at least 3): each one's duration."""
+        times: list[float] = []
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop or len(times) < 3:
+            times.append(self.batch(batch_size))
+        return times
+
+    def run(self, batch_size: int, seconds: float) -> RawResult:
+        self.batch(batch_size)  # warm-up: the TorchScript executor optimises on its first calls
+        self.batch(batch_size)
+        times = self.batch_times(batch_size, seconds)
+        return RawResult(
+            batch_size, batch_size * len(times) / sum(times), 1000 * statistics.median(times)
+        )
 
 
 def free_port() -> int:
@@ -141,6 +155,16 @@ class RunningServer:
             )
         return body["batches"], body["items"]
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the server and every process under it (its workers)."""
+        root = psutil.Process(self.process.pid)
+        total = 0.0
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+        return total
+
 
 @contextmanager
 def serve(
@@ -151,9 +175,11 @@ def serve(
     max_latency: float,
     threads: int,
     workers: int = 1,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[RunningServer]:
     """Start ``ours``, ``service-streamer``, ``plain`` or ``noop`` and wait until it answers.
-    ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes."""
+    ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes and takes
+    any other ``settings`` (environment variables)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
@@ -171,6 +197,7 @@ def serve(
                 "MB_MAX_LATENCY": str(max_latency),
                 "MB_MAX_QUEUE": "4096",
                 "LOG_LEVEL": "warning",
+                **(settings or {}),
             }
             command = [sys.executable, "-m", "app"]
             stats_path, probe = "/readyz", "/readyz"
