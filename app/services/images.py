@@ -89,7 +89,7 @@ def preprocess(
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             # JPEG only: let the decoder scale down by 1/2..1/8 while staying >= the target.
             image.draft("RGB", (spec.resize_size, spec.resize_size))
-            image = ImageOps.exif_transpose(image)
+            ImageOps.exif_transpose(image, in_place=True)  # copies nothing unless it turns
             image = _to_rgb(image)
             return _resize_center_crop(image, spec)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
