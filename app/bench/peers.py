@@ -24,9 +24,9 @@ from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import JSONResponse
 from service_streamer import ManagedModel, Streamer
 
+from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_classes, read_manifest
-from app.services.images import preprocess
 
 
 def _env() -> tuple[Path, int, float, int]:

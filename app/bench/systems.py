@@ -25,9 +25,9 @@ from PIL import Image
 from torch import nn
 
 from app.export import SplitModel, export, export_split
+from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
-from app.services.images import preprocess
 from app.workers.models import load_models
 from app.workers.process import BatchRunner
 

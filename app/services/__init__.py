@@ -1,1 +1,1 @@
-"""Services: image decoding/preprocessing and prediction on top of the Streamer."""
+"""Services: prediction on top of the Streamer (the routers call these)."""

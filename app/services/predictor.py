@@ -13,9 +13,9 @@ import numpy.typing as npt
 
 from app.batching import Streamer, Trace
 from app.errors import DeadlineExceeded, InvalidParameter
+from app.images import preprocess
 from app.jobs import ImageJob, Task, TopK
 from app.manifest import Manifest
-from app.services.images import preprocess
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import numpy.typing as npt
 import torch
 
 from app.errors import ServerError
+from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec
-from app.services.images import preprocess
 from app.workers.models import LoadedModels, LoadOptions, load_models
 from app.workers.protocol import (
     STOP,

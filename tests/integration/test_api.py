@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
+from app.images import preprocess
 from app.manifest import read_manifest
-from app.services.images import preprocess
 from tests.conftest import BatchGate, distinct_images, running_app
 from tests.models import TINY_DIM, tiny_expected_embedding
 

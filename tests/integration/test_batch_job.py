@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from app.batch import iter_results, list_files, main
+from app.images import preprocess
 from app.manifest import read_manifest
-from app.services.images import preprocess
 from tests.conftest import distinct_images
 from tests.models import tiny_expected_embedding
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app.errors import ModelStoreError, WorkerStartError
+from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_manifest, sha256_file
-from app.services.images import preprocess
 from app.workers.models import load_models
 from app.workers.pool import WorkerPool
 from app.workers.process import BatchRunner

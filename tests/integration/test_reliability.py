@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 from app.bench.loadgen import Response, closed_loop, multipart_request
+from app.images import preprocess
 from app.manifest import read_manifest
-from app.services.images import preprocess
 from app.workers.models import load_models
 from tests.conftest import BatchGate, distinct_images, running_app
 from tests.models import POISON_RGB, tiny_expected_embedding

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from app.errors import InvalidImage, PayloadTooLarge, UnsupportedImageFormat
+from app.images import preprocess
 from app.manifest import InputSpec
-from app.services.images import preprocess
 
 SPEC = InputSpec(
     crop_size=32, resize_size=36, interpolation="bilinear", mean=(0, 0, 0), std=(1, 1, 1)

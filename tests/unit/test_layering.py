@@ -22,3 +22,9 @@ def test_batching_imports_neither_fastapi_nor_torch() -> None:
 def test_services_do_not_import_torch() -> None:
     loaded = _modules_after_import("app.services.predictor")
     assert "torch" not in loaded
+
+
+def test_workers_import_neither_services_nor_the_web_framework() -> None:
+    loaded = _modules_after_import("app.workers.pool")
+    assert not {m for m in loaded if m.startswith(("app.services", "app.routers"))}
+    assert "fastapi" not in loaded

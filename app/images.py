@@ -1,7 +1,8 @@
 """Decode an uploaded image and bring it to the model's input size, as uint8 RGB.
 
-Runs in a thread pool (Pillow releases the GIL while decoding and resizing); the float
-conversion and normalisation happen batched in the worker.
+A leaf module (Pillow and numpy only), shared by the server, which runs it in a thread pool,
+and the workers, which run it with ``MB_DECODE=worker``; Pillow releases the GIL while it
+decodes and resizes. The float conversion and normalisation happen batched in the worker.
 """
 
 from __future__ import annotations
