@@ -84,10 +84,14 @@ class PoolStats:
     """What the workers actually ran: ``batch_sizes[task][n]`` counts model calls of n items."""
 
     batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+    threads: dict[int, int] = field(default_factory=dict)  # batches by torch threads used
 
     def record(self, task: str, size: int) -> None:
         sizes = self.batch_sizes.setdefault(task, {})
         sizes[size] = sizes.get(size, 0) + 1
+
+    def record_threads(self, threads: int) -> None:
+        self.threads[threads] = self.threads.get(threads, 0) + 1
 
 
 def _image_error(name: str, message: str) -> ServerError:
@@ -374,7 +378,8 @@ class WorkerPool:
         ids = tuple(item.id for item in items)
         top_k = max((item.payload.top_k for item in items), default=0)
         batch_id = next(self._batch_ids)
-        message = self._write_batch(worker.buffer, batch_id, task, ids, top_k, items)
+        threads = self._batch_threads(worker)
+        message = self._write_batch(worker.buffer, batch_id, task, ids, top_k, threads, items)
         future: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
         worker.pending, worker.pending_id = future, batch_id
         worker.batches += 1
@@ -397,6 +402,7 @@ class WorkerPool:
             )
             worker.process.kill()
             reply = await asyncio.wait_for(future, 10)  # its death fails the future
+        self.stats.record_threads(reply.threads)
         if self._on_compute is not None:
             self._on_compute(task.value, len(items), reply.compute_s)
         if reply.ids != ids:
@@ -405,6 +411,23 @@ class WorkerPool:
         computed = [item for position, item in enumerate(items) if position not in reply.errors]
         return {**self._split(task, computed, reply.outputs), **failed}
 
+    def _batch_threads(self, worker: _Worker) -> int:
+        """A CPU worker's own threads, plus those of every other CPU worker that sits idle
+        right now: a lone request gets all the cores, and under load (when every worker is
+        busy) each keeps its share, so no two OpenMP teams fight over a core for long."""
+        if worker.spec.device != "cpu":
+            return 0
+        idle = [
+            other
+            for other in self._workers
+            if other is not worker
+            and other.spec.device == "cpu"
+            and other.alive
+            and other.ready
+            and other.pending is None
+        ]
+        return worker.spec.threads + sum(other.spec.threads for other in idle)
+
     def _write_batch(
         self,
         buffer: InputBuffer,
@@ -412,6 +435,7 @@ class WorkerPool:
         task: Task,
         ids: tuple[int, ...],
         top_k: int,
+        threads: int,
         items: Sequence[BatchItem[ImageJob]],
     ) -> RunBatch:
         """Put the batch's images into the worker's buffer; the message that runs it."""
@@ -420,11 +444,11 @@ class WorkerPool:
             if not all(isinstance(blob, bytes) for blob in blobs):
                 raise TypeError("the workers decode: submit encoded images (bytes)")
             spans, inline = buffer.pack(blobs)  # type: ignore[arg-type]
-            return RunBatch(batch_id, task, ids, top_k, spans, inline)
+            return RunBatch(batch_id, task, ids, top_k, spans, inline, threads)
         pixels = buffer.images(len(items), self.image_shape)
         for row, item in enumerate(items):
             pixels[row] = item.payload.image
-        return RunBatch(batch_id, task, ids, top_k)
+        return RunBatch(batch_id, task, ids, top_k, threads=threads)
 
     @staticmethod
     def _split(

@@ -215,12 +215,19 @@ def _serve(
         assert isinstance(message, RunBatch)
         try:
             started = time.perf_counter()
+            if message.threads and message.threads != torch.get_num_threads():
+                torch.set_num_threads(message.threads)
             if decoder is not None and len(scratch) < len(message.ids):
                 scratch = np.empty((len(message.ids), *image_shape), dtype=np.uint8)
             pixels, errors = _batch_pixels(message, buffer, decoder, image_shape, scratch)
             outputs = runner.run(message.task, pixels, message.top_k) if len(pixels) else {}
             reply: BatchDone | BatchFailed = BatchDone(
-                message.batch_id, message.ids, outputs, time.perf_counter() - started, errors
+                message.batch_id,
+                message.ids,
+                outputs,
+                time.perf_counter() - started,
+                errors,
+                torch.get_num_threads(),
             )
         except Exception as exc:
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())

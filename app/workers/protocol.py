@@ -58,6 +58,7 @@ class RunBatch:
     top_k: int = 0
     spans: tuple[tuple[int, int] | None, ...] = ()
     inline: tuple[bytes | None, ...] = ()
+    threads: int = 0  # torch threads for this batch (its own plus any lent); 0: unchanged
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class BatchDone:
     compute_s: float = 0.0  # time the worker spent on the batch, for metrics
     # row -> (error class name, message) for images the worker could not decode
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+    threads: int = 0  # torch threads the batch ran on
 
 
 @dataclass(frozen=True)
