@@ -163,7 +163,9 @@ class WorkerPool:
         self.image_shape = (size, size, 3)
         self.devices: list[str] = []
         self._workers: list[_Worker] = []
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        # Last in, first out: at low load the worker that just answered takes the next batch,
+        # its caches and OpenMP threads still warm; under load every worker is busy anyway.
+        self._idle: asyncio.LifoQueue[_Worker] = asyncio.LifoQueue()
         self._batch_ids = itertools.count()
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._failures: dict[int, int] = {}
