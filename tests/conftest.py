@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.models import export_poison, export_slow, export_tiny
+from app.images import preprocess
+from app.manifest import read_manifest
+from tests.models import export_poison, export_slow, export_tiny, tiny_expected_embedding
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +90,18 @@ async def running_app(**settings: object) -> AsyncIterator[tuple[object, object]
             transport=transport, base_url="http://test", timeout=60
         ) as client:
             yield app, client
+
+
+async def embed(client: Any, data: bytes) -> list[float]:
+    """POST ``data`` to /predict/embedding; the vector (the answer must be a 200)."""
+    response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def expected_for(data: bytes, store: Path) -> np.ndarray:
+    """What a tiny (or slow) test model's embedding of ``data`` must be."""
+    return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
 
 
 class BatchGate:

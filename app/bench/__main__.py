@@ -63,11 +63,14 @@ class ModelReport:
         return next((p for p in self.points if p.system == system and p.clients == clients), None)
 
 
-def measure(server: RunningServer, jpegs: list[bytes], clients: int, seconds: float) -> Point:
+def upload_requests(server: RunningServer, jpegs: list[bytes]) -> list[bytes]:
+    """One tagging request per JPEG (embedding for the do-nothing endpoint), ready to send."""
     path = "/predict/tag" if server.name != "noop" else "/predict/embedding"
-    requests = [
-        multipart_request(HOST, server.port, path, data, fields=[("k", "5")]) for data in jpegs
-    ]
+    return [multipart_request(HOST, server.port, path, data, fields=[("k", "5")]) for data in jpegs]
+
+
+def measure(server: RunningServer, jpegs: list[bytes], clients: int, seconds: float) -> Point:
+    requests = upload_requests(server, jpegs)
     before = server.batches_and_items()
     result = asyncio.run(
         closed_loop(HOST, server.port, requests, clients=clients, duration_s=seconds)
@@ -100,10 +103,7 @@ def idle_latency(
     alternating slices so that both see the same machine: on a shared VM the speed drifts by
     20% and more between minutes, which a ratio of two measurements minutes apart would take
     for a difference between them."""
-    requests = [
-        multipart_request(HOST, server.port, "/predict/tag", data, fields=[("k", "5")])
-        for data in jpegs
-    ]
+    requests = upload_requests(server, jpegs)
     served: list[float] = []
     alone: list[float] = []
     for _ in range(turns):

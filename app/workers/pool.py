@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing as mp
@@ -194,10 +195,10 @@ class WorkerPool:
                 )
         return assign_workers(self.devices, self._worker_num)
 
-    @property
+    @functools.cached_property
     def decode_in_workers(self) -> bool:
         """Whether uploads travel encoded and the workers decode them (``MB_DECODE``):
-        ``auto`` means yes as soon as one worker runs on a GPU."""
+        ``auto`` means yes as soon as one worker runs on a GPU. Fixed for the pool's life."""
         if self._decode == "auto":
             return any(device != "cpu" for device in self.assigned_devices())
         return self._decode == "worker"

@@ -13,10 +13,8 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from app.images import preprocess
-from app.manifest import read_manifest
-from tests.conftest import BatchGate, distinct_images, running_app
-from tests.models import TINY_DIM, tiny_expected_embedding
+from tests.conftest import BatchGate, distinct_images, embed, expected_for, running_app
+from tests.models import TINY_DIM
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -39,16 +37,6 @@ async def served(
         mb_decode=request.param,
     ) as pair:
         yield pair
-
-
-def expected_for(data: bytes, store: Path) -> np.ndarray:
-    return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
-
-
-async def embed(client: Any, data: bytes) -> list[float]:
-    response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
 
 
 async def test_health_ready_and_tags(served: tuple[Any, Any]) -> None:
