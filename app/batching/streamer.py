@@ -213,7 +213,8 @@ class Streamer(Generic[T, R]):
         self.check_admission()
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
         item = _Pending(
             next(self._ids),
             key,
@@ -226,13 +227,14 @@ class Streamer(Generic[T, R]):
         self._queue.append(item)
         self.stats.submitted += 1
         self._wake.set()
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, self._expire, item, timeout)
         try:
-            done, _ = await asyncio.wait((future,), timeout=timeout)
-            if not done:
-                self.stats.expired += 1
-                raise DeadlineExceeded(f"no result within {timeout:g} s")
-            return future.result()
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
             # so its item is never computed; a dispatched one is simply ignored when it ends.
             if not item.dispatched:
@@ -240,6 +242,11 @@ class Streamer(Generic[T, R]):
                     self._queue.remove(item)
             if not future.done():
                 future.cancel()
+
+    def _expire(self, item: _Pending[T, R], timeout: float) -> None:
+        if not item.future.done():
+            self.stats.expired += 1
+            item.future.set_exception(DeadlineExceeded(f"no result within {timeout:g} s"))
 
     def retry_after_s(self) -> float:
         """Seconds until the current queue is likely drained (at least 1)."""

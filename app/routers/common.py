@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
@@ -60,13 +59,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     queue and is never computed) and raise ``ClientDisconnected``."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_disconnected(request))
+    watcher.add_done_callback(lambda _: task.cancel())  # no-op once the work is done
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():  # the client left, not a shutdown
+            raise ClientDisconnected("the client closed the connection") from None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientDisconnected("the client closed the connection")
         watcher.cancel()
-    return task.result()

@@ -121,6 +121,18 @@ async def test_raw_image_body_is_accepted_with_k_in_the_query(
     assert len(both.json()) == 2
 
 
+@pytest.mark.parametrize("query", ["k=0", "k=1001", "k=many", "k="])
+async def test_a_bad_k_in_the_query_is_a_typed_422(served: tuple[Any, Any], query: str) -> None:
+    _, client = served
+    data = distinct_images(1)[0]
+    response = await client.post(
+        f"/predict/tag?{query}", content=data, headers={"Content-Type": "image/png"}
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["type"] == "invalid_request"
+    assert "k must be" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("content", "content_type", "status", "code"),
     [
