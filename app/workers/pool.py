@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 # Room for each encoded upload in a worker's buffer when the workers decode (the buffer holds
 # at least a batch of pixels anyway); a batch of bigger uploads sends the rest inline.
 ENCODED_BYTES_PER_IMAGE = 128 * 1024
+# A CPU worker lends its threads only once it has sat idle this long: at low load, idle
+# workers stay idle. Under load they are idle only between two batches, and a borrowed
+# thread would soon be fighting its own worker's next batch for the core: OpenMP waits at
+# every barrier for its slowest thread, so a batch that borrows under load can stall.
+LEND_AFTER_IDLE_S = 0.05
 # The errors a worker may report for one image, by class name.
 _IMAGE_ERRORS: dict[str, type[ServerError]] = {
     cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
@@ -78,6 +83,7 @@ class _Worker:
     throughput: dict[int, float] = field(default_factory=dict)
     batches: int = 0
     items: int = 0
+    idle_since: float = 0.0  # monotonic time it last became idle
 
 
 @dataclass
@@ -310,6 +316,7 @@ class WorkerPool:
         worker.reader = asyncio.create_task(
             self._read_replies(worker), name=f"worker-{worker.spec.index}-replies"
         )
+        worker.idle_since = time.monotonic()
         self._idle.put_nowait(worker)
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
@@ -415,11 +422,13 @@ class WorkerPool:
         return {**self._split(task, computed, reply.outputs), **failed}
 
     def _batch_threads(self, worker: _Worker) -> int:
-        """A CPU worker's own threads, plus those of every other CPU worker that sits idle
-        right now: a lone request gets all the cores, and under load (when every worker is
-        busy) each keeps its share, so no two OpenMP teams fight over a core for long."""
+        """A CPU worker's own threads, plus those of every other CPU worker that has sat idle
+        for ``LEND_AFTER_IDLE_S``: a lone request gets all the cores, and under load (when
+        workers are idle only between batches) each keeps its share, so no two OpenMP teams
+        fight over a core."""
         if worker.spec.device != "cpu":
             return 0
+        idle_before = time.monotonic() - LEND_AFTER_IDLE_S
         idle = [
             other
             for other in self._workers
@@ -428,6 +437,7 @@ class WorkerPool:
             and other.alive
             and other.ready
             and other.pending is None
+            and other.idle_since <= idle_before
         ]
         return worker.spec.threads + sum(other.spec.threads for other in idle)
 
@@ -496,6 +506,7 @@ class WorkerPool:
             log.error("worker %d sent an unexpected message %r", worker.spec.index, message)
             return
         worker.pending = worker.pending_id = None
+        worker.idle_since = time.monotonic()
         self._idle.put_nowait(worker)
         self._failures.pop(worker.spec.index, None)  # it works: reset its restart backoff
         if future is None or future.done():

@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.workers.pool import LEND_AFTER_IDLE_S
 from tests.conftest import distinct_images, embed, expected_for, running_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 
 async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path) -> None:
-    """Two 1-thread workers: a batch that finds the other worker idle runs on 2 threads; one
-    that starts while the other computes keeps its own thread. Answers stay the same. An idle
-    server hands consecutive batches to the same worker."""
+    """Two 1-thread workers: a batch that finds the other worker idle (for a while) runs on 2
+    threads; one that starts while the other computes keeps its own thread. Answers stay the
+    same. An idle server hands consecutive batches to the same worker."""
     images = distinct_images(3)
     async with running_app(
         model_store=slow_store,
@@ -26,6 +27,7 @@ async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path
         mb_batch_size=4,
     ) as (app, client):
         pool = app.state.pool
+        await asyncio.sleep(LEND_AFTER_IDLE_S)
 
         alone = await embed(client, images[0])
         assert pool.stats.threads == {2: 1}

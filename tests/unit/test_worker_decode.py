@@ -3,6 +3,7 @@ batch with per-image errors, and turning those errors back into typed ones."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ from PIL import Image
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.jobs import Task
 from app.manifest import Manifest
-from app.workers.pool import WorkerPool, _image_error
+from app.workers.pool import LEND_AFTER_IDLE_S, WorkerPool, _image_error, _Worker
 from app.workers.process import Decoder, _batch_pixels
-from app.workers.protocol import InputBuffer, RunBatch
+from app.workers.protocol import InputBuffer, RunBatch, WorkerSpec
 from tests.unit.test_images import SPEC, encode, gradient
 
 
@@ -141,3 +142,29 @@ def test_decode_threads_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fixed._decode_threads_for("cuda:1", 2) == 3
     server = _pool(monkeypatch, 0, decode="server")
     assert server._decode_threads_for("cpu", 1) == 0  # batches arrive decoded
+
+
+def test_only_workers_idle_for_a_while_lend_their_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = _pool(monkeypatch, 0)
+
+    def worker(index: int, device: str, idle_for: float, busy: bool = False) -> _Worker:
+        spec = WorkerSpec(index, device, 2, "unused", "unused", 0, 8, (8, 8, 3))
+        w = _Worker(spec, process=None, conn=None, buffer=None)  # type: ignore[arg-type]
+        w.ready, w.idle_since = True, time.monotonic() - idle_for
+        w.pending = object() if busy else None  # type: ignore[assignment]
+        return w
+
+    def threads(*others: _Worker) -> int:
+        runner = worker(0, "cpu", 0.0)
+        pool._workers = [runner, *others]
+        return pool._batch_threads(runner)
+
+    long_idle = 10 * LEND_AFTER_IDLE_S
+    assert threads(worker(1, "cpu", long_idle)) == 4
+    assert threads(worker(1, "cpu", long_idle), worker(2, "cpu", long_idle)) == 6
+    # Idle only between two batches (under load), busy, or a GPU worker: nothing to lend.
+    assert threads(worker(1, "cpu", 0.0)) == 2
+    assert threads(worker(1, "cpu", long_idle, busy=True)) == 2
+    assert threads(worker(1, "cuda:0", long_idle)) == 2
