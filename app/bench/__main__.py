@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from app.bench.systems import (
     RawPipeline,
     RunningServer,
     bench_jpegs,
+    decode_cpu_ms,
     export_bench_model,
     serve,
 )
@@ -212,14 +214,26 @@ def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> di
             server_ms = 1000 * (server.cpu_seconds() - cpu) / max(1, result.requests)
             out[f"{label}_rps"] = result.rate
             out[f"{label}_client_cpu_pct"] = 100 * result.client_cpu_s / result.seconds
+            out[f"{label}_client_cpu_ms"] = 1000 * result.client_cpu_s / max(1, result.requests)
             out[f"{label}_server_cpu_ms"] = server_ms
             print(
                 f"  {label:<9} {result.rate:8.1f} requests/s  CPU per request: server "
-                f"{server_ms:.2f} ms, load generator "
-                f"{1000 * result.client_cpu_s / max(1, result.requests):.2f} ms "
+                f"{server_ms:.2f} ms, load generator {out[f'{label}_client_cpu_ms']:.2f} ms "
                 f"({out[f'{label}_client_cpu_pct']:.0f}% of one core)",
                 flush=True,
             )
+    # The most any server could answer here: all cores busy, each request costing what the
+    # bare endpoint and the load generator spend on it plus the decode it cannot skip.
+    out["decode_ms"] = decode_cpu_ms(store, jpegs)
+    cores = len(os.sched_getaffinity(0))
+    floor_ms = out["noop_server_cpu_ms"] + out["noop_client_cpu_ms"] + out["decode_ms"]
+    out["ceiling_rps"] = 1000 * cores / floor_ms
+    print(
+        f"  ceiling: {cores} cores / (bare endpoint {out['noop_server_cpu_ms']:.2f} + load "
+        f"generator {out['noop_client_cpu_ms']:.2f} + decode {out['decode_ms']:.2f} ms CPU per "
+        f"request) = {out['ceiling_rps']:.0f} requests/s",
+        flush=True,
+    )
     return out
 
 
@@ -272,6 +286,12 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
             f"FastAPI upload {mach['noop_rps']:.0f} req/s = {r:.2f}  (target >= 0.70)  "
             f"{verdict(r >= 0.70)}"
         )
+        if "ceiling_rps" in mach:
+            lines.append(
+                "machinery ceiling: a server that decoded and otherwise cost no more than the "
+                f"bare endpoint would reach {mach['ceiling_rps'] / mach['noop_rps']:.2f}; "
+                f"this server reached {mach[f'{best}_rps'] / mach['ceiling_rps']:.2f} of it"
+            )
     return lines
 
 

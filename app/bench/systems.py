@@ -82,6 +82,20 @@ def export_bench_model(name: str, out: Path) -> Path:
     return out
 
 
+def decode_cpu_ms(store: Path, jpegs: list[bytes], seconds: float = 1.0) -> float:
+    """CPU milliseconds per image of ``preprocess`` for ``store``'s input size, on one thread:
+    the least any server must spend per request on these uploads."""
+    spec = read_manifest(store).input
+    for data in jpegs:  # warm-up
+        preprocess(data, spec)
+    count, started, stop = 0, time.process_time(), time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        for data in jpegs:
+            preprocess(data, spec)
+        count += len(jpegs)
+    return 1000 * (time.process_time() - started) / count
+
+
 @dataclass
 class RawResult:
     batch_size: int
