@@ -20,7 +20,7 @@ test: install-dev  ## whole test suite (CPU only) plus lint
 	$(PY) -m pytest
 
 bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (~9 min)
-	$(PY) -m app.bench --plot docs/performance.png
+	$(PY) -m app.bench --plot docs/performance.png --json docs/bench.json
 
 bench-quick: install-dev  ## the same, default model only, under 2 minutes
 	$(PY) -m app.bench --quick
