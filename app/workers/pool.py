@@ -113,6 +113,7 @@ async def _wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
     if not process.is_alive() or timeout_s <= 0:
         return
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     exited = asyncio.Event()
     loop.add_reader(process.sentinel, exited.set)
     try:
@@ -120,6 +121,11 @@ async def _wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
             await asyncio.wait_for(exited.wait(), timeout_s)
     finally:
         loop.remove_reader(process.sentinel)
+    # The sentinel closes while the process exits, a moment before it can be reaped: a big
+    # process (a worker with its models) can still count as alive for some milliseconds.
+    # Nothing signals the reaping itself, so poll.
+    while process.is_alive() and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
 
 
 class WorkerPool:

@@ -3,6 +3,8 @@ batch with per-image errors, and turning those errors back into typed ones."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,13 @@ from PIL import Image
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.jobs import Task
 from app.manifest import Manifest
-from app.workers.pool import LEND_AFTER_IDLE_S, WorkerPool, _image_error, _Worker
+from app.workers.pool import (
+    LEND_AFTER_IDLE_S,
+    WorkerPool,
+    _image_error,
+    _wait_for_exit,
+    _Worker,
+)
 from app.workers.process import Decoder, _batch_pixels
 from app.workers.protocol import InputBuffer, RunBatch, WorkerSpec
 from tests.unit.test_images import SPEC, encode, gradient
@@ -168,3 +176,43 @@ def test_only_workers_idle_for_a_while_lend_their_threads(
     assert threads(worker(1, "cpu", 0.0)) == 2
     assert threads(worker(1, "cpu", long_idle, busy=True)) == 2
     assert threads(worker(1, "cuda:0", long_idle)) == 2
+
+
+def test_waiting_for_a_worker_to_exit_outlasts_its_sentinel() -> None:
+    """A process closes its sentinel while it exits, a moment before it can be reaped: the
+    pool must not take it for one that did not stop (and kill it)."""
+    read_end, write_end = os.pipe()
+
+    class Exiting:
+        sentinel = read_end
+        polls_after_close = 3
+
+        def is_alive(self) -> bool:
+            if self.polls_after_close == 0:
+                return False
+            if write_end_closed:
+                self.polls_after_close -= 1
+            return True
+
+    write_end_closed = False
+
+    async def scenario() -> float:
+        nonlocal write_end_closed
+        process = Exiting()
+        loop = asyncio.get_running_loop()
+
+        def close() -> None:
+            nonlocal write_end_closed
+            os.close(write_end)
+            write_end_closed = True
+
+        loop.call_later(0.01, close)
+        started = loop.time()
+        await _wait_for_exit(process, 5.0)  # type: ignore[arg-type]
+        assert not process.is_alive()
+        return loop.time() - started
+
+    try:
+        assert asyncio.run(scenario()) < 1.0
+    finally:
+        os.close(read_end)
