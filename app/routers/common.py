@@ -63,7 +63,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         return await task
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():  # the client left, not a shutdown
+        current = asyncio.current_task()
+        left = watcher.done() and not watcher.cancelled()
+        if left and not (current and current.cancelling()):  # the client, not a shutdown
             raise ClientDisconnected("the client closed the connection") from None
         raise
     finally:
