@@ -429,21 +429,27 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
 async def test_stop_signal_turns_readiness_and_new_requests_to_503(tiny_store: Path) -> None:
     import signal as signals
 
-    async with running_app(model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1) as (
-        _,
-        client,
-    ):
-        assert (await client.get("/readyz")).status_code == 200
-        handler = signals.getsignal(signals.SIGINT)
-        assert callable(handler)
-        # Our handler flips readiness, then hands over to the previous one (here Python's
-        # default, which raises KeyboardInterrupt; under uvicorn, its graceful shutdown).
-        with pytest.raises(KeyboardInterrupt):
-            handler(signals.SIGINT, None)
-        ready = await client.get("/readyz")
-        refused = await client.post(
-            "/predict/tag", files={"image": ("x.png", distinct_images(1)[0])}
-        )
+    # Whatever handled SIGINT before (asyncio's runner, when this test runs first, cancels
+    # the test's own task): Python's default here, so the hand-over below is deterministic.
+    outer = signals.signal(signals.SIGINT, signals.default_int_handler)
+    try:
+        async with running_app(model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1) as (
+            _,
+            client,
+        ):
+            assert (await client.get("/readyz")).status_code == 200
+            handler = signals.getsignal(signals.SIGINT)
+            assert callable(handler)
+            # Our handler flips readiness, then hands over to the previous one (here Python's
+            # default, which raises KeyboardInterrupt; under uvicorn, its graceful shutdown).
+            with pytest.raises(KeyboardInterrupt):
+                handler(signals.SIGINT, None)
+            ready = await client.get("/readyz")
+            refused = await client.post(
+                "/predict/tag", files={"image": ("x.png", distinct_images(1)[0])}
+            )
+    finally:
+        signals.signal(signals.SIGINT, outer)
     assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "not_ready"
     assert "Retry-After" in refused.headers
