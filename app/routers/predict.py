@@ -49,12 +49,10 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "properties": {FILE_FIELD: image},
         "required": [FILE_FIELD],
     }
+    k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": 5}
     if with_k:
         form["properties"]["k"] = {
-            "type": "integer",
-            "minimum": 1,
-            "maximum": MAX_K,
-            "default": 5,
+            **k_schema,
             "description": f"{K_HELP} (or the query parameter k)",
         }
     k_query = {
@@ -62,7 +60,7 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "in": "query",
         "required": False,
         "description": f"{K_HELP} (a form field k wins)",
-        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": 5},
+        "schema": k_schema,
     }
     return {
         "parameters": [k_query] if with_k else [],

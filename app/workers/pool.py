@@ -322,6 +322,10 @@ class WorkerPool:
         worker.reader = asyncio.create_task(
             self._read_replies(worker), name=f"worker-{worker.spec.index}-replies"
         )
+        self._make_idle(worker)
+
+    def _make_idle(self, worker: _Worker) -> None:
+        """Hand ``worker`` to the next batch, noting since when it idles (see lending)."""
         worker.idle_since = time.monotonic()
         self._idle.put_nowait(worker)
 
@@ -512,8 +516,7 @@ class WorkerPool:
             log.error("worker %d sent an unexpected message %r", worker.spec.index, message)
             return
         worker.pending = worker.pending_id = None
-        worker.idle_since = time.monotonic()
-        self._idle.put_nowait(worker)
+        self._make_idle(worker)
         self._failures.pop(worker.spec.index, None)  # it works: reset its restart backoff
         if future is None or future.done():
             return

@@ -185,28 +185,22 @@ def test_waiting_for_a_worker_to_exit_outlasts_its_sentinel() -> None:
 
     class Exiting:
         sentinel = read_end
-        polls_after_close = 3
+        closed = False  # the sentinel's write end, as at exit
+        polls_after_close = 3  # then it can be reaped
 
         def is_alive(self) -> bool:
-            if self.polls_after_close == 0:
-                return False
-            if write_end_closed:
-                self.polls_after_close -= 1
-            return True
+            if self.closed:
+                self.polls_after_close = max(0, self.polls_after_close - 1)
+            return self.polls_after_close > 0
 
-    write_end_closed = False
+        def close_sentinel(self) -> None:
+            os.close(write_end)
+            self.closed = True
 
     async def scenario() -> float:
-        nonlocal write_end_closed
         process = Exiting()
         loop = asyncio.get_running_loop()
-
-        def close() -> None:
-            nonlocal write_end_closed
-            os.close(write_end)
-            write_end_closed = True
-
-        loop.call_later(0.01, close)
+        loop.call_later(0.01, process.close_sentinel)
         started = loop.time()
         await _wait_for_exit(process, 5.0)  # type: ignore[arg-type]
         assert not process.is_alive()
