@@ -19,7 +19,7 @@ test: install-dev  ## whole test suite (CPU only) plus lint
 	$(PY) -m mypy
 	$(PY) -m pytest
 
-bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (~9 min)
+bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (9-10 min)
 	$(PY) -m app.bench --plot docs/performance.png --json docs/bench.json
 
 bench-quick: install-dev  ## the same, default model only, under 2 minutes
