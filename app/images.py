@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,7 @@ from app.manifest import InputSpec
 # Explicit allowlist: exotic decoders are where most image-library CVEs live.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 DEFAULT_MAX_PIXELS = 40_000_000
+ORIENTATION_TAG = 0x0112  # EXIF
 _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
 
@@ -76,15 +78,59 @@ def _open(data: bytes) -> Image.Image:
         raise InvalidImage(f"cannot read the image: {exc}") from None
 
 
+def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
+    """The image, opened lazily (only its header is read), within the pixel limit."""
+    image = _open(data)
+    width, height = image.size
+    if width * height > max_pixels:
+        raise PayloadTooLarge(f"image is {width}x{height}; at most {max_pixels} pixels allowed")
+    return image
+
+
+@dataclass(frozen=True)
+class Header:
+    """What an upload's header says, read without decoding any pixels."""
+
+    format: str  # one of ALLOWED_FORMATS
+    mode: str  # Pillow's mode: "RGB" (a YCbCr JPEG), "L", "CMYK", "P", ...
+    width: int
+    height: int
+    orientation: int  # EXIF orientation, 1 (as stored) to 8
+
+
+def read_header(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Header:
+    """The upload's format, mode, size and EXIF orientation, with the same 4xx errors as
+    ``preprocess`` for what is not an image, is refused, or has too many pixels."""
+    image = _open_checked(data, max_pixels)
+    try:
+        orientation = int(image.getexif().get(ORIENTATION_TAG, 1))
+    except Exception:  # an unreadable EXIF block: take the pixels as stored
+        orientation = 1
+    return Header(
+        format=image.format or "",
+        mode=image.mode,
+        width=image.size[0],
+        height=image.size[1],
+        orientation=orientation if 1 <= orientation <= 8 else 1,
+    )
+
+
+def center_crop_box(width: int, height: int, spec: InputSpec) -> tuple[float, float, float, float]:
+    """``(left, top, right, bottom)`` in source pixels of the region that becomes the centre
+    crop once the shorter side is scaled to ``spec.resize_size``."""
+    scale = spec.resize_size / min(width, height)
+    crop_w = min(width, spec.crop_size / scale)
+    crop_h = min(height, spec.crop_size / scale)
+    left, top = (width - crop_w) / 2, (height - crop_h) / 2
+    return (left, top, left + crop_w, top + crop_h)
+
+
 def preprocess(
     data: bytes, spec: InputSpec, *, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> npt.NDArray[np.uint8]:
     """Encoded image bytes -> uint8 array ``[crop, crop, 3]``: resize the shorter side to
     ``spec.resize_size`` and take the centre crop, in one resampling pass."""
-    image = _open(data)
-    width, height = image.size
-    if width * height > max_pixels:
-        raise PayloadTooLarge(f"image is {width}x{height}; at most {max_pixels} pixels allowed")
+    image = _open_checked(data, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -114,15 +160,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _resize_center_crop(image: Image.Image, spec: InputSpec) -> npt.NDArray[np.uint8]:
-    width, height = image.size
-    scale = spec.resize_size / min(width, height)
-    # The crop window, in source pixels, that lands on the centre crop after scaling.
-    crop_w = min(width, spec.crop_size / scale)
-    crop_h = min(height, spec.crop_size / scale)
-    left, top = (width - crop_w) / 2, (height - crop_h) / 2
     resized = image.resize(
         (spec.crop_size, spec.crop_size),
         _RESAMPLE[spec.interpolation],
-        box=(left, top, left + crop_w, top + crop_h),
+        box=center_crop_box(*image.size, spec),
     )
     return np.asarray(resized, dtype=np.uint8)

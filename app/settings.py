@@ -66,12 +66,14 @@ class Settings(BaseSettings):
     mb_worker_start_timeout: float = Field(
         300.0, gt=0, description="Seconds the workers get to load and warm up."
     )
-    mb_decode: Literal["auto", "server", "worker"] = Field(
+    mb_decode: Literal["auto", "server", "worker", "device"] = Field(
         "auto",
         description=(
             "Where uploads are decoded: 'server' (threads in the HTTP process, overlapping the "
             "model), 'worker' (each worker decodes its batch; the HTTP process only serves "
-            "HTTP), or 'auto': 'worker' when a worker runs on a GPU, else 'server'."
+            "HTTP), 'device' (like 'worker', but JPEGs are decoded, resized and cropped on the "
+            "worker's device: nvJPEG on a GPU), or 'auto': 'worker' when a worker runs on a "
+            "GPU, else 'server'."
         ),
     )
     mb_decode_threads: int | None = Field(

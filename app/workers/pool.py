@@ -213,7 +213,7 @@ class WorkerPool:
         ``auto`` means yes as soon as one worker runs on a GPU. Fixed for the pool's life."""
         if self._decode == "auto":
             return any(device != "cpu" for device in self.assigned_devices())
-        return self._decode == "worker"
+        return self._decode in ("worker", "device")
 
     def _threads_for(self, device: str, workers: int) -> int:
         if self._threads is not None:
@@ -249,6 +249,7 @@ class WorkerPool:
             dtype=self.dtype,
             optimize=self.optimize,
             decode_threads=self._decode_threads_for(device, workers),
+            decode_on_device=self._decode == "device",
             max_pixels=self.max_pixels,
         )
         context = mp.get_context("spawn")

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.errors import ServerError
-from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec
+from app.workers.decoding import Decoder, DeviceDecoder, Errors
 from app.workers.models import LoadedModels, LoadOptions, load_models
 from app.workers.protocol import (
     STOP,
@@ -37,6 +35,10 @@ from app.workers.protocol import (
 )
 
 log = logging.getLogger("app.worker")
+
+# A batch of uint8 [n, H, W, 3] images: numpy from the shared buffer or Pillow, or a tensor
+# already on the device (MB_DECODE=device).
+Pixels = npt.NDArray[np.uint8] | torch.Tensor
 
 
 class BatchRunner:
@@ -53,13 +55,14 @@ class BatchRunner:
         self._scale = (1.0 / (255.0 * std)).view(1, 3, 1, 1).to(device)
         self._shift = (-mean / std).view(1, 3, 1, 1).to(device)
 
-    def to_input(self, pixels: npt.NDArray[np.uint8]) -> torch.Tensor:
+    def to_input(self, pixels: Pixels) -> torch.Tensor:
         """uint8 [n, H, W, 3] -> normalised float32 [n, 3, H, W] (channels-last in memory)."""
-        batch = torch.from_numpy(pixels).to(self.device, non_blocking=True)
+        batch = pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
+        batch = batch.to(self.device, non_blocking=True)
         normalised = torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
         return normalised.to(self.models.dtype)
 
-    def run(self, task: Task, pixels: npt.NDArray[np.uint8], top_k: int) -> dict[str, Any]:
+    def run(self, task: Task, pixels: Pixels, top_k: int) -> dict[str, Any]:
         with torch.inference_mode():
             features = self.models.embedding(self.to_input(pixels))
             if task is Task.EMBEDDING:
@@ -118,11 +121,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         models = load_models(Path(spec.model_store), device, options)
         runner = BatchRunner(models, device)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
-        decoder = (
-            Decoder(models.manifest.input, spec.decode_threads, spec.max_pixels)
-            if spec.decode_threads
-            else None
-        )
+        decoder: Decoder | DeviceDecoder | None = None
+        if spec.decode_threads:
+            decoder = Decoder(models.manifest.input, spec.decode_threads, spec.max_pixels)
+            if spec.decode_on_device:
+                decoder = DeviceDecoder(models.manifest.input, device, decoder, spec.max_pixels)
+                decoder.warm_up()
         warm = np.zeros((1, *spec.image_shape), dtype=np.uint8)
         for _ in range(2):  # the TorchScript executor optimises on its first calls
             runner.run(Task.TAG, warm, top_k=1)
@@ -141,64 +145,30 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     _serve(runner, buffer, decoder, spec.image_shape, conn)
 
 
-class Decoder:
-    """Decodes a batch of uploads in this worker (``MB_DECODE=worker``): the same
-    ``preprocess`` as the server's, on ``threads`` threads (Pillow releases the GIL)."""
-
-    def __init__(self, spec: InputSpec, threads: int, max_pixels: int) -> None:
-        self.spec = spec
-        self.max_pixels = max_pixels
-        self._pool = None
-        if threads > 1:
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
-
-    def _one(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
-        try:
-            return preprocess(data, self.spec, max_pixels=self.max_pixels)
-        except ServerError as exc:  # a bad image: that item's own 4xx
-            return (type(exc).__name__, str(exc))
-        except Exception as exc:  # a decoder bug: this item fails alone
-            log.error("decoding an upload failed:\n%s", traceback.format_exc())
-            return ("InferenceError", f"{type(exc).__name__}: {exc}")
-
-    def decode(
-        self, blobs: list[bytes], out: npt.NDArray[np.uint8]
-    ) -> tuple[int, dict[int, tuple[str, str]]]:
-        """Decode ``blobs`` into the first rows of ``out`` (skipping failures); returns the
-        number of rows written and ``{position: (error class, message)}`` for the failures."""
-        results = map(self._one, blobs) if self._pool is None else self._pool.map(self._one, blobs)
-        rows, errors = 0, {}
-        for position, result in enumerate(results):
-            if isinstance(result, tuple):
-                errors[position] = result
-            else:
-                out[rows] = result
-                rows += 1
-        return rows, errors
-
-
 def _batch_pixels(
     message: RunBatch,
     buffer: InputBuffer,
-    decoder: Decoder | None,
+    decoder: Decoder | DeviceDecoder | None,
     image_shape: tuple[int, int, int],
     scratch: npt.NDArray[np.uint8],
-) -> tuple[npt.NDArray[np.uint8], dict[int, tuple[str, str]]]:
+) -> tuple[Pixels, Errors]:
     """The batch's uint8 pixels (decoded here if it came encoded) and its per-row errors."""
     if decoder is None:
         return buffer.images(len(message.ids), image_shape), {}
-    blobs = [
-        buffer.blob(span) if span is not None else inline
+    blobs: list[bytes] = [
+        buffer.blob(span) if span is not None else inline  # type: ignore[misc]
         for span, inline in zip(message.spans, message.inline, strict=True)
     ]
-    rows, errors = decoder.decode(blobs, scratch)  # type: ignore[arg-type]
+    if isinstance(decoder, DeviceDecoder):
+        return decoder.decode(blobs)
+    rows, errors = decoder.decode(blobs, scratch)
     return scratch[:rows], errors
 
 
 def _serve(
     runner: BatchRunner,
     buffer: InputBuffer,
-    decoder: Decoder | None,
+    decoder: Decoder | DeviceDecoder | None,
     image_shape: tuple[int, int, int],
     conn: Connection,
 ) -> None:

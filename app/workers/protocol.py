@@ -43,6 +43,7 @@ class WorkerSpec:
     dtype: str = "float32"
     optimize: bool = True
     decode_threads: int = 0  # > 0: batches arrive encoded and this many threads decode them
+    decode_on_device: bool = False  # JPEGs are decoded on ``device`` (MB_DECODE=device)
     max_pixels: int = 40_000_000  # the largest image a worker decodes
 
 

@@ -26,13 +26,13 @@ pytestmark = pytest.mark.slow
 CAT_CLASSES = {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat"}
 
 
+@pytest.mark.parametrize("decode", ["server", "device"])
 async def test_default_model_tags_a_cat_and_an_espresso(
-    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes, decode: str
 ) -> None:
-    async with running_app(model_store=default_store, cuda_devices="cpu", mb_worker_num=1) as (
-        _,
-        client,
-    ):
+    async with running_app(
+        model_store=default_store, cuda_devices="cpu", mb_worker_num=1, mb_decode=decode
+    ) as (_, client):
         cat, coffee = await asyncio.gather(
             client.post("/predict/tag", files={"image": ("cat.jpg", cat_jpeg)}),
             client.post("/predict/tag", files={"image": ("coffee.jpg", coffee_jpeg)}),

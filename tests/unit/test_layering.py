@@ -28,3 +28,8 @@ def test_workers_import_neither_services_nor_the_web_framework() -> None:
     loaded = _modules_after_import("app.workers.pool")
     assert not {m for m in loaded if m.startswith(("app.services", "app.routers"))}
     assert "fastapi" not in loaded
+
+
+def test_torchvision_is_imported_only_to_decode_on_a_device() -> None:
+    # Importing torchvision takes about 2 s, in the HTTP process and in every worker.
+    assert "torchvision" not in _modules_after_import("app.workers.pool")

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from PIL import Image
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.jobs import Task
 from app.manifest import Manifest
+from app.workers.decoding import Decoder
 from app.workers.pool import (
     LEND_AFTER_IDLE_S,
     WorkerPool,
@@ -24,7 +26,7 @@ from app.workers.pool import (
     _wait_for_exit,
     _Worker,
 )
-from app.workers.process import Decoder, _batch_pixels
+from app.workers.process import _batch_pixels
 from app.workers.protocol import InputBuffer, RunBatch, WorkerSpec
 from tests.unit.test_images import SPEC, encode, gradient
 
@@ -130,14 +132,40 @@ def _pool(monkeypatch: pytest.MonkeyPatch, gpus: int, **options: Any) -> WorkerP
     )
 
 
+class _UnstartedProcess:
+    """Stands in for a worker process: ``_spawn`` builds everything but starts nothing."""
+
+    def __init__(self, target: object, args: tuple[WorkerSpec, Any], **_: object) -> None:
+        self.spec = args[0]
+
+    def start(self) -> None:
+        pass
+
+
 @pytest.mark.parametrize(
-    ("decode", "gpus", "in_workers"),
-    [("auto", 0, False), ("auto", 2, True), ("server", 2, False), ("worker", 0, True)],
+    ("decode", "gpus", "in_workers", "on_device"),
+    [
+        ("auto", 0, False, False),
+        ("auto", 2, True, False),
+        ("server", 2, False, False),
+        ("worker", 0, True, False),
+        ("device", 0, True, True),
+        ("device", 2, True, True),
+    ],
 )
 def test_where_uploads_are_decoded(
-    monkeypatch: pytest.MonkeyPatch, decode: str, gpus: int, in_workers: bool
+    monkeypatch: pytest.MonkeyPatch, decode: str, gpus: int, in_workers: bool, on_device: bool
 ) -> None:
-    assert _pool(monkeypatch, gpus, decode=decode).decode_in_workers is in_workers
+    pool = _pool(monkeypatch, gpus, decode=decode)
+    assert pool.decode_in_workers is in_workers
+    context = SimpleNamespace(Process=_UnstartedProcess)
+    monkeypatch.setattr("app.workers.pool.mp.get_context", lambda _: context)
+    worker = pool._spawn(0, pool.assigned_devices()[0], 1)
+    worker.conn.close()
+    worker.buffer.unlink()
+    worker.buffer.close()
+    assert (worker.spec.decode_threads > 0) is in_workers
+    assert worker.spec.decode_on_device is on_device
 
 
 def test_decode_threads_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
