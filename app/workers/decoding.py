@@ -20,7 +20,6 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -82,21 +81,15 @@ class Decoder:
 DEVICE_JPEG_MODES = ("RGB", "L")
 
 
-@contextmanager
-def _quiet_decoder() -> Iterator[None]:
-    """torchvision >= 0.29 warns on every decode that TorchCodec supersedes its decoders;
-    they still work and are what the pinned release ships."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision")
-        yield
-
-
 def _decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> Any:
     """``torchvision.io.decode_jpeg`` to RGB, imported on first use: importing torchvision
     takes about 2 s, which no process that never decodes on a device should pay."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    with _quiet_decoder():
+    with warnings.catch_warnings():
+        # torchvision >= 0.29 warns on every call that TorchCodec supersedes its decoders;
+        # they still work, and they are what the pinned release ships.
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision")
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 

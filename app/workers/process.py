@@ -172,7 +172,7 @@ def _serve(
     image_shape: tuple[int, int, int],
     conn: Connection,
 ) -> None:
-    # Decoded uploads land here (the shared buffer holds the encoded bytes meanwhile).
+    # Uploads decoded by Pillow land here (the shared buffer holds the encoded bytes meanwhile).
     scratch = np.empty((0, *image_shape), dtype=np.uint8)
     while True:
         try:
@@ -187,7 +187,7 @@ def _serve(
             started = time.perf_counter()
             if message.threads and message.threads != torch.get_num_threads():
                 torch.set_num_threads(message.threads)
-            if decoder is not None and len(scratch) < len(message.ids):
+            if isinstance(decoder, Decoder) and len(scratch) < len(message.ids):
                 scratch = np.empty((len(message.ids), *image_shape), dtype=np.uint8)
             pixels, errors = _batch_pixels(message, buffer, decoder, image_shape, scratch)
             outputs = runner.run(message.task, pixels, message.top_k) if len(pixels) else {}
