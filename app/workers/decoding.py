@@ -47,6 +47,8 @@ class Decoder:
         self._pool = None
         if threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        # Decoded rows land here, grown to the largest batch seen and reused.
+        self._rows = np.empty((0, spec.crop_size, spec.crop_size, 3), dtype=np.uint8)
 
     def _one(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
         try:
@@ -64,17 +66,20 @@ class Decoder:
             return map(self._one, blobs)
         return self._pool.map(self._one, blobs)
 
-    def decode(self, blobs: list[bytes], out: npt.NDArray[np.uint8]) -> tuple[int, Errors]:
-        """Decode ``blobs`` into the first rows of ``out`` (skipping failures); returns the
-        number of rows written and ``{position: (error class, message)}`` for the failures."""
+    def decode(self, blobs: list[bytes]) -> tuple[npt.NDArray[np.uint8], Errors]:
+        """``[n, crop, crop, 3]`` uint8 for the ``n`` uploads that decoded, in order (a view
+        of this decoder's buffer, valid until the next call), and ``{position: (error class,
+        message)}`` for the others."""
+        if len(self._rows) < len(blobs):
+            self._rows = np.empty((len(blobs), *self._rows.shape[1:]), dtype=np.uint8)
         rows, errors = 0, {}
         for position, result in enumerate(self.map(blobs)):
             if isinstance(result, tuple):
                 errors[position] = result
             else:
-                out[rows] = result
+                self._rows[rows] = result
                 rows += 1
-        return rows, errors
+        return self._rows[:rows], errors
 
 
 # Pillow modes of the JPEGs decoded on the device: YCbCr (reported as RGB) and greyscale.

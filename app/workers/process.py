@@ -150,7 +150,6 @@ def _batch_pixels(
     buffer: InputBuffer,
     decoder: Decoder | DeviceDecoder | None,
     image_shape: tuple[int, int, int],
-    scratch: npt.NDArray[np.uint8],
 ) -> tuple[Pixels, Errors]:
     """The batch's uint8 pixels (decoded here if it came encoded) and its per-row errors."""
     if decoder is None:
@@ -159,10 +158,7 @@ def _batch_pixels(
         buffer.blob(span) if span is not None else inline  # type: ignore[misc]
         for span, inline in zip(message.spans, message.inline, strict=True)
     ]
-    if isinstance(decoder, DeviceDecoder):
-        return decoder.decode(blobs)
-    rows, errors = decoder.decode(blobs, scratch)
-    return scratch[:rows], errors
+    return decoder.decode(blobs)
 
 
 def _serve(
@@ -172,8 +168,6 @@ def _serve(
     image_shape: tuple[int, int, int],
     conn: Connection,
 ) -> None:
-    # Uploads decoded by Pillow land here (the shared buffer holds the encoded bytes meanwhile).
-    scratch = np.empty((0, *image_shape), dtype=np.uint8)
     while True:
         try:
             message = conn.recv()
@@ -187,9 +181,7 @@ def _serve(
             started = time.perf_counter()
             if message.threads and message.threads != torch.get_num_threads():
                 torch.set_num_threads(message.threads)
-            if isinstance(decoder, Decoder) and len(scratch) < len(message.ids):
-                scratch = np.empty((len(message.ids), *image_shape), dtype=np.uint8)
-            pixels, errors = _batch_pixels(message, buffer, decoder, image_shape, scratch)
+            pixels, errors = _batch_pixels(message, buffer, decoder, image_shape)
             outputs = runner.run(message.task, pixels, message.top_k) if len(pixels) else {}
             reply: BatchDone | BatchFailed = BatchDone(
                 message.batch_id,

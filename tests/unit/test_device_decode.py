@@ -133,8 +133,7 @@ def test_encoded_batch_becomes_a_device_tensor_the_runner_takes() -> None:
     try:
         spans, inline = buffer.pack([upload, upload])  # the second travels inline
         message = RunBatch(0, Task.EMBEDDING, (1, 2), 0, spans, inline)
-        scratch = np.zeros((0, 64, 64, 3), dtype=np.uint8)
-        pixels, errors = _batch_pixels(message, buffer, decoder(), (64, 64, 3), scratch)
+        pixels, errors = _batch_pixels(message, buffer, decoder(), (64, 64, 3))
     finally:
         buffer.unlink()
         buffer.close()

@@ -52,9 +52,8 @@ def test_decoder_writes_good_rows_in_order_and_reports_each_bad_one(threads: int
     good = [encode(gradient(80 + 8 * i, 60), "PNG") for i in range(3)]
     tiff = encode(gradient(), "TIFF")
     blobs = [good[0], b"not an image", good[1], tiff, good[2][:40]]
-    out = np.zeros((len(blobs), 32, 32, 3), dtype=np.uint8)
-    rows, errors = Decoder(SPEC, threads, max_pixels=10**6).decode(blobs, out)
-    assert rows == 2
+    out, errors = Decoder(SPEC, threads, max_pixels=10**6).decode(blobs)
+    assert len(out) == 2
     assert {pos: name for pos, (name, _) in errors.items()} == {
         1: "InvalidImage",
         3: "UnsupportedImageFormat",
@@ -63,16 +62,14 @@ def test_decoder_writes_good_rows_in_order_and_reports_each_bad_one(threads: int
     assert "TIFF" in errors[3][1]
     expected = Decoder(SPEC, 1, max_pixels=10**6)
     for row, blob in enumerate(good[:2]):
-        single = np.zeros((1, 32, 32, 3), dtype=np.uint8)
-        expected.decode([blob], single)
+        single, _ = expected.decode([blob])
         assert np.array_equal(out[row], single[0])
 
 
 def test_decoder_enforces_the_pixel_limit() -> None:
     big = encode(Image.new("RGB", (200, 200)), "PNG")
-    out = np.zeros((1, 32, 32, 3), dtype=np.uint8)
-    rows, errors = Decoder(SPEC, 1, max_pixels=10_000).decode([big], out)
-    assert rows == 0 and errors[0][0] == "PayloadTooLarge"
+    out, errors = Decoder(SPEC, 1, max_pixels=10_000).decode([big])
+    assert len(out) == 0 and errors[0][0] == "PayloadTooLarge"
 
 
 def test_encoded_batch_is_read_from_the_buffer_and_inline() -> None:
@@ -82,9 +79,8 @@ def test_encoded_batch_is_read_from_the_buffer_and_inline() -> None:
         spans, inline = buffer.pack([small, small])
         assert spans == ((0, len(small)), None)
         message = RunBatch(0, Task.EMBEDDING, (7, 8), 0, spans, inline)
-        scratch = np.zeros((2, 32, 32, 3), dtype=np.uint8)
         decoder = Decoder(SPEC, 1, max_pixels=10**6)
-        pixels, errors = _batch_pixels(message, buffer, decoder, (32, 32, 3), scratch)
+        pixels, errors = _batch_pixels(message, buffer, decoder, (32, 32, 3))
         assert errors == {} and pixels.shape == (2, 32, 32, 3)
         assert pixels[0].any() and np.array_equal(pixels[0], pixels[1])
     finally:
