@@ -28,6 +28,7 @@ from app.export import SplitModel, export, export_split
 from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
+from app.workers.allocator import retain_freed_memory
 from app.workers.models import load_models
 from app.workers.process import BatchRunner
 
@@ -105,9 +106,10 @@ class RawResult:
 
 class RawPipeline:
     """The server's work without HTTP: decode + preprocess + model, in one thread of control,
-    in this process."""
+    in this process, with the same allocator tuning as a worker."""
 
     def __init__(self, store: Path, jpegs: list[bytes], threads: int) -> None:
+        retain_freed_memory()
         torch.set_num_threads(threads)
         self.jpegs = jpegs
         self.spec = read_manifest(store).input

@@ -21,6 +21,7 @@ import torch
 
 from app.jobs import Task
 from app.manifest import InputSpec
+from app.workers.allocator import retain_freed_memory
 from app.workers.decoding import Decoder, DeviceDecoder, Errors
 from app.workers.models import LoadedModels, LoadOptions, load_models
 from app.workers.protocol import (
@@ -113,6 +114,7 @@ def _configure_threads(spec: WorkerSpec) -> None:
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
     try:
+        retain_freed_memory()
         _configure_threads(spec)
         device = torch.device(spec.device)
         if device.type == "cuda":
