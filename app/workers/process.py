@@ -79,6 +79,22 @@ KNEE_FRACTION = 0.95
 # Stop trying bigger batches once one call takes this long: a batch that slow would add its
 # whole duration to the latency of every request in it.
 AUTO_BATCH_MAX_CALL_S = 1.0
+# Each size is timed in this many rounds and keeps its best: workers measure at the same time
+# and share the cores, so any one timing may be slowed by a neighbour (on 2 cores a lone round
+# picked batch 1 or 4 from run to run), and interference only ever slows a timing down.
+AUTO_BATCH_ROUNDS = 3
+AUTO_BATCH_MIN_TIMING_S = 0.1
+
+
+def _images_per_s(runner: BatchRunner, pixels: npt.NDArray[np.uint8]) -> tuple[float, float]:
+    """Images/s of back-to-back calls for at least ``AUTO_BATCH_MIN_TIMING_S``, and the
+    seconds one call took."""
+    calls, started = 0, time.perf_counter()
+    while calls < 1 or time.perf_counter() - started < AUTO_BATCH_MIN_TIMING_S:
+        runner.run(Task.TAG, pixels, 1)
+        calls += 1
+    elapsed = time.perf_counter() - started
+    return len(pixels) * calls / elapsed, elapsed / calls
 
 
 def choose_batch_size(
@@ -86,20 +102,24 @@ def choose_batch_size(
 ) -> tuple[int, dict[int, float]]:
     """Measure images/s at batch sizes 1, 2, 4, ... <= ``upper`` on this worker's device and
     return the smallest size within ``KNEE_FRACTION`` of the best, with the measurements."""
+    batches: list[npt.NDArray[np.uint8]] = []
     throughput: dict[int, float] = {}
-    size = 1
-    while size <= upper:
+    size, past_the_knee = 1, 0
+    while size <= upper:  # the first round also finds how far to grow
         pixels = np.zeros((size, *image_shape), dtype=np.uint8)
         runner.run(Task.TAG, pixels, 1)  # first call at a new shape may be slower
-        calls, started = 0, time.perf_counter()
-        while calls < 2 or time.perf_counter() - started < 0.2:
-            runner.run(Task.TAG, pixels, 1)
-            calls += 1
-        elapsed = time.perf_counter() - started
-        throughput[size] = size * calls / elapsed
-        if elapsed / calls > AUTO_BATCH_MAX_CALL_S:
+        batches.append(pixels)
+        throughput[size], call_s = _images_per_s(runner, pixels)
+        # Two sizes in a row well below the best so far: throughput is falling (on a CPU,
+        # activations outgrow the caches), and bigger batches only cost start-up time.
+        below = throughput[size] < KNEE_FRACTION * max(throughput.values())
+        past_the_knee = past_the_knee + 1 if below else 0
+        if call_s > AUTO_BATCH_MAX_CALL_S or past_the_knee == 2:
             break
         size *= 2
+    for _ in range(AUTO_BATCH_ROUNDS - 1):
+        for pixels in batches:
+            throughput[len(pixels)] = max(throughput[len(pixels)], _images_per_s(runner, pixels)[0])
     best = max(throughput.values())
     chosen = min(s for s, rate in throughput.items() if rate >= KNEE_FRACTION * best)
     return chosen, throughput

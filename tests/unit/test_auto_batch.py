@@ -55,3 +55,30 @@ def test_stops_growing_once_a_call_is_too_slow(monkeypatch: pytest.MonkeyPatch) 
     chosen, table = choose_batch_size(runner, (4, 4, 3), 64)  # type: ignore[arg-type]
     assert max(table) == 4 and 8 not in runner.sizes
     assert chosen == 1
+
+
+def test_a_timing_slowed_by_a_neighbour_does_not_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 4 is the knee, but another worker happened to share the cores while batch 4 was
+    first timed (three times slower): the later rounds time it again and it still wins."""
+    first_calls_at_4 = iter(range(3))  # the warm-up call and the first timing
+
+    def cost(n: int) -> float:
+        per_image = 0.010 if n < 4 else 0.006
+        slowed = n == 4 and next(first_calls_at_4, None) is not None
+        return n * per_image * (3.0 if slowed else 1.0)
+
+    runner = FakeRunner(cost)
+    monkeypatch.setattr(process.time, "perf_counter", runner.clock)
+    chosen, table = choose_batch_size(runner, (4, 4, 3), 16)  # type: ignore[arg-type]
+    assert chosen == 4, table
+    assert table[4] == pytest.approx(4 / (4 * 0.006))
+
+
+def test_stops_growing_once_throughput_falls() -> None:
+    """Two sizes in a row under the knee: bigger batches are not tried (start-up time)."""
+    runner = FakeRunner(lambda n: 0.010 * n * (1.0 if n <= 2 else 1.3))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(process.time, "perf_counter", runner.clock)
+        chosen, table = choose_batch_size(runner, (4, 4, 3), 64)  # type: ignore[arg-type]
+    assert chosen == 1
+    assert sorted(table) == [1, 2, 4, 8] and 16 not in runner.sizes
