@@ -101,7 +101,8 @@ def choose_batch_size(
     runner: BatchRunner, image_shape: tuple[int, int, int], upper: int
 ) -> tuple[int, dict[int, float]]:
     """Measure images/s at batch sizes 1, 2, 4, ... <= ``upper`` on this worker's device and
-    return the smallest size within ``KNEE_FRACTION`` of the best, with the measurements."""
+    return the smallest size within ``KNEE_FRACTION`` of the best, with the measurements.
+    Each size is timed in ``AUTO_BATCH_ROUNDS`` rounds and keeps its best timing."""
     batches: list[npt.NDArray[np.uint8]] = []
     throughput: dict[int, float] = {}
     size, past_the_knee = 1, 0

@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,11 @@ ROUNDS = textwrap.dedent(
 def page_faults(mode: str) -> int:
     # A fresh interpreter each: the thresholds are process-wide and must not leak into pytest.
     done = subprocess.run(
-        [sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", ROUNDS, mode],
+        cwd=Path(__file__).resolve().parents[2],  # so that ``app`` imports
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return int(done.stdout.strip())
 

@@ -74,11 +74,10 @@ def test_a_timing_slowed_by_a_neighbour_does_not_decide(monkeypatch: pytest.Monk
     assert table[4] == pytest.approx(4 / (4 * 0.006))
 
 
-def test_stops_growing_once_throughput_falls() -> None:
+def test_stops_growing_once_throughput_falls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two sizes in a row under the knee: bigger batches are not tried (start-up time)."""
     runner = FakeRunner(lambda n: 0.010 * n * (1.0 if n <= 2 else 1.3))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(process.time, "perf_counter", runner.clock)
-        chosen, table = choose_batch_size(runner, (4, 4, 3), 64)  # type: ignore[arg-type]
+    monkeypatch.setattr(process.time, "perf_counter", runner.clock)
+    chosen, table = choose_batch_size(runner, (4, 4, 3), 64)  # type: ignore[arg-type]
     assert chosen == 1
     assert sorted(table) == [1, 2, 4, 8] and 16 not in runner.sizes
