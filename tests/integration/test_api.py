@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -48,6 +49,13 @@ async def test_health_ready_and_tags(served: tuple[Any, Any]) -> None:
     assert [w["device"] for w in ready.json()["workers"]] == ["cpu"]
     tags = (await client.get("/tags")).json()
     assert len(tags) == 1000 and tags[7] == "class_7"
+
+
+async def test_objects_alive_after_start_up_are_frozen_out_of_collections(
+    served: tuple[Any, Any],
+) -> None:
+    # FastAPI, pydantic, numpy and torch's Python side alone are over 100,000 objects.
+    assert gc.get_freeze_count() > 100_000
 
 
 async def test_embedding_is_the_models_output_for_this_image(
