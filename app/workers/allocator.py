@@ -6,9 +6,9 @@ to the kernel once enough of it is free. A network's activations are exactly suc
 allocated and freed on every call, so each call touches fresh pages that the kernel must
 fault in and zero. Measured on this project's 2-core CPU with EfficientNet-Lite0: about
 3,700 page faults per batch-1 call; a mix of batch sizes 1-32 defeats the adaptation, and
-made 35-46 images/s against 62-90 with the tuning. A worker's working set is bounded by its largest
-batch, so holding on to it costs the memory that batch needs anyway (1.0 GB against 0.67 GB
-of RSS in that run) and no time.
+made 35-46 images/s against 62-90 with the tuning. A worker's working set is bounded by its
+largest batch, so holding on to it costs the memory that batch needs anyway (1.0 GB against
+0.67 GB of RSS in that run) and no time.
 
 Only glibc (Linux) is tuned; elsewhere ``retain_freed_memory`` does nothing.
 """
