@@ -1,8 +1,9 @@
 """``python -m app``: serve ``app.main:app`` with uvicorn on ``HOST``:``PORT``.
 
-The same as ``uvicorn app.main:app --host $HOST --port $PORT``, except that a SIGTERM or
-SIGINT that ends in a clean, graceful shutdown exits with status 0 (plain uvicorn re-raises
-the signal after shutting down, so its exit status reads "killed by SIGTERM").
+The same as ``uvicorn app.main:app --host $HOST --port $PORT``, except that each response
+goes out in one write (``app.http_protocol``), and that a SIGTERM or SIGINT that ends in a
+clean, graceful shutdown exits with status 0 (plain uvicorn re-raises the signal after
+shutting down, so its exit status reads "killed by SIGTERM").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import uvicorn
 
 from app.errors import SettingsError
+from app.http_protocol import HttpProtocol
 from app.settings import get_settings
 
 
@@ -31,6 +33,7 @@ def main() -> int:
             "app.main:app",
             host=settings.host,
             port=settings.port,
+            http=HttpProtocol,  # each response in one write
             log_level=settings.log_level,
             access_log=False,  # the app logs each request itself, with its request id
         )

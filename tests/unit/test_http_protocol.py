@@ -1,0 +1,145 @@
+"""``app.http_protocol``: uvicorn's protocol sends each response in one write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from app.http_protocol import CoalescingTransport, HttpProtocol
+
+REQUEST = b"GET / HTTP/1.1\r\nhost: example.org\r\n\r\n"
+BODY = b'{"ok":true}'
+
+
+class RecordingTransport(asyncio.Transport):
+    """Records each write, as the socket would see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+        self.aborted = False
+        self.events: list[str] = []
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+        self.events.append("write")
+
+    def close(self) -> None:
+        self.closed = True
+        self.events.append("close")
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _json_app(scope: Any, receive: Any, send: Any) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"11")],
+        }
+    )
+    await send({"type": "http.response.body", "body": BODY})
+
+
+async def _streaming_app(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await asyncio.sleep(0.05)  # the first chunk comes a loop turn (or many) later
+    await send({"type": "http.response.body", "body": b"chunk", "more_body": False})
+
+
+async def _serve_one(app: Any) -> RecordingTransport:
+    config = Config(app=app, lifespan="off", log_level="warning")
+    protocol = HttpProtocol(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(REQUEST)
+    for _ in range(100):
+        if transport.writes and transport.writes[-1].endswith((BODY, b"0\r\n\r\n")):
+            break
+        await asyncio.sleep(0.01)
+    return transport
+
+
+async def test_a_response_goes_out_in_one_write() -> None:
+    transport = await _serve_one(_json_app)
+    assert len(transport.writes) == 1, transport.writes  # stock uvicorn: headers, then body
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert transport.writes[0].endswith(b"\r\n\r\n" + BODY)
+
+
+async def test_headers_that_no_body_follows_go_out_at_the_end_of_the_turn() -> None:
+    transport = await _serve_one(_streaming_app)
+    assert len(transport.writes) == 2  # headers did not wait for the late first chunk
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert transport.writes[0].endswith(b"\r\n\r\n")
+    assert b"chunk" in transport.writes[1]
+
+
+async def test_held_headers_are_sent_before_a_close_and_dropped_on_abort() -> None:
+    loop = asyncio.get_running_loop()
+    inner = RecordingTransport()
+    transport = CoalescingTransport(inner, loop)
+    transport.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+    assert inner.writes == []
+    assert transport.get_write_buffer_size() > 0
+    transport.close()
+    assert inner.events == ["write", "close"]
+
+    inner = RecordingTransport()
+    transport = CoalescingTransport(inner, loop)
+    transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    transport.abort()
+    await asyncio.sleep(0)  # the end-of-turn flush finds nothing to send
+    assert inner.writes == [] and inner.aborted
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"partial body", b"HTTP/1.1 400 Bad Request\r\ncontent-length: 3\r\n\r\nbad", b""],
+)
+async def test_anything_but_a_header_block_passes_straight_through(data: bytes) -> None:
+    inner = RecordingTransport()
+    CoalescingTransport(inner, asyncio.get_running_loop()).write(data)
+    assert inner.writes == [data]
+
+
+def test_the_command_line_serves_with_this_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.__main__ as cli
+
+    configs: list[Config] = []
+
+    class FakeServer:
+        started = True
+
+        def __init__(self, config: Config) -> None:
+            configs.append(config)
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli.uvicorn, "Server", FakeServer)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    assert cli.main() == 0
+    assert configs[0].http is HttpProtocol
