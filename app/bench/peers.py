@@ -9,13 +9,16 @@ the benchmark sets (``BENCH_MODEL_STORE``, ``BENCH_BATCH_SIZE``, ``BENCH_MAX_LAT
 * ``plain_app``: FastAPI with no batching, one model call per request: where people start.
 * ``noop_app``: reads the upload and answers ``[]``: the load generator's ceiling, and the
   bare cost of FastAPI plus multipart parsing.
+* ``decode_app``: ``noop_app`` that also decodes each upload: the least any image server does.
 
 Bench-only code: it reads its environment directly and is never imported by the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -132,6 +135,23 @@ def noop_app() -> FastAPI:
     @app.post("/predict/embedding")
     async def embedding(image: Annotated[UploadFile, File()]) -> JSONResponse:
         await image.read()
+        return JSONResponse([])
+
+    return app
+
+
+def decode_app() -> FastAPI:
+    """``noop_app`` plus the one piece of work no image server can skip: decoding the upload
+    (``preprocess``, on a pool of ``BENCH_THREADS`` threads, off the event loop)."""
+    store, _, _, threads = _env()
+    spec = read_manifest(store).input
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+    app = FastAPI()
+
+    @app.post("/predict/embedding")
+    async def embedding(image: Annotated[UploadFile, File()]) -> JSONResponse:
+        data = await image.read()
+        await asyncio.get_running_loop().run_in_executor(pool, preprocess, data, spec)
         return JSONResponse([])
 
     return app

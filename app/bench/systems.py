@@ -222,6 +222,7 @@ def serve(
                 "service-streamer": "streamer_app",
                 "plain": "plain_app",
                 "noop": "noop_app",
+                "decode": "decode_app",
             }[kind]
             env |= {
                 "BENCH_MODEL_STORE": str(store or ""),
