@@ -193,9 +193,9 @@ def serve(
     workers: int = 1,
     settings: dict[str, str] | None = None,
 ) -> Iterator[RunningServer]:
-    """Start ``ours``, ``service-streamer``, ``plain`` or ``noop`` and wait until it answers.
-    ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes and takes
-    any other ``settings`` (environment variables)."""
+    """Start ``ours``, ``service-streamer``, ``plain``, ``noop`` or ``decode`` and wait until
+    it answers. ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes
+    and takes any other ``settings`` (environment variables)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
