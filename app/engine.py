@@ -80,15 +80,23 @@ async def start_engine(settings: Settings, metrics: Metrics | None = None) -> En
         decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
     await streamer.start()
     predictor = Predictor(
-        streamer, manifest, classes, decode_pool, max_pixels=settings.max_image_pixels
+        streamer,
+        manifest,
+        classes,
+        decode_pool,
+        max_pixels=settings.max_image_pixels,
+        idle_workers_decode=pool.workers_can_decode,
     )
+    where = "the workers"
+    if not pool.decode_in_workers:
+        where = "the server (the workers when idle)" if pool.workers_can_decode else "the server"
     log.info(
-        "serving %s from %s: batch<=%d, max latency %g s, %d worker(s), decoding in the %s",
+        "serving %s from %s: batch<=%d, max latency %g s, %d worker(s), decoding in %s",
         manifest.arch,
         settings.model_store,
         pool.batch_size,
         settings.mb_max_latency,
         pool.capacity,
-        "workers" if pool.decode_in_workers else "server",
+        where,
     )
     return Engine(settings, manifest, pool, streamer, decode_pool, predictor)

@@ -73,7 +73,8 @@ class Settings(BaseSettings):
             "model), 'worker' (each worker decodes its batch; the HTTP process only serves "
             "HTTP), 'device' (like 'worker', but JPEGs are decoded, resized and cropped on the "
             "worker's device: nvJPEG on a GPU), or 'auto': 'worker' when a worker runs on a "
-            "GPU, else 'server'."
+            "GPU, else 'server', except that an upload arriving while the server is idle is "
+            "decoded by the worker that runs it (nothing to overlap, one hand-off less)."
         ),
     )
     mb_decode_threads: int | None = Field(

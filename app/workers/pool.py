@@ -215,6 +215,13 @@ class WorkerPool:
             return any(device != "cpu" for device in self.assigned_devices())
         return self._decode in ("worker", "device")
 
+    @functools.cached_property
+    def workers_can_decode(self) -> bool:
+        """Whether the workers have a decoder: when they decode every batch, and with ``auto``
+        on CPU workers, where the server decodes but an upload that reaches an idle server
+        may travel encoded (see ``Predictor``)."""
+        return self.decode_in_workers or self._decode == "auto"
+
     def _threads_for(self, device: str, workers: int) -> int:
         if self._threads is not None:
             return self._threads
@@ -223,7 +230,7 @@ class WorkerPool:
         return 1  # a GPU worker's CPU threads only feed the device
 
     def _decode_threads_for(self, device: str, workers: int) -> int:
-        if not self.decode_in_workers:
+        if not self.workers_can_decode:
             return 0
         if self._decode_threads is not None:
             return self._decode_threads
@@ -233,7 +240,7 @@ class WorkerPool:
 
     def _spawn(self, index: int, device: str, workers: int) -> _Worker:
         per_image = int(np.prod(self.image_shape))
-        if self.decode_in_workers:
+        if self.workers_can_decode:
             per_image = max(per_image, ENCODED_BYTES_PER_IMAGE)
         buffer = InputBuffer.create(self.max_batch_size * per_image)
         spec = WorkerSpec(
@@ -462,17 +469,28 @@ class WorkerPool:
         threads: int,
         items: Sequence[BatchItem[ImageJob]],
     ) -> RunBatch:
-        """Put the batch's images into the worker's buffer; the message that runs it."""
-        if self.decode_in_workers:
-            blobs = [item.payload.image for item in items]
-            if not all(isinstance(blob, bytes) for blob in blobs):
-                raise TypeError("the workers decode: submit encoded images (bytes)")
-            spans, inline = buffer.pack(blobs)  # type: ignore[arg-type]
+        """Put the batch's images into the worker's buffer; the message that runs it.
+
+        Decoded images go in as pixel rows, each at its place in the batch. Encoded uploads
+        are packed end to end: from the start when the whole batch is encoded, else after the
+        pixel rows (a batch can mix both with ``auto`` on CPU workers)."""
+        images = [item.payload.image for item in items]
+        blobs = [image for image in images if isinstance(image, bytes)]
+        if blobs and not self.workers_can_decode:
+            raise TypeError("the workers do not decode: submit decoded images (pixels)")
+        if len(blobs) == len(images):
+            spans, inline = buffer.pack(blobs)
             return RunBatch(batch_id, task, ids, top_k, spans, inline, threads)
-        pixels = buffer.images(len(items), self.image_shape)
-        for row, item in enumerate(items):
-            pixels[row] = item.payload.image
-        return RunBatch(batch_id, task, ids, top_k, threads=threads)
+        pixels = buffer.images(len(images), self.image_shape)
+        for row, image in enumerate(images):
+            if not isinstance(image, bytes):
+                pixels[row] = image
+        if not blobs:
+            return RunBatch(batch_id, task, ids, top_k, threads=threads)
+        packed = iter(zip(*buffer.pack(blobs, start=pixels.nbytes), strict=True))
+        rows = [next(packed) if isinstance(image, bytes) else (None, None) for image in images]
+        spans, inline = (tuple(column) for column in zip(*rows, strict=True))
+        return RunBatch(batch_id, task, ids, top_k, spans, inline, threads)
 
     @staticmethod
     def _split(

@@ -174,14 +174,31 @@ def _batch_pixels(
     decoder: Decoder | DeviceDecoder | None,
     image_shape: tuple[int, int, int],
 ) -> tuple[Pixels, Errors]:
-    """The batch's uint8 pixels (decoded here if it came encoded) and its per-row errors."""
+    """The batch's uint8 pixels (decoded here where it came encoded), less the rows that
+    could not be decoded, and those rows' errors."""
+    count = len(message.ids)
+    if not message.spans:
+        return buffer.images(count, image_shape), {}
     if decoder is None:
-        return buffer.images(len(message.ids), image_shape), {}
-    blobs: list[bytes] = [
-        buffer.blob(span) if span is not None else inline  # type: ignore[misc]
-        for span, inline in zip(message.spans, message.inline, strict=True)
-    ]
-    return decoder.decode(blobs)
+        raise RuntimeError("an encoded batch reached a worker that does not decode")
+    blobs: list[bytes] = []
+    encoded: list[int] = []  # the rows the blobs belong to
+    for row, (span, inline) in enumerate(zip(message.spans, message.inline, strict=True)):
+        blob = buffer.blob(span) if span is not None else inline
+        if blob is not None:
+            blobs.append(blob)
+            encoded.append(row)
+    decoded, failed = decoder.decode(blobs)
+    errors = {encoded[position]: error for position, error in failed.items()}
+    if len(encoded) == count:
+        return decoded, errors
+    # Mixed: the other rows wait in the buffer as pixels; merge both in batch order.
+    if isinstance(decoded, torch.Tensor):
+        decoded = decoded.cpu().numpy()
+    stored = buffer.images(count, image_shape)
+    fresh = dict(zip([row for row in encoded if row not in errors], decoded, strict=True))
+    kept = [fresh.get(row, stored[row]) for row in range(count) if row not in errors]
+    return (np.stack(kept) if kept else stored[:0]), errors
 
 
 def _serve(

@@ -49,9 +49,10 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RunBatch:
-    """Run ``ids`` (one batch, in order). Decoded batches sit in the buffer as pixels; encoded
-    ones as bytes at ``spans[row] = (offset, length)``, or inline in ``inline[row]`` when the
-    buffer had no room left (``spans[row]`` is then ``None``)."""
+    """Run ``ids`` (one batch, in order). Decoded images sit in the buffer as pixel rows;
+    encoded ones as bytes at ``spans[row] = (offset, length)``, or inline in ``inline[row]``
+    when the buffer had no room left (``spans[row]`` is then ``None``). No ``spans``: every
+    row is pixels; a row with neither a span nor inline bytes is pixels too."""
 
     batch_id: int
     task: Task
@@ -190,13 +191,13 @@ class InputBuffer:
         return self.raw[: count * int(np.prod(image_shape))].reshape(count, *image_shape)
 
     def pack(
-        self, blobs: list[bytes]
+        self, blobs: list[bytes], start: int = 0
     ) -> tuple[tuple[tuple[int, int] | None, ...], tuple[bytes | None, ...]]:
-        """Copy ``blobs`` in end to end; those that no longer fit travel inline instead.
-        Returns ``RunBatch``'s ``spans`` and ``inline``."""
+        """Copy ``blobs`` in end to end from ``start``; those that no longer fit travel inline
+        instead. Returns ``RunBatch``'s ``spans`` and ``inline``."""
         spans: list[tuple[int, int] | None] = []
         inline: list[bytes | None] = []
-        offset = 0
+        offset = start
         for blob in blobs:
             if offset + len(blob) <= self.size:
                 self.raw[offset : offset + len(blob)] = np.frombuffer(blob, dtype=np.uint8)

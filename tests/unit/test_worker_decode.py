@@ -1,5 +1,6 @@
-"""MB_DECODE=worker without processes: packing uploads into the shared buffer, decoding a
-batch with per-image errors, and turning those errors back into typed ones."""
+"""Where uploads are decoded (MB_DECODE), without processes: packing uploads into the shared
+buffer, batches that mix decoded and encoded images, decoding a batch with per-image errors,
+and turning those errors back into typed ones."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from PIL import Image
 
+from app.batching import BatchItem
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
-from app.jobs import Task
+from app.jobs import ImageJob, Task
 from app.manifest import Manifest
 from app.workers.decoding import Decoder
 from app.workers.pool import (
+    ENCODED_BYTES_PER_IMAGE,
     LEND_AFTER_IDLE_S,
     WorkerPool,
     _image_error,
@@ -139,29 +143,103 @@ class _UnstartedProcess:
 
 
 @pytest.mark.parametrize(
-    ("decode", "gpus", "in_workers", "on_device"),
+    ("decode", "gpus", "in_workers", "can_decode", "on_device"),
     [
-        ("auto", 0, False, False),
-        ("auto", 2, True, False),
-        ("server", 2, False, False),
-        ("worker", 0, True, False),
-        ("device", 0, True, True),
-        ("device", 2, True, True),
+        ("auto", 0, False, True, False),  # the server decodes, an idle worker may too
+        ("auto", 2, True, True, False),
+        ("server", 0, False, False, False),
+        ("server", 2, False, False, False),
+        ("worker", 0, True, True, False),
+        ("device", 0, True, True, True),
+        ("device", 2, True, True, True),
     ],
 )
 def test_where_uploads_are_decoded(
-    monkeypatch: pytest.MonkeyPatch, decode: str, gpus: int, in_workers: bool, on_device: bool
+    monkeypatch: pytest.MonkeyPatch,
+    decode: str,
+    gpus: int,
+    in_workers: bool,
+    can_decode: bool,
+    on_device: bool,
 ) -> None:
     pool = _pool(monkeypatch, gpus, decode=decode)
     assert pool.decode_in_workers is in_workers
+    assert pool.workers_can_decode is can_decode
     context = SimpleNamespace(Process=_UnstartedProcess)
     monkeypatch.setattr("app.workers.pool.mp.get_context", lambda _: context)
     worker = pool._spawn(0, pool.assigned_devices()[0], 1)
     worker.conn.close()
     worker.buffer.unlink()
     worker.buffer.close()
-    assert (worker.spec.decode_threads > 0) is in_workers
+    assert (worker.spec.decode_threads > 0) is can_decode
     assert worker.spec.decode_on_device is on_device
+    if can_decode:  # room for a batch of typical uploads, not only for their pixels
+        assert worker.spec.buffer_size >= pool.max_batch_size * ENCODED_BYTES_PER_IMAGE
+
+
+def _items(*images: npt.NDArray[np.uint8] | bytes) -> list[BatchItem[ImageJob]]:
+    return [BatchItem(100 + row, ImageJob(image)) for row, image in enumerate(images)]
+
+
+@pytest.mark.parametrize("buffer_size", [10**6, 32 * 32 * 3 * 5 + 10])  # roomy; pixels only
+def test_a_batch_mixing_pixels_and_uploads_reaches_the_model_in_order(
+    monkeypatch: pytest.MonkeyPatch, buffer_size: int
+) -> None:
+    """With ``auto`` on CPU an upload that reached an idle server travels encoded, and may
+    share its batch with uploads the server decoded: each row keeps its place, a bad upload
+    drops out with its error, and uploads the buffer has no room for travel inline."""
+    pool = _pool(monkeypatch, 0, decode="auto")
+    decoder = Decoder(SPEC, 1, max_pixels=10**6)
+    uploads = [encode(gradient(40 + 8 * i, 30), "PNG") for i in range(2)]
+    decoded = [decoder.decode([upload])[0][0].copy() for upload in uploads]
+    rng = np.random.default_rng(0)
+    pixels = [rng.integers(0, 256, pool.image_shape, dtype=np.uint8) for _ in range(2)]
+    items = _items(pixels[0], uploads[0], pixels[1], b"not an image", uploads[1])
+    buffer = InputBuffer.create(buffer_size)
+    try:
+        message = pool._write_batch(buffer, 1, Task.TAG, (1, 2, 3, 4, 5), 5, 0, items)
+        sources = zip(message.spans, message.inline, strict=True)
+        pixel_rows = [span is None and inline is None for span, inline in sources]
+        assert pixel_rows == [True, False, True, False, False]
+        rows, errors = _batch_pixels(message, buffer, decoder, pool.image_shape)
+    finally:
+        buffer.unlink()
+        buffer.close()
+    assert {row: name for row, (name, _) in errors.items()} == {3: "InvalidImage"}
+    expected = [pixels[0], decoded[0], pixels[1], decoded[1]]
+    assert rows.shape == (4, *pool.image_shape)
+    for row, want in enumerate(expected):
+        assert np.array_equal(rows[row], want), row
+
+
+def test_batches_of_one_kind_travel_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = _pool(monkeypatch, 0, decode="auto")
+    upload = encode(gradient(40, 30), "PNG")
+    pixels = np.full(pool.image_shape, 7, dtype=np.uint8)
+    buffer = InputBuffer.create(10**5)
+    try:
+        decoded = pool._write_batch(buffer, 1, Task.TAG, (1, 2), 5, 0, _items(pixels, pixels))
+        assert decoded.spans == ()
+        assert np.array_equal(buffer.images(2, pool.image_shape)[1], pixels)
+        encoded = pool._write_batch(buffer, 2, Task.TAG, (1, 2), 5, 0, _items(upload, upload))
+        assert encoded.spans == ((0, len(upload)), (len(upload), len(upload)))
+    finally:
+        buffer.unlink()
+        buffer.close()
+
+
+def test_workers_that_do_not_decode_refuse_an_upload(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = _pool(monkeypatch, 0, decode="server")
+    buffer = InputBuffer.create(10**5)
+    try:
+        with pytest.raises(TypeError, match="do not decode"):
+            pool._write_batch(buffer, 1, Task.TAG, (1,), 5, 0, _items(b"jpeg bytes"))
+        message = RunBatch(1, Task.TAG, (1,), 5, ((0, 4),), (None,))
+        with pytest.raises(RuntimeError, match="does not decode"):
+            _batch_pixels(message, buffer, None, (8, 8, 3))
+    finally:
+        buffer.unlink()
+        buffer.close()
 
 
 def test_decode_threads_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
