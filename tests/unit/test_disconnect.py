@@ -1,0 +1,102 @@
+"""``unless_disconnected``: the work runs in the request's own task, and a client that leaves
+cancels it; a cancellation from anyone else (a shutdown) is never taken for a disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from app.errors import ClientDisconnected
+from app.routers.common import unless_disconnected
+
+
+class FakeRequest:
+    """Stands in for a Starlette request whose body has been read: ``receive`` waits for
+    what the test puts in ``messages``."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def receive(self) -> dict[str, Any]:
+        return await self.messages.get()
+
+    def leave(self) -> None:
+        self.messages.put_nowait({"type": "http.disconnect"})
+
+
+class Work:
+    """Waits until released; records whether it was cancelled."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+        self.cancelled = False
+
+    async def __call__(self) -> str:
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return "result"
+
+
+async def test_the_result_comes_back_and_the_watcher_stops() -> None:
+    request, work = FakeRequest(), Work()
+    work.release.set()
+    assert await unless_disconnected(request, work()) == "result"  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    watchers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert all(t.done() or t.cancelling() for t in watchers)
+    request.leave()  # a disconnect after the answer cancels nothing
+    await asyncio.sleep(0.01)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_a_client_that_leaves_cancels_the_work() -> None:
+    request, work = FakeRequest(), Work()
+
+    async def handler() -> None:
+        await unless_disconnected(request, work())  # type: ignore[arg-type]
+
+    task = asyncio.create_task(handler())
+    await work.started.wait()
+    request.leave()
+    with pytest.raises(ClientDisconnected):
+        await task
+    assert work.cancelled
+    assert task.cancelling() == 0  # the cancellation was taken back, not left pending
+
+
+async def test_a_shutdown_stays_a_cancellation() -> None:
+    request, work = FakeRequest(), Work()
+
+    async def handler() -> None:
+        await unless_disconnected(request, work())  # type: ignore[arg-type]
+
+    task = asyncio.create_task(handler())
+    await work.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert work.cancelled
+
+
+async def test_a_shutdown_while_the_client_leaves_stays_a_cancellation() -> None:
+    request, work = FakeRequest(), Work()
+
+    async def handler() -> None:
+        await unless_disconnected(request, work())  # type: ignore[arg-type]
+
+    task = asyncio.create_task(handler())
+    await work.started.wait()
+    (watcher,) = [t for t in asyncio.all_tasks() if "_disconnected" in repr(t.get_coro())]
+    # The shutdown's cancel lands in the same loop turn as the disconnect's.
+    watcher.add_done_callback(lambda _: task.cancel())
+    request.leave()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert work.cancelled
