@@ -1,8 +1,24 @@
-"""The benchmark's machinery verdict: which systems it compares, and against what."""
+"""The benchmark's verdicts: which systems they compare, and against what."""
 
 from __future__ import annotations
 
-from app.bench.__main__ import ratios
+from app.bench.__main__ import ModelReport, Point, ratios
+
+
+def _point(system: str, clients: int, images_per_s: float, p50_ms: float) -> Point:
+    return Point(system, clients, images_per_s, p50_ms, 2 * p50_ms, 1.0, 0, 5.0)
+
+
+def test_the_target_at_8_clients_is_shown_against_the_raw_pipeline_at_batch_8() -> None:
+    report = ModelReport("resnet50", raw={1: (14.0, 70.0), 8: (18.0, 440.0), 32: (19.5, 1600.0)})
+    report.points = [_point("ours", 8, 17.0, 480.0), _point("service-streamer", 8, 15.0, 500.0)]
+    lines = ratios([report], {})
+    assert lines == [
+        "resnet50: ours vs service-streamer @8: throughput x1.13 (>= 1.3), p50 x0.96 (<= 1.0)"
+        "  MISS",
+        "resnet50: bound @8: 8 clients make batches of at most 8, and the raw pipeline at "
+        "batch 8 makes 18.0 img/s = x1.20 service-streamer's",
+    ]
 
 
 def test_machinery_ratio_takes_this_servers_best_and_reports_the_decoding_reference() -> None:
