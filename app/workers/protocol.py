@@ -91,6 +91,33 @@ class BatchDone:
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
     threads: int = 0  # torch threads the batch ran on
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its arrays as raw bytes. numpy's own pickling, through its reduce
+        machinery, took about 0.1 ms more per reply (pickling in the worker, unpickling in
+        the server) in processes whose caches the model had just flushed: traced with lone
+        EfficientNet-Lite0 requests."""
+        arrays = tuple(
+            (name, array.dtype.str, array.shape, array.tobytes())
+            for name, array in self.outputs.items()
+        )
+        fields = (self.batch_id, self.ids, arrays, self.compute_s, self.errors, self.threads)
+        return (_batch_done, fields)
+
+
+def _batch_done(
+    batch_id: int,
+    ids: tuple[int, ...],
+    arrays: tuple[tuple[str, str, tuple[int, ...], bytes], ...],
+    compute_s: float,
+    errors: dict[int, tuple[str, str]],
+    threads: int,
+) -> BatchDone:
+    """A ``BatchDone`` from its pickled form (its arrays are read-only views of the bytes)."""
+    outputs = {
+        name: np.frombuffer(raw, dtype=dtype).reshape(shape) for name, dtype, shape, raw in arrays
+    }
+    return BatchDone(batch_id, ids, outputs, compute_s, errors, threads)
+
 
 @dataclass(frozen=True)
 class BatchFailed:
