@@ -192,13 +192,13 @@ def _batch_pixels(
     errors = {encoded[position]: error for position, error in failed.items()}
     if len(encoded) == count:
         return decoded, errors
-    # Mixed: the other rows wait in the buffer as pixels; merge both in batch order.
+    # Mixed: the other rows wait in the buffer as pixels, and the encoded rows' places there
+    # are free (their bytes were packed after the pixel rows): decode into them.
     if isinstance(decoded, torch.Tensor):
         decoded = decoded.cpu().numpy()
-    stored = buffer.images(count, image_shape)
-    fresh = dict(zip([row for row in encoded if row not in errors], decoded, strict=True))
-    kept = [fresh.get(row, stored[row]) for row in range(count) if row not in errors]
-    return (np.stack(kept) if kept else stored[:0]), errors
+    rows = buffer.images(count, image_shape)
+    rows[[row for row in encoded if row not in errors]] = decoded
+    return (rows[[row for row in range(count) if row not in errors]] if errors else rows), errors
 
 
 def _serve(
