@@ -44,6 +44,17 @@ class Work:
         return "result"
 
 
+async def handling(request: FakeRequest, work: Work) -> asyncio.Task[None]:
+    """A request's task awaiting ``work`` under ``unless_disconnected``, once the work runs."""
+
+    async def handler() -> None:
+        await unless_disconnected(request, work())  # type: ignore[arg-type]
+
+    task = asyncio.create_task(handler())
+    await work.started.wait()
+    return task
+
+
 async def test_the_result_comes_back_and_the_watcher_stops() -> None:
     request, work = FakeRequest(), Work()
     work.release.set()
@@ -59,26 +70,18 @@ async def test_the_result_comes_back_and_the_watcher_stops() -> None:
 async def test_a_client_that_leaves_cancels_the_work() -> None:
     request, work = FakeRequest(), Work()
 
-    async def handler() -> None:
-        await unless_disconnected(request, work())  # type: ignore[arg-type]
-
-    task = asyncio.create_task(handler())
-    await work.started.wait()
+    task = await handling(request, work)
     request.leave()
     with pytest.raises(ClientDisconnected):
         await task
     assert work.cancelled
-    assert task.cancelling() == 0  # the cancellation was taken back, not left pending
+    assert task.cancelling() == 0  # no cancellation left pending on the request's task
 
 
 async def test_a_shutdown_stays_a_cancellation() -> None:
     request, work = FakeRequest(), Work()
 
-    async def handler() -> None:
-        await unless_disconnected(request, work())  # type: ignore[arg-type]
-
-    task = asyncio.create_task(handler())
-    await work.started.wait()
+    task = await handling(request, work)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -88,11 +91,7 @@ async def test_a_shutdown_stays_a_cancellation() -> None:
 async def test_a_shutdown_while_the_client_leaves_stays_a_cancellation() -> None:
     request, work = FakeRequest(), Work()
 
-    async def handler() -> None:
-        await unless_disconnected(request, work())  # type: ignore[arg-type]
-
-    task = asyncio.create_task(handler())
-    await work.started.wait()
+    task = await handling(request, work)
     (watcher,) = [t for t in asyncio.all_tasks() if "_disconnected" in repr(t.get_coro())]
     # The shutdown's cancel lands in the same loop turn as the disconnect's.
     watcher.add_done_callback(lambda _: task.cancel())
