@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from app.bench.__main__ import ModelReport, Point, ratios
+import pytest
+
+from bench.results import ModelReport, Point
+from bench.targets import TARGETS, Metric, Target, target
+from bench.verdicts import ratios
 
 
 def _point(system: str, clients: int, images_per_s: float, p50_ms: float) -> Point:
@@ -36,3 +40,56 @@ def test_machinery_ratio_takes_this_servers_best_and_reports_the_decoding_refere
     )
     assert "also decodes each upload 1900 req/s = 0.95 of the bare endpoint" in lines[1]
     assert lines[2].endswith("would reach 0.75; this server reached 0.67 of it")
+
+
+def test_saturation_and_idle_lines_read_their_targets_from_the_table() -> None:
+    report = ModelReport("resnet50", raw={1: (14.0, 70.0), 32: (20.0, 1600.0)})
+    report.points = [_point("ours", 64, 18.5, 3400.0)]
+    report.idle = {"ours": (77.0, 70.0)}
+    assert ratios([report], {}) == [
+        "resnet50: saturation (ours@64 / raw best) = 0.93  (target >= 0.90)  PASS",
+        "resnet50: idle latency of ours (p50@1 / raw single, in turns) = 1.10, +7.0 ms"
+        "  (target <= 1.10 and <= 5 ms)  MISS",
+    ]
+    report.model = "efficientnet_lite0"
+    assert ratios([report], {})[0] == (
+        "efficientnet_lite0: saturation (ours@64 / raw best) = 0.93  (target >= 0.80)  PASS"
+    )
+
+
+def test_targets_table_picks_the_most_specific_row_and_falls_back_to_the_default() -> None:
+    assert target(Metric.SATURATION, "resnet50", clients=64).bound == 0.90
+    assert target(Metric.SATURATION, "efficientnet_lite0", clients=64).bound == 0.80
+    assert target(Metric.SATURATION, "some_new_model", clients=64).bound == 0.80
+    assert target(Metric.VS_STREAMER_THROUGHPUT, "resnet50", clients=8).bound == 1.3
+    assert target(Metric.VS_STREAMER_THROUGHPUT, "resnet50", clients=64).bound == 1.0
+    assert target(Metric.VS_STREAMER_P50, "efficientnet_lite0", clients=1).bound == 0.5
+    assert target(Metric.VS_STREAMER_P50, "efficientnet_lite0", clients=8).bound == 1.0
+    assert target(Metric.VS_STREAMER_P50, "resnet50", clients=1).bound == 1.0
+    assert target(Metric.IDLE_RATIO, "resnet50", clients=1).bound == 1.10
+    assert target(Metric.IDLE_ADDED_MS, "some_new_model", clients=1).bound == 5.0
+    assert target(Metric.MACHINERY).bound == 0.70
+
+
+def test_every_metric_has_a_default_row_and_no_two_rows_collide() -> None:
+    for metric in Metric:
+        default = target(metric)
+        assert (default.model, default.clients) == (None, None), metric
+    keys = [(row.metric, row.model, row.clients) for row in TARGETS]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize(
+    ("row", "value", "met"),
+    [
+        (Target(Metric.SATURATION, 0.80), 0.80, True),
+        (Target(Metric.SATURATION, 0.80), 0.79, False),
+        (Target(Metric.VS_STREAMER_P50, 1.0), 1.0, True),
+        (Target(Metric.VS_STREAMER_P50, 1.0), 1.01, False),
+        (Target(Metric.IDLE_ADDED_MS, 5.0), -3.0, True),
+    ],
+)
+def test_a_target_is_met_at_its_bound_in_the_direction_of_its_metric(
+    row: Target, value: float, met: bool
+) -> None:
+    assert row.met(value) is met

@@ -1,31 +1,32 @@
-"""``python -m app.bench``: this server against the raw model, service-streamer and a plain
+"""``python -m bench``: this server against the raw model, service-streamer and a plain
 FastAPI app, on the same model, JPEGs and thread budget, in one run.
 
-    python -m app.bench                   # full run, under 10 minutes on 2 cores
-    python -m app.bench --quick           # default model, fewer and shorter steps (< 2 min)
-    python -m app.bench --plot perf.png   # also draw throughput and latency vs concurrency
+    python -m bench                   # full run, under 10 minutes on 2 cores
+    python -m bench --quick           # default model, fewer and shorter steps (< 2 min)
+    python -m bench --plot perf.png   # also draw throughput and latency vs concurrency
 
 Prints, per model: the raw pipeline (decode + preprocess + model, no HTTP) at batch sizes 1,
 8 and MB_BATCH_SIZE; each server at each concurrency (closed loop over real HTTP with
 multipart JPEG uploads): images/s, p50, p99 and the mean batch the model saw; then the
-ratios the project's targets are stated in.
+ratios the project's targets are stated in, against the table in ``bench/targets.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from app.bench.loadgen import closed_loop, multipart_request
-from app.bench.systems import (
+from bench.loadgen import closed_loop, multipart_request
+from bench.plot import write_plot
+from bench.report import write_json
+from bench.results import MACHINERY_SYSTEMS, ModelReport, Point
+from bench.systems import (
     RawPipeline,
     RunningServer,
     bench_jpegs,
@@ -33,36 +34,9 @@ from app.bench.systems import (
     export_bench_model,
     serve,
 )
+from bench.verdicts import ratios
 
 HOST = "127.0.0.1"
-
-
-@dataclass
-class Point:
-    system: str
-    clients: int
-    images_per_s: float
-    p50_ms: float
-    p99_ms: float
-    mean_batch: float
-    errors: int
-    client_cpu_pct: float
-
-
-@dataclass
-class ModelReport:
-    model: str
-    raw: dict[int, tuple[float, float]] = field(default_factory=dict)  # bs -> (img/s, ms)
-    points: list[Point] = field(default_factory=list)
-    # label -> p50 ms of that configuration at 1 client and of the raw loop at batch 1,
-    # measured in turns
-    idle: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-    def best_raw(self) -> float:
-        return max(rate for rate, _ in self.raw.values())
-
-    def point(self, system: str, clients: int) -> Point | None:
-        return next((p for p in self.points if p.system == system and p.clients == clients), None)
 
 
 def upload_requests(server: RunningServer, jpegs: list[bytes]) -> list[bytes]:
@@ -175,18 +149,6 @@ def run_model(
     return report
 
 
-# The machinery step's systems: label, kind, workers, settings. The bare endpoint; the same
-# endpoint decoding each upload (what any image server must spend at least); this server with
-# its default (decoding in the HTTP process) and with MB_DECODE=worker, the thread budget
-# split into single-thread workers.
-MACHINERY_SYSTEMS: list[tuple[str, str, int, dict[str, str]]] = [
-    ("noop", "noop", 1, {}),
-    ("decoding", "decode", 1, {}),
-    ("ours", "ours", 1, {}),
-    ("ours-wdec", "ours", 2, {"MB_DECODE": "worker"}),
-]
-
-
 def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> dict[str, float]:
     """Requests/s at 64 clients: a do-nothing FastAPI upload endpoint vs this server with a
     model that does no real work; the load generator's and each server's CPU per request."""
@@ -239,134 +201,9 @@ def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> di
     return out
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
-    lines = []
-    for report in reports:
-        m = report.model
-        best_raw = report.best_raw()
-        ours64 = [p for p in report.points if p.system.startswith("ours") and p.clients == 64]
-        at64 = max(ours64, key=lambda p: p.images_per_s, default=None)
-        target = 0.90 if m == "resnet50" else 0.80
-        if at64:
-            r = at64.images_per_s / best_raw
-            lines.append(
-                f"{m}: saturation ({at64.system}@64 / raw best) = {r:.2f}  "
-                f"(target >= {target:.2f})  {verdict(r >= target)}"
-            )
-        for label, (served, alone) in report.idle.items():
-            r, added = served / alone, served - alone
-            lines.append(
-                f"{m}: idle latency of {label} (p50@1 / raw single, in turns) = {r:.2f}, "
-                f"+{added:.1f} ms  (target <= 1.10 and <= 5 ms)  "
-                f"{verdict(r <= 1.10 and added <= 5)}"
-            )
-        for label in dict.fromkeys(p.system for p in report.points if p.system.startswith("ours")):
-            for clients in sorted({p.clients for p in report.points}):
-                ours = report.point(label, clients)
-                theirs = report.point("service-streamer", clients)
-                if not (ours and theirs):
-                    continue
-                tput = ours.images_per_s / theirs.images_per_s
-                lat = ours.p50_ms / theirs.p50_ms
-                need_tput = 1.3 if clients == 8 else 1.0
-                need_lat = 0.5 if clients == 1 and m == "efficientnet_lite0" else 1.0
-                ok = tput >= need_tput and lat <= need_lat
-                lines.append(
-                    f"{m}: {label} vs service-streamer @{clients}: throughput x{tput:.2f} "
-                    f"(>= {need_tput}), p50 x{lat:.2f} (<= {need_lat})  {verdict(ok)}"
-                )
-        theirs8 = report.point("service-streamer", 8)
-        if theirs8 and 8 in report.raw:
-            # 8 clients never make a batch above 8: how far the 1.3x target is from what
-            # the model itself can do at that size.
-            raw8 = report.raw[8][0]
-            lines.append(
-                f"{m}: bound @8: 8 clients make batches of at most 8, and the raw pipeline at "
-                f"batch 8 makes {raw8:.1f} img/s = x{raw8 / theirs8.images_per_s:.2f} "
-                "service-streamer's"
-            )
-    if mach:
-        measured = [
-            label
-            for label, kind, *_ in MACHINERY_SYSTEMS
-            if kind == "ours" and f"{label}_rps" in mach
-        ]
-        best = max(measured, key=lambda label: mach[f"{label}_rps"])
-        r = mach[f"{best}_rps"] / mach["noop_rps"]
-        lines.append(
-            f"machinery: passthrough model ({best}) {mach[f'{best}_rps']:.0f} req/s / bare "
-            f"FastAPI upload {mach['noop_rps']:.0f} req/s = {r:.2f}  (target >= 0.70)  "
-            f"{verdict(r >= 0.70)}"
-        )
-        if "decoding_rps" in mach:
-            lines.append(
-                "machinery reference: the bare endpoint that also decodes each upload "
-                f"{mach['decoding_rps']:.0f} req/s = {mach['decoding_rps'] / mach['noop_rps']:.2f} "
-                "of the bare endpoint"
-            )
-        if "ceiling_rps" in mach:
-            lines.append(
-                "machinery ceiling: a server that decoded and otherwise cost no more than the "
-                f"bare endpoint would reach {mach['ceiling_rps'] / mach['noop_rps']:.2f}; "
-                f"this server reached {mach[f'{best}_rps'] / mach['ceiling_rps']:.2f} of it"
-            )
-    return lines
-
-
-def plot(reports: list[ModelReport], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(reports), 2, figsize=(12, 4.2 * len(reports)), squeeze=False)
-    for row, report in enumerate(reports):
-        systems = list(dict.fromkeys(p.system for p in report.points))
-        tput, lat = axes[row]
-        for system in systems:
-            pts = [p for p in report.points if p.system == system]
-            xs = [p.clients for p in pts]
-            tput.plot(xs, [p.images_per_s for p in pts], marker="o", label=system)
-            (line,) = lat.plot(xs, [p.p50_ms for p in pts], marker="o", label=f"{system} p50")
-            lat.plot(
-                xs,
-                [p.p99_ms for p in pts],
-                marker="x",
-                linestyle="--",
-                color=line.get_color(),
-                label=f"{system} p99",
-            )
-        tput.axhline(
-            report.best_raw(), color="grey", linestyle=":", label="raw pipeline, best batch"
-        )
-        tput.set(
-            title=f"{report.model}: throughput",
-            xlabel="concurrent clients",
-            ylabel="images/s",
-            xscale="log",
-        )
-        lat.set(
-            title=f"{report.model}: latency",
-            xlabel="concurrent clients",
-            ylabel="ms",
-            xscale="log",
-            yscale="log",
-        )
-        tput.legend(fontsize=8)
-        lat.legend(fontsize=7, ncol=2)
-        for axis in (tput, lat):
-            axis.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m app.bench",
+        prog="python -m bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -420,29 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in ratios(reports, mach):
         print("  " + line)
     if args.plot:
-        plot(reports, args.plot)
+        write_plot(reports, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machinery": mach,
-                    "models": [
-                        {
-                            "model": r.model,
-                            "raw": {str(k): v for k, v in r.raw.items()},
-                            "points": [asdict(p) for p in r.points],
-                            "idle_p50_ms": {
-                                label: {"server": served, "raw": alone}
-                                for label, (served, alone) in r.idle.items()
-                            },
-                        }
-                        for r in reports
-                    ],
-                },
-                indent=2,
-            )
-        )
+        write_json(reports, mach, args.json)
     return 0
 
 

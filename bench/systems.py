@@ -30,9 +30,9 @@ from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
 from app.workers.allocator import retain_freed_memory
 from app.workers.models import load_models
-from app.workers.process import BatchRunner
+from app.workers.runner import BatchRunner
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_jpegs(count: int = 8) -> list[bytes]:
@@ -236,7 +236,7 @@ def serve(
                 sys.executable,
                 "-m",
                 "uvicorn",
-                f"app.bench.peers:{factory}",
+                f"bench.peers:{factory}",
                 "--factory",
                 "--host",
                 "127.0.0.1",

@@ -45,7 +45,7 @@ def _runner(store: Path, threads: int) -> Any:
     import torch
 
     from app.workers.models import load_models
-    from app.workers.process import BatchRunner
+    from app.workers.runner import BatchRunner
 
     torch.set_num_threads(threads)
     device = torch.device("cpu")

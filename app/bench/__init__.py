@@ -1,1 +1,0 @@
-"""Benchmarks and load generation (``python -m app.bench``)."""

@@ -1,0 +1,34 @@
+"""The benchmark's figures as JSON (what ``docs/bench.json`` holds)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.results import ModelReport
+
+
+def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -> None:
+    """Write the machinery step and, per model, the raw pipeline, every point and the idle
+    latencies to ``path``."""
+    path.write_text(
+        json.dumps(
+            {
+                "machinery": mach,
+                "models": [
+                    {
+                        "model": r.model,
+                        "raw": {str(k): v for k, v in r.raw.items()},
+                        "points": [asdict(p) for p in r.points],
+                        "idle_p50_ms": {
+                            label: {"server": served, "raw": alone}
+                            for label, (served, alone) in r.idle.items()
+                        },
+                    }
+                    for r in reports
+                ],
+            },
+            indent=2,
+        )
+    )

@@ -1,0 +1,51 @@
+"""What one benchmark run records, shared by the run (``python -m bench``), its verdicts and
+its writers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Point:
+    """One system at one concurrency: ``Point("ours", 8, 410.0, 19.0, 31.0, 7.6, 0, 42.0)``."""
+
+    system: str
+    clients: int
+    images_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_batch: float
+    errors: int
+    client_cpu_pct: float
+
+
+@dataclass
+class ModelReport:
+    """Everything measured for one model: the raw pipeline by batch size, every server point
+    and the idle latencies."""
+
+    model: str
+    raw: dict[int, tuple[float, float]] = field(default_factory=dict)  # bs -> (img/s, ms)
+    points: list[Point] = field(default_factory=list)
+    # label -> p50 ms of that configuration at 1 client and of the raw loop at batch 1,
+    # measured in turns
+    idle: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def best_raw(self) -> float:
+        return max(rate for rate, _ in self.raw.values())
+
+    def point(self, system: str, clients: int) -> Point | None:
+        return next((p for p in self.points if p.system == system and p.clients == clients), None)
+
+
+# The machinery step's systems: label, kind, workers, settings. The bare endpoint; the same
+# endpoint decoding each upload (what any image server must spend at least); this server with
+# its default (decoding in the HTTP process) and with MB_DECODE=worker, the thread budget
+# split into single-thread workers. The verdicts take the best of those of kind "ours".
+MACHINERY_SYSTEMS: list[tuple[str, str, int, dict[str, str]]] = [
+    ("noop", "noop", 1, {}),
+    ("decoding", "decode", 1, {}),
+    ("ours", "ours", 1, {}),
+    ("ours-wdec", "ours", 2, {"MB_DECODE": "worker"}),
+]

@@ -1,0 +1,80 @@
+"""The project's performance targets, in one table that the verdicts read.
+
+Each row is a :class:`Target`: a bound on one ratio, for one model and one concurrency, or
+for any (``None``). A lookup takes the most specific row that matches::
+
+    >>> target(Metric.SATURATION, "resnet50").bound
+    0.9
+    >>> target(Metric.VS_STREAMER_THROUGHPUT, "efficientnet_lite0", clients=8).bound
+    1.3
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Metric(StrEnum):
+    """The ratios the targets are stated in."""
+
+    SATURATION = "saturation"  # this server's best at 64 clients / the raw pipeline's best
+    IDLE_RATIO = "idle ratio"  # p50 at 1 client / the raw loop's p50 at batch 1
+    IDLE_ADDED_MS = "idle added ms"  # p50 at 1 client - the raw loop's p50 at batch 1
+    VS_STREAMER_THROUGHPUT = "throughput vs service-streamer"  # ours / theirs, same clients
+    VS_STREAMER_P50 = "p50 vs service-streamer"  # ours / theirs, same clients
+    MACHINERY = "machinery"  # passthrough model requests/s / the bare FastAPI upload's
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self in _HIGHER_IS_BETTER
+
+
+_HIGHER_IS_BETTER = frozenset({Metric.SATURATION, Metric.VS_STREAMER_THROUGHPUT, Metric.MACHINERY})
+
+
+@dataclass(frozen=True)
+class Target:
+    """``bound`` for ``metric`` (at least, or at most where lower is better), for ``model``
+    at ``clients`` concurrent clients; ``None`` matches any.
+
+        >>> Target(Metric.MACHINERY, 0.70).met(0.72)
+        True
+    """
+
+    metric: Metric
+    bound: float
+    model: str | None = None
+    clients: int | None = None
+
+    def met(self, value: float) -> bool:
+        return value >= self.bound if self.metric.higher_is_better else value <= self.bound
+
+    def matches(self, metric: Metric, model: str | None, clients: int | None) -> bool:
+        return (
+            self.metric == metric
+            and self.model in (None, model)
+            and self.clients in (None, clients)
+        )
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(Metric.SATURATION, 0.80),
+    Target(Metric.SATURATION, 0.90, model="resnet50"),
+    Target(Metric.IDLE_RATIO, 1.10),
+    Target(Metric.IDLE_ADDED_MS, 5.0),
+    Target(Metric.VS_STREAMER_THROUGHPUT, 1.0),
+    Target(Metric.VS_STREAMER_THROUGHPUT, 1.3, clients=8),
+    Target(Metric.VS_STREAMER_P50, 1.0),
+    Target(Metric.VS_STREAMER_P50, 0.5, model="efficientnet_lite0", clients=1),
+    Target(Metric.MACHINERY, 0.70),
+)
+
+
+def target(metric: Metric, model: str | None = None, clients: int | None = None) -> Target:
+    """The row of :data:`TARGETS` for ``metric`` that fits ``model`` at ``clients`` best:
+    model and concurrency, then model alone, then concurrency alone, then the default."""
+    rows = [row for row in TARGETS if row.matches(metric, model, clients)]
+    if not rows:
+        raise LookupError(f"no target for {metric} (model {model}, {clients} clients)")
+    return max(rows, key=lambda row: 2 * (row.model is not None) + (row.clients is not None))

@@ -1,0 +1,95 @@
+"""The benchmark's verdicts: the ratios the project's targets are stated in, each with its
+target from :mod:`bench.targets` and PASS or MISS, one printable line each."""
+
+from __future__ import annotations
+
+from bench.results import MACHINERY_SYSTEMS, ModelReport
+from bench.targets import Metric, target
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
+    """One line per ratio, for every model in ``reports`` and the machinery step ``mach``
+    (either may be empty)."""
+    lines = []
+    for report in reports:
+        m = report.model
+        best_raw = report.best_raw()
+        ours64 = [p for p in report.points if p.system.startswith("ours") and p.clients == 64]
+        at64 = max(ours64, key=lambda p: p.images_per_s, default=None)
+        saturation = target(Metric.SATURATION, m, clients=64)
+        if at64:
+            r = at64.images_per_s / best_raw
+            lines.append(
+                f"{m}: saturation ({at64.system}@64 / raw best) = {r:.2f}  "
+                f"(target >= {saturation.bound:.2f})  {_verdict(saturation.met(r))}"
+            )
+        idle_ratio = target(Metric.IDLE_RATIO, m, clients=1)
+        idle_added = target(Metric.IDLE_ADDED_MS, m, clients=1)
+        for label, (served, alone) in report.idle.items():
+            r, added = served / alone, served - alone
+            lines.append(
+                f"{m}: idle latency of {label} (p50@1 / raw single, in turns) = {r:.2f}, "
+                f"+{added:.1f} ms  (target <= {idle_ratio.bound:.2f} and "
+                f"<= {idle_added.bound:g} ms)  "
+                f"{_verdict(idle_ratio.met(r) and idle_added.met(added))}"
+            )
+        for label in dict.fromkeys(p.system for p in report.points if p.system.startswith("ours")):
+            for clients in sorted({p.clients for p in report.points}):
+                ours = report.point(label, clients)
+                theirs = report.point("service-streamer", clients)
+                if not (ours and theirs):
+                    continue
+                tput = ours.images_per_s / theirs.images_per_s
+                lat = ours.p50_ms / theirs.p50_ms
+                need_tput = target(Metric.VS_STREAMER_THROUGHPUT, m, clients)
+                need_lat = target(Metric.VS_STREAMER_P50, m, clients)
+                ok = need_tput.met(tput) and need_lat.met(lat)
+                lines.append(
+                    f"{m}: {label} vs service-streamer @{clients}: throughput x{tput:.2f} "
+                    f"(>= {need_tput.bound}), p50 x{lat:.2f} (<= {need_lat.bound})  "
+                    f"{_verdict(ok)}"
+                )
+        theirs8 = report.point("service-streamer", 8)
+        if theirs8 and 8 in report.raw:
+            # 8 clients never make a batch above 8: how far the target at 8 clients is from what
+            # the model itself can do at that size.
+            raw8 = report.raw[8][0]
+            lines.append(
+                f"{m}: bound @8: 8 clients make batches of at most 8, and the raw pipeline at "
+                f"batch 8 makes {raw8:.1f} img/s = x{raw8 / theirs8.images_per_s:.2f} "
+                "service-streamer's"
+            )
+    if mach:
+        lines += _machinery(mach)
+    return lines
+
+
+def _machinery(mach: dict[str, float]) -> list[str]:
+    measured = [
+        label for label, kind, *_ in MACHINERY_SYSTEMS if kind == "ours" and f"{label}_rps" in mach
+    ]
+    best = max(measured, key=lambda label: mach[f"{label}_rps"])
+    r = mach[f"{best}_rps"] / mach["noop_rps"]
+    machinery = target(Metric.MACHINERY, clients=64)
+    lines = [
+        f"machinery: passthrough model ({best}) {mach[f'{best}_rps']:.0f} req/s / bare "
+        f"FastAPI upload {mach['noop_rps']:.0f} req/s = {r:.2f}  "
+        f"(target >= {machinery.bound:.2f})  {_verdict(machinery.met(r))}"
+    ]
+    if "decoding_rps" in mach:
+        lines.append(
+            "machinery reference: the bare endpoint that also decodes each upload "
+            f"{mach['decoding_rps']:.0f} req/s = {mach['decoding_rps'] / mach['noop_rps']:.2f} "
+            "of the bare endpoint"
+        )
+    if "ceiling_rps" in mach:
+        lines.append(
+            "machinery ceiling: a server that decoded and otherwise cost no more than the "
+            f"bare endpoint would reach {mach['ceiling_rps'] / mach['noop_rps']:.2f}; "
+            f"this server reached {mach[f'{best}_rps'] / mach['ceiling_rps']:.2f} of it"
+        )
+    return lines
