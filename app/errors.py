@@ -9,8 +9,8 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     │   ├── InvalidImage             not an image, truncated or corrupt        400
     │   ├── UnsupportedImageFormat   an image, but not an allowed format       415
     │   ├── PayloadTooLarge          upload or image over its limit            413
-    │   ├── InvalidRequest           a field missing or malformed (e.g. k=abc) 422
-    │   ├── InvalidParameter         a parameter out of range (e.g. k)         422
+    │   ├── InvalidRequest           breaks a fixed rule of the API (below)    422
+    │   ├── InvalidParameter         a value this server refuses (below)       422
     │   ├── Unauthorized             API_KEY is set and the token is wrong     401
     │   └── ClientDisconnected       the client left before its answer         499
     ├── Unavailable                  the server cannot take it now (503 + Retry-After)
@@ -20,6 +20,28 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     ├── DeadlineExceeded             the request's deadline passed              504
     ├── InferenceError               the model call failed for this item        500
     └── BatchContractError           a batch function broke its contract        500
+
+The two 422s differ in whose rule the request breaks:
+
+- ``InvalidRequest`` (``invalid_request``): a fixed rule of the API, the same whatever model
+  is served: no ``image`` form field, a body that is neither a form nor an image, a form text
+  field over 1 KB, ``k`` not an integer from 1 to 1000. FastAPI's own validation errors
+  answer with the same type.
+- ``InvalidParameter`` (``invalid_parameter``): a value checked against this server: ``k``
+  above the served model's class count, an ``X-Request-Timeout`` header that is not a
+  positive number of seconds (it can only shorten the server's own timeout).
+
+``reject_reason`` is the ``reason`` label under which ``app.metrics`` counts an error in
+``microbatch_rejected_total``; subclasses inherit it:
+
+    ClientError          bad_input
+    ClientDisconnected   client_disconnected
+    QueueFull            queue_full
+    WorkerDied           worker_died
+    DeadlineExceeded     timeout
+
+Errors without one (``NotReady``, ``InferenceError``, ``BatchContractError``) are not
+refusals and are not counted there.
 
 Startup problems are not request errors and have their own branch:
 
@@ -31,11 +53,16 @@ Startup problems are not request errors and have their own branch:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ServerError(Exception):
-    """Base of every error a request can end in. ``code`` is the stable machine name."""
+    """Base of every error a request can end in. ``code`` is the stable machine name (the
+    ``type`` of the error body); ``reject_reason`` the ``microbatch_rejected_total`` label,
+    or None when the error is not a refusal."""
 
     code = "server_error"
+    reject_reason: ClassVar[str | None] = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -44,6 +71,7 @@ class ServerError(Exception):
 
 class ClientError(ServerError):
     code = "bad_request"
+    reject_reason = "bad_input"
 
 
 class InvalidImage(ClientError):
@@ -74,6 +102,7 @@ class ClientDisconnected(ClientError):
     """Nobody reads this answer; it exists so the request ends in a known state."""
 
     code = "client_closed_request"
+    reject_reason = "client_disconnected"
 
 
 class Unavailable(ServerError):
@@ -88,6 +117,7 @@ class Unavailable(ServerError):
 
 class QueueFull(Unavailable):
     code = "queue_full"
+    reject_reason = "queue_full"
 
 
 class NotReady(Unavailable):
@@ -96,10 +126,12 @@ class NotReady(Unavailable):
 
 class WorkerDied(Unavailable):
     code = "worker_died"
+    reject_reason = "worker_died"
 
 
 class DeadlineExceeded(ServerError):
     code = "deadline_exceeded"
+    reject_reason = "timeout"
 
 
 class InferenceError(ServerError):

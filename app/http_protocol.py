@@ -1,23 +1,77 @@
 """uvicorn's HTTP protocol (httptools), with each response sent in one write.
 
-uvicorn writes a response's status line and headers the moment the app starts the response,
-and the body in a second write: two ``send()`` calls, two TCP segments and two wake-ups of
-the client for every answer. Our answers are small JSON bodies sent right after their
-headers, so ``HttpProtocol`` holds the header block back and sends it together with the first
-body bytes. A header block that no body follows within the same event-loop turn (a streamed
-response, ``100 Continue``) goes out on its own at the end of that turn.
+uvicorn writes a response's status line and headers as soon as the app starts the response,
+and the body in a second write. Our answers are small JSON bodies sent right after their
+headers, so ``HttpProtocol`` holds the header block back and sends it with the first body
+bytes: one ``send()`` and one wake-up of the client per answer instead of two. A header block
+that no body follows within the same event-loop turn (a streamed response, ``100 Continue``)
+goes out on its own at the end of that turn.
 
-Measured with the do-nothing model at 64 clients (``MB_DECODE=worker``, nine alternated
-pairs of runs): requests/s rose in every pair (median about 5%), and the load generator's CPU
-per request fell (0.15-0.21 to 0.13-0.19 ms): it is woken once per answer instead of twice.
+Serve with ``uvicorn.Config(http=http_protocol())``: that is ``HttpProtocol`` on the uvicorn
+this was written and tested for (``UVICORN_VERSION``), and uvicorn's stock ``"auto"`` (two
+writes per response) with a ``RuntimeWarning`` on any other, or without httptools.
+
+What this relies on in uvicorn's internals (``uvicorn/protocols/http/httptools_impl.py``),
+none of it documented; re-check each line before moving ``UVICORN_VERSION``:
+
+- ``HttpToolsProtocol`` lives in ``uvicorn.protocols.http.httptools_impl`` and sets
+  ``self.loop`` in ``__init__``, before ``connection_made`` is called.
+- ``HttpToolsProtocol.connection_made(transport)`` is where the protocol takes its
+  transport, and every later use goes through that object (``self.transport``): the
+  ``RequestResponseCycle`` writes and closes through it, ``FlowControl`` pauses and resumes
+  reading on it, addresses and TLS come from its ``get_extra_info``, a WebSocket upgrade
+  hands it on with ``set_protocol``.
+- ``RequestResponseCycle.send`` writes a response's status line and headers with one
+  ``transport.write`` that starts with ``HTTP/`` and ends with ``\\r\\n\\r\\n`` (the blank
+  line), and its body with later, separate writes. Responses uvicorn writes whole by itself
+  (``send_400_response``) end with their body, so they pass straight through.
+- Between those two writes ``send`` yields to the event loop only when writing is paused
+  (``flow.drain()``); otherwise the body arrives in the same turn and the two are coalesced.
+  When it does not, the headers go out at the end of the turn: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import uvicorn
+
+# The uvicorn release the internals listed above were checked against (requirements.txt).
+UVICORN_VERSION = "0.54.0"
+
+_import_error: ImportError | None = None
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+else:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError as exc:  # no httptools, or uvicorn moved its internals
+        _import_error = exc
+        # Keeps this module importable so that http_protocol() can fall back; HttpProtocol
+        # is never handed out on this base.
+        HttpToolsProtocol = asyncio.Protocol
+
+
+def http_protocol() -> type[asyncio.Protocol] | str:
+    """What to pass as ``uvicorn.Config(http=...)``: ``HttpProtocol`` on uvicorn
+    ``UVICORN_VERSION`` with httptools installed; otherwise uvicorn's stock ``"auto"``, with
+    a ``RuntimeWarning`` that says why."""
+    if _import_error is not None:
+        problem = f"uvicorn's httptools protocol did not import ({_import_error})"
+    elif uvicorn.__version__ != UVICORN_VERSION:
+        problem = f"uvicorn is {uvicorn.__version__}, not the {UVICORN_VERSION} it was checked on"
+    else:
+        return HttpProtocol
+    warnings.warn(
+        f"app.http_protocol: {problem}; serving with uvicorn's stock HTTP protocol (headers "
+        "and body in two writes). Re-check the internals listed in app/http_protocol.py, "
+        "then update UVICORN_VERSION.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return "auto"
 
 
 def _is_header_block(data: bytes | bytearray | memoryview) -> bool:
@@ -101,8 +155,8 @@ class CoalescingTransport(asyncio.Transport):
 
 
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a ``CoalescingTransport``: pass it as
-    ``uvicorn.Config(http=HttpProtocol)``."""
+    """uvicorn's httptools protocol on a ``CoalescingTransport``. Get it through
+    ``http_protocol()``, which checks that the uvicorn installed is the one it fits."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))

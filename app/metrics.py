@@ -13,32 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.errors import (
-    ClientDisconnected,
-    ClientError,
-    DeadlineExceeded,
-    QueueFull,
-    ServerError,
-    WorkerDied,
-)
+from app.errors import ServerError
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def rejection_reason(error: ServerError) -> str | None:
-    """The ``reason`` label for a rejected request, or None if it is not a rejection."""
-    if isinstance(error, QueueFull):
-        return "queue_full"
-    if isinstance(error, DeadlineExceeded):
-        return "timeout"
-    if isinstance(error, WorkerDied):
-        return "worker_died"
-    if isinstance(error, ClientDisconnected):
-        return "client_disconnected"
-    if isinstance(error, ClientError):
-        return "bad_input"
-    return None
 
 
 class _LiveState(Collector):
@@ -130,8 +108,10 @@ class Metrics:
     def on_compute(self, task: str, size: int, seconds: float) -> None:
         self.model_time.labels(task).observe(seconds)
 
-    def on_error(self, error: ServerError) -> None:
-        reason = rejection_reason(error)
+    def on_error(self, error: ServerError | type[ServerError]) -> None:
+        """Count a refusal under its ``reject_reason`` (see ``app.errors``); other errors are
+        not counted. A class stands for a refusal that FastAPI or Starlette made itself."""
+        reason = error.reject_reason
         if reason is not None:
             self.rejected.labels(reason).inc()
 

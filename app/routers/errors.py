@@ -11,7 +11,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ServerError, Unavailable, http_status
+from app.errors import (
+    ClientError,
+    InvalidRequest,
+    PayloadTooLarge,
+    ServerError,
+    Unavailable,
+    http_status,
+)
 from app.metrics import Metrics
 
 log = logging.getLogger("app")
@@ -23,11 +30,13 @@ def error_response(
     return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
+# Refusals Starlette makes itself (a malformed body, the body limit) answer and count as the
+# domain error each stands for.
+HTTP_ERROR_KINDS: dict[int, type[ServerError]] = {400: ClientError, 413: PayloadTooLarge}
 HTTP_ERROR_CODES = {
-    400: "bad_request",
     404: "not_found",
     405: "method_not_allowed",
-    413: "payload_too_large",
+    **{status: kind.code for status, kind in HTTP_ERROR_KINDS.items()},
 }
 
 # Room for the multipart envelope and the small form fields around the file itself.
@@ -50,17 +59,18 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         # Raised by Starlette/FastAPI themselves: unknown route, body over the limit, a
         # malformed multipart body. Same JSON shape as everything else.
         code = HTTP_ERROR_CODES.get(exc.status_code, "http_error")
-        if exc.status_code in (400, 413):
-            metrics.rejected.labels("bad_input").inc()
+        kind = HTTP_ERROR_KINDS.get(exc.status_code)
+        if kind is not None:
+            metrics.on_error(kind)
         return error_response(exc.status_code, code, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels("bad_input").inc()
+        metrics.on_error(InvalidRequest)
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )
-        return error_response(422, "invalid_request", problems)
+        return error_response(422, InvalidRequest.code, problems)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

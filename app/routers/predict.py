@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from app.dependencies import app_settings, require_api_key, serving_predictor
 from app.errors import InvalidRequest
 from app.routers.common import batch_trace, request_deadline, unless_disconnected
+from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import ErrorResponse, TagOut
 from app.services.predictor import Predictor
-
-
-class DirectRoute(APIRoute):
-    """A route whose endpoint is called with the bare ``Request`` and reads its body and
-    query itself (``app.routers.uploads``). FastAPI still documents it (``openapi_extra``)
-    but resolves no parameters or dependencies per request: in a profile under load, that
-    resolution (query and cookie parsing, telemetry bookkeeping) took about a sixth of the
-    event loop's time."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint
-
 
 router = APIRouter(prefix="/predict", tags=["predict"], route_class=DirectRoute)
 

@@ -42,10 +42,13 @@ def test_codes_are_unique() -> None:
         (errors.WorkerDied("x"), "worker_died"),
         (errors.ClientDisconnected("x"), "client_disconnected"),
         (errors.InvalidImage("x"), "bad_input"),
+        (errors.InvalidRequest("x"), "bad_input"),
+        (errors.InvalidParameter("x"), "bad_input"),
+        (errors.Unauthorized("x"), "bad_input"),
+        (errors.NotReady("x"), None),
         (errors.InferenceError("x"), None),
+        (errors.BatchContractError("x"), None),
     ],
 )
 def test_rejection_reasons(error: errors.ServerError, reason: str | None) -> None:
-    from app.metrics import rejection_reason
-
-    assert rejection_reason(error) == reason
+    assert error.reject_reason == reason

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from app.http_protocol import CoalescingTransport, HttpProtocol
+import app.http_protocol as protocol_module
+from app.http_protocol import UVICORN_VERSION, CoalescingTransport, HttpProtocol, http_protocol
 
 REQUEST = b"GET / HTTP/1.1\r\nhost: example.org\r\n\r\n"
 BODY = b'{"ok":true}'
@@ -141,5 +146,35 @@ def test_the_command_line_serves_with_this_protocol(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(cli.uvicorn, "Server", FakeServer)
     monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
-    assert cli.main() == 0
+    assert cli.main([]) == 0
     assert configs[0].http is HttpProtocol
+
+
+def test_the_pinned_uvicorn_gets_this_protocol_without_a_warning() -> None:
+    assert uvicorn.__version__ == UVICORN_VERSION  # the tests above ran on the real one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert http_protocol() is HttpProtocol
+
+
+def test_the_pin_matches_requirements() -> None:
+    requirements = (Path(__file__).parents[2] / "requirements.txt").read_text()
+    pinned = re.search(r"^uvicorn==(\S+)", requirements, re.MULTILINE)
+    assert pinned is not None and pinned.group(1) == UVICORN_VERSION
+
+
+def test_another_uvicorn_gets_the_stock_protocol_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    expected = rf"uvicorn is 0\.99\.0, not the {re.escape(UVICORN_VERSION)}"
+    with pytest.warns(RuntimeWarning, match=expected):
+        assert http_protocol() == "auto"
+
+
+def test_without_httptools_it_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        protocol_module, "_import_error", ImportError("No module named 'httptools'")
+    )
+    with pytest.warns(RuntimeWarning, match="did not import .*httptools"):
+        assert http_protocol() == "auto"
