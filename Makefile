@@ -15,22 +15,22 @@ run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
 
 test: install-dev  ## whole test suite (CPU only) plus lint
-	$(PY) -m ruff check app tests
+	$(PY) -m ruff check app tests bench
 	$(PY) -m mypy
 	$(PY) -m pytest
 
 bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (9-10 min)
-	$(PY) -m app.bench --plot docs/performance.png --json docs/bench.json
+	$(PY) -m bench --plot docs/performance.png --json docs/bench.json
 
 bench-quick: install-dev  ## the same, default model only, under 2 minutes
-	$(PY) -m app.bench --quick
+	$(PY) -m bench --quick
 
 loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, against a local server
 	PY=$(PY) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) tests/load/run_loadtest.sh
 
 lint: install-dev
-	$(PY) -m ruff check app tests
-	$(PY) -m ruff format --check app tests
+	$(PY) -m ruff check app tests bench
+	$(PY) -m ruff format --check app tests bench
 	$(PY) -m mypy
 
 model: $(MODEL_STORE)/manifest.json  ## export the default model if it is missing

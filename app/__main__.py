@@ -1,24 +1,51 @@
-"""``python -m app``: serve ``app.main:app`` with uvicorn on ``HOST``:``PORT``.
+"""``python -m app``: serve the app on ``HOST``:``PORT`` with uvicorn.
 
-The same as ``uvicorn app.main:app --host $HOST --port $PORT``, except that each response
-goes out in one write (``app.http_protocol``), and that a SIGTERM or SIGINT that ends in a
-clean, graceful shutdown exits with status 0 (plain uvicorn re-raises the signal after
-shutting down, so its exit status reads "killed by SIGTERM").
+The same as ``uvicorn --factory app.main:create_app --host $HOST --port $PORT``, except that
+each response goes out in one write (``app.http_protocol``), and that a SIGTERM or SIGINT
+that ends in a clean, graceful shutdown exits with status 0 (plain uvicorn re-raises the
+signal after shutting down, so its exit status reads "killed by SIGTERM").
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
+import textwrap
 
 import uvicorn
 
 from app.errors import SettingsError
-from app.http_protocol import HttpProtocol
-from app.settings import get_settings
+from app.http_protocol import http_protocol
+from app.main import create_app
+from app.settings import Settings, get_settings
 
 
-def main() -> int:
+def _settings_help() -> str:
+    """Every setting with its default and meaning, from the one Settings class."""
+    lines = ["settings (environment variables, or a .env file in the working directory):"]
+    for name, field in Settings.model_fields.items():
+        default = "unset" if field.default is None else repr(field.default)
+        lines.append(f"  {name.upper()} (default {default})")
+        if field.description:
+            lines += textwrap.wrap(
+                field.description, width=88, initial_indent="      ", subsequent_indent="      "
+            )
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app",
+        description="Serve the micro-batching model server (configured by the environment).",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _parse(argv)  # --help, or refuse arguments this command does not take
     try:
         settings = get_settings()
     except SettingsError as exc:
@@ -30,10 +57,11 @@ def main() -> int:
         signal.signal(sig, lambda *_: None)
     server = uvicorn.Server(
         uvicorn.Config(
-            "app.main:app",
+            create_app(settings),
             host=settings.host,
             port=settings.port,
-            http=HttpProtocol,  # each response in one write
+            http=http_protocol(),  # each response in one write, on the uvicorn it fits
+            log_config=None,  # create_app configured logging, uvicorn's loggers included
             log_level=settings.log_level,
             access_log=False,  # the app logs each request itself, with its request id
         )

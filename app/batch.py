@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.engine import start_engine
+from app.engine import Engine
 from app.errors import ServerError, StartupError
 from app.settings import load_settings
 
@@ -87,15 +87,41 @@ async def run(
 ) -> dict[str, int]:
     settings = load_settings(mb_request_timeout=3600.0)
     files, todo = await asyncio.to_thread(_plan, root, out, resume)
-    engine = await start_engine(settings)
     counts = {"ok": 0, "error": 0, "skipped": len(files) - len(todo)}
     writer = ResultWriter(out)
+    bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
+    started = time.perf_counter()
+    try:
+        async with Engine(settings) as engine:
+            await _feed(engine, root, task, todo, top_k, writer, bar, counts)
+    finally:
+        bar.close()
+        writer.close()
+    elapsed = time.perf_counter() - started
+    counts["seconds"] = round(elapsed, 2)  # type: ignore[assignment]
+    counts["images_per_s"] = round(len(todo) / elapsed, 1) if elapsed else 0  # type: ignore[assignment]
+    return counts
+
+
+async def _feed(
+    engine: Engine,
+    root: Path,
+    task: str,
+    todo: list[Path],
+    top_k: int,
+    writer: ResultWriter,
+    bar: Any,  # tqdm
+    counts: dict[str, int],
+) -> None:
+    """Submit every file, a bounded window at a time, and write each answer as it comes.
+    Raises (and leaves nothing running) if writing fails."""
+    settings = engine.settings
     # Enough in flight to keep every worker busy with full batches, not so much that the
     # queue bound or memory is at risk.
+    transport = engine.transport
     window = asyncio.Semaphore(
-        min(settings.mb_max_queue, 4 * engine.pool.batch_size * engine.pool.capacity)
+        min(settings.mb_max_queue, 4 * transport.batch_size * transport.capacity)
     )
-    bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
 
     async def one(path: Path) -> None:
         entry: dict[str, Any] = {"path": str(path.relative_to(root))}
@@ -117,21 +143,10 @@ async def run(
         writer.write(entry)
         bar.update(1)
 
-    started = time.perf_counter()
-    try:
-        tasks = []
+    async with asyncio.TaskGroup() as group:  # a failing writer cancels the rest
         for path in todo:
             await window.acquire()
-            tasks.append(asyncio.create_task(one(path)))
-        await asyncio.gather(*tasks)
-    finally:
-        bar.close()
-        writer.close()
-        await engine.aclose()
-    elapsed = time.perf_counter() - started
-    counts["seconds"] = round(elapsed, 2)  # type: ignore[assignment]
-    counts["images_per_s"] = round(len(todo) / elapsed, 1) if elapsed else 0  # type: ignore[assignment]
-    return counts
+            group.create_task(one(path))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -1,10 +1,9 @@
 """What the routes need from the application state: settings, the predictor, the API key check.
 
 Plain functions, called directly by the prediction routes: FastAPI's dependency resolution
-costs more per request than these lookups (it showed as about a tenth of the event loop's
-time under load). The ``Annotated`` aliases serve the cheaper, rarer routes (``/info``,
-``/tags``); they are ``async def`` because FastAPI runs plain ``def`` dependencies in its
-thread pool."""
+costs more per request than these lookups. The ``Annotated`` aliases serve the cheaper,
+rarer routes (``/info``, ``/tags``); they are ``async def`` because FastAPI runs plain
+``def`` dependencies in its thread pool."""
 
 from __future__ import annotations
 

@@ -21,6 +21,15 @@ class Task(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class BatchKey:
+    """Which items may share a batch (the Streamer's ``key``): one task, and images that
+    travel the same way, all decoded pixels or all encoded uploads."""
+
+    task: Task
+    encoded: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ImageJob:
     """One image for the workers: uint8 HxWx3 RGB pixels at the model's input size, or the
     encoded upload itself when the workers decode (``MB_DECODE``)."""

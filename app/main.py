@@ -1,8 +1,11 @@
-"""The ASGI application: ``create_app(settings)`` wires settings, workers, Streamer and routes.
+"""The ASGI application: ``create_app(settings)`` wires settings, the engine and the routes.
 
-``uvicorn app.main:app`` serves the app built from the environment. Start-up order: verify
-the model store, start the workers (the port opens once they are loaded and warmed up, so a
-broken model or device fails the start with a clear message), then the Streamer.
+Nothing happens at import. Serve it with ``python -m app``, or any ASGI server that can call
+a factory: ``uvicorn --factory app.main:create_app``, or gunicorn with
+``app.gunicorn_worker.Worker`` and ``'app.main:create_app()'``. Start-up order, in the ASGI
+lifespan: verify the model store, start the workers (the port opens once they are loaded
+and warmed up, so a broken model or device fails the start with a clear message), then the
+Streamer.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from app.engine import start_engine
+from app.engine import Engine
 from app.errors import SettingsError
 from app.metrics import Metrics
 from app.observability import RequestLog, configure_logging
@@ -58,48 +61,56 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
 
 
 def _freeze_startup_objects() -> Callable[[], None]:
-    """Move every object alive after start-up out of the garbage collector's sight.
-
-    The HTTP process holds over 200,000 long-lived objects once its modules are imported
-    (FastAPI, pydantic, numpy, torch's Python side), and every full collection walked them
-    all, though requests only make short-lived garbage. Frozen, they cost collections
-    nothing: with a do-nothing model, the HTTP process's CPU per request fell from
-    0.67-0.86 to 0.57-0.64 ms (an in-process ASGI driver, 64 concurrent requests, three
-    alternated pairs); over real HTTP, 789-867 became 847-960 requests/s (`MB_DECODE=worker`,
-    two workers, three alternated pairs). Returns the undo, for shutdown."""
+    """Move every object alive after start-up out of the garbage collector's sight: the
+    HTTP process holds hundreds of thousands of long-lived objects (FastAPI, pydantic, numpy,
+    torch's Python side) that every full collection would walk again, though requests only
+    make short-lived garbage. Returns the undo, for shutdown."""
     gc.collect()  # freeze only what is alive, not start-up's garbage
     gc.freeze()
     return gc.unfreeze
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the application. Nothing starts until the ASGI lifespan runs."""
-    settings = settings or get_settings()
+    """Build the application from ``settings`` (default: the environment). Nothing starts
+    until the ASGI lifespan runs. Exits with status 2 and a message naming each bad setting
+    when the environment is invalid (an ASGI server calling the factory has no better way
+    to report it)."""
+    if settings is None:
+        try:
+            settings = get_settings()
+        except SettingsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     configure_logging(settings.log_level, settings.log_format)
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = await start_engine(settings, metrics)
-        app.state.pool, app.state.streamer = engine.pool, engine.streamer
-        app.state.predictor = engine.predictor
-        metrics.watch(
-            lambda: {
-                "queue_depth": engine.streamer.queue_depth,
-                "in_flight": engine.streamer.in_flight,
-                "workers": engine.pool.describe(),
-                "restarts": engine.pool.restart_count,
-            }
-        )
-        restore_signals = _flag_closing_on_signals(app)
-        unfreeze = _freeze_startup_objects()
-        try:
-            yield
-        finally:
-            unfreeze()
-            restore_signals()
-            app.state.closing = True
-            await engine.aclose(drain_timeout_s=settings.mb_request_timeout)
+        drain_s = settings.mb_request_timeout  # admitted requests may finish at shutdown
+        async with Engine(settings, metrics, drain_timeout_s=drain_s) as engine:
+            state = app.state
+            state.engine, state.transport, state.streamer = (
+                engine,
+                engine.transport,
+                engine.streamer,
+            )
+            state.predictor = engine.predictor
+            metrics.watch(
+                lambda: {
+                    "queue_depth": engine.streamer.queue_depth,
+                    "in_flight": engine.streamer.in_flight,
+                    "workers": engine.transport.describe(),
+                    "restarts": engine.transport.restart_count,
+                }
+            )
+            restore_signals = _flag_closing_on_signals(app)
+            unfreeze = _freeze_startup_objects()
+            try:
+                yield
+            finally:
+                unfreeze()
+                restore_signals()
+                state.closing = True
 
     app = FastAPI(
         title="microbatch-server",
@@ -120,14 +131,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(meta.router)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     return app
-
-
-def _app_from_environment() -> FastAPI:
-    try:
-        return create_app()
-    except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-app = _app_from_environment()

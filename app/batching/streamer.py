@@ -20,10 +20,11 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from app.batching.transport import BatchFn, BatchItem
 from app.errors import (
     BatchContractError,
     DeadlineExceeded,
@@ -38,19 +39,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchItem(Generic[T]):
-    """One item as the batch function sees it: its id and its payload."""
-
-    id: int
-    payload: T
-
-
-# The one protocol at the Streamer's edge: run a batch of same-key items and return each
-# item's result (or an exception for that item alone) keyed by item id.
-BatchFn = Callable[[Hashable, Sequence[BatchItem[T]]], Awaitable[Mapping[int, Any]]]
 
 
 @dataclass(slots=True)
@@ -369,7 +357,8 @@ class Streamer(Generic[T, R]):
             self._wake.set()
 
     async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
-        results = await self._batch_fn(key, [BatchItem(item.id, item.payload) for item in batch])
+        items = [BatchItem(item.id, item.payload, item.deadline) for item in batch]
+        results = await self._batch_fn(key, items)
         self._deliver(batch, results)
 
     async def _run_guarded(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:

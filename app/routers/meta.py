@@ -21,16 +21,16 @@ async def healthz() -> Health:
 
 
 def _workers(request: Request) -> list[dict[str, Any]]:
-    pool = getattr(request.app.state, "pool", None)
-    return pool.describe() if pool is not None else []
+    transport = getattr(request.app.state, "transport", None)
+    return transport.describe() if transport is not None else []
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(request: Request) -> JSONResponse:
     """Readiness: 200 while a model worker is ready and the server is not stopping, else 503."""
     state = request.app.state
-    pool, streamer = getattr(state, "pool", None), getattr(state, "streamer", None)
-    ready = pool is not None and pool.ready and not state.closing
+    transport, streamer = getattr(state, "transport", None), getattr(state, "streamer", None)
+    ready = transport is not None and transport.ready and not state.closing
     body = Readiness(
         status="ready" if ready else "not_ready",
         queue_depth=streamer.queue_depth if streamer is not None else 0,
@@ -49,7 +49,8 @@ async def metrics(request: Request) -> Response:
 @router.get("/info")
 async def info(request: Request, predictor: PredictorDep, settings: SettingsDep) -> dict[str, Any]:
     """What is being served: the model manifest, the effective batching settings, the workers."""
-    streamer = request.app.state.streamer
+    engine = request.app.state.engine
+    streamer = engine.streamer
     return {
         "model": predictor.manifest.model_dump(),
         "batching": {
@@ -61,6 +62,7 @@ async def info(request: Request, predictor: PredictorDep, settings: SettingsDep)
             "batch_timeout_s": settings.mb_batch_timeout,
             "dtype": settings.mb_dtype,
             "optimize": settings.mb_optimize,
+            "decode": engine.decode_plan.describe(),
         },
         "workers": _workers(request),
     }

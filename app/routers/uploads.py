@@ -8,8 +8,8 @@ Two shapes are accepted:
   Content-Type (``curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'``).
 
 The multipart body goes through python-multipart's streaming parser as the chunks arrive.
-Under load, FastAPI's own form handling (spooled temporary files, a validation model per
-field) and its dependency resolution took about a third of the event loop's time, so the
+FastAPI's own form handling (spooled temporary files, a validation model per field) and its
+dependency resolution cost the event loop more than everything else a request does, so the
 prediction routes read the stream themselves: the upload limit still applies as the bytes
 arrive, and every malformed body still gets its own 4xx.
 """

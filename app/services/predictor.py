@@ -1,14 +1,5 @@
-"""Prediction service: decode off the event loop (or leave it to the workers), submit to the
-Streamer, shape the answer.
-
-Where an upload is decoded: in this process's decode threads, where that work overlaps the
-batch the workers are running, or in the worker (``decode_pool`` is None: ``MB_DECODE=worker``
-or a GPU). With ``idle_workers_decode`` (``MB_DECODE=auto`` on CPU) the server decodes, except
-for an upload that arrives while the server is idle: there is nothing to overlap, so it goes to
-the worker encoded, and the worker decodes it right before running it. That saves the
-hand-off to a decode thread and back: with EfficientNet-Lite0 on 2 cores, lone requests went
-from 1.15-1.19x the raw pipeline's latency to 1.13-1.15x (four alternated pairs).
-"""
+"""Prediction service: decode the upload where the ``DecodePlan`` says, submit it to the
+Streamer, shape the answer."""
 
 from __future__ import annotations
 
@@ -21,9 +12,10 @@ import numpy as np
 import numpy.typing as npt
 
 from app.batching import Streamer, Trace
+from app.decode_plan import DecodePlan
 from app.errors import DeadlineExceeded, InvalidParameter
 from app.images import preprocess
-from app.jobs import ImageJob, Task, TopK
+from app.jobs import BatchKey, ImageJob, Task, TopK
 from app.manifest import Manifest
 
 
@@ -36,8 +28,10 @@ class Tag:
 class Predictor:
     """What the routers call. Holds no torch: the Streamer carries jobs to the workers.
 
-    >>> # predictor = Predictor(streamer, manifest, classes, decode_pool, max_pixels=10**7)
-    >>> # (see the module docstring for ``idle_workers_decode``)
+    ``decode_pool`` runs the decodes the plan gives this process (``None`` when it gives it
+    none). An upload left encoded is decoded by its worker, which answers a bad one itself.
+
+    >>> # predictor = Predictor(streamer, manifest, classes, plan, decode_pool, max_pixels=10**7)
     >>> # await predictor.tag(jpeg_bytes, k=5, deadline=time.monotonic() + 30)
     >>> # [Tag(name='tabby', prob=0.61), ...]
     """
@@ -47,17 +41,19 @@ class Predictor:
         streamer: Streamer[ImageJob, object],
         manifest: Manifest,
         classes: list[str],
+        plan: DecodePlan,
         decode_pool: ThreadPoolExecutor | None,
         *,
         max_pixels: int,
-        idle_workers_decode: bool = False,
     ) -> None:
+        if (decode_pool is None) != (plan.server_threads == 0):
+            raise ValueError("a decode pool is needed exactly when the plan decodes here")
         self._streamer = streamer
         self.manifest = manifest
         self.classes = classes
+        self._plan = plan
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
-        self._idle_workers_decode = idle_workers_decode
 
     async def _run(
         self, task: Task, data: bytes, top_k: int, deadline: float, trace: Trace | None
@@ -65,8 +61,7 @@ class Predictor:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission()
         image: npt.NDArray[np.uint8] | bytes = data
-        # Left encoded, the worker decodes it (and answers a bad image).
-        encoded = self._decode_pool is None or (self._idle_workers_decode and self._streamer.idle)
+        encoded = not self._plan.server_decodes(idle=self._streamer.idle)
         if not encoded:
             image = await asyncio.get_running_loop().run_in_executor(
                 self._decode_pool,
@@ -76,7 +71,10 @@ class Predictor:
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
-            ImageJob(image, top_k=top_k), key=task, timeout_s=remaining, trace=trace
+            ImageJob(image, top_k=top_k),
+            key=BatchKey(task, encoded),
+            timeout_s=remaining,
+            trace=trace,
         )
 
     async def embedding(

@@ -3,12 +3,10 @@
 glibc's malloc serves a large request with fresh ``mmap`` pages and unmaps them on ``free``
 (the cut-off starts at 128 KiB and adapts, up to 32 MiB), and it returns the top of its heap
 to the kernel once enough of it is free. A network's activations are exactly such requests,
-allocated and freed on every call, so each call touches fresh pages that the kernel must
-fault in and zero. Measured on this project's 2-core CPU with EfficientNet-Lite0: about
-3,700 page faults per batch-1 call; a mix of batch sizes 1-32 defeats the adaptation, and
-made 35-46 images/s against 62-90 with the tuning. A worker's working set is bounded by its
-largest batch, so holding on to it costs the memory that batch needs anyway (1.0 GB against
-0.67 GB of RSS in that run) and no time.
+allocated and freed on every call, so each call would touch fresh pages that the kernel must
+fault in and zero; a mix of batch sizes defeats glibc's adaptation. A worker's working set
+is bounded by its largest batch, so holding on to it costs the memory that batch needs
+anyway, and no time. Figures: ``docs/performance.md``.
 
 Only glibc (Linux) is tuned; elsewhere ``retain_freed_memory`` does nothing.
 """

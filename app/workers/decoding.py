@@ -31,10 +31,9 @@ from PIL import Image
 from app.errors import ServerError
 from app.images import Header, center_crop_box, preprocess, read_header
 from app.manifest import InputSpec
+from app.workers.batches import Errors
 
 log = logging.getLogger("app.worker")
-
-Errors = dict[int, tuple[str, str]]  # position in the batch -> (error class name, message)
 
 
 class Decoder:

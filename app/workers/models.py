@@ -42,7 +42,7 @@ class LoadOptions:
 
     dtype: torch.dtype = torch.float32
     # Freeze and optimise for inference (constant folding, conv+batchnorm fusion, oneDNN
-    # layouts on CPU): EfficientNet-Lite0 runs ~1.9x faster at batch 1 on this project's CPU.
+    # layouts on CPU): much faster small batches on a CPU (docs/performance.md).
     optimize: bool = True
 
 

@@ -206,7 +206,7 @@ async def test_concurrent_requests_each_get_their_own_result(
 ) -> None:
     app, client = served
     images = distinct_images(64)
-    before = dict(app.state.pool.stats.batch_sizes.get("embedding", {}))
+    before = dict(app.state.transport.stats.batch_sizes.get("embedding", {}))
 
     async def one(index: int) -> tuple[int, Any]:
         data = images[index]
@@ -234,7 +234,7 @@ async def test_concurrent_requests_each_get_their_own_result(
         np.testing.assert_allclose(
             [t["prob"] for t in alone.json()], [t["prob"] for t in batched], atol=1e-5
         )
-    after = app.state.pool.stats.batch_sizes["embedding"]
+    after = app.state.transport.stats.batch_sizes["embedding"]
     grown = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
     assert max(grown) > 1, f"no embedding batch larger than 1: {grown}"
 
@@ -254,7 +254,7 @@ async def test_128_concurrent_http_requests_form_one_batch_of_128(served: tuple[
         gate.open()
         results = await asyncio.gather(first, *rest)
     assert len(results) == 129
-    assert app.state.pool.stats.batch_sizes["embedding"].get(128, 0) >= 1
+    assert app.state.transport.stats.batch_sizes["embedding"].get(128, 0) >= 1
 
 
 async def test_a_bad_image_in_a_batch_fails_alone(
@@ -272,7 +272,7 @@ async def test_a_bad_image_in_a_batch_fails_alone(
             asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", data)}))
             for data in (good[1], truncated, good[2])
         ]
-        await gate.wait_queued(3 if app.state.pool.decode_in_workers else 2)
+        await gate.wait_queued(2 if app.state.engine.decode_plan.server_threads else 3)
         gate.open()
         await first
         answers = await asyncio.gather(*rest)

@@ -1,11 +1,10 @@
 """MB_DECODE=auto on CPU workers, with real worker processes: the server decodes while the
-workers are busy, an upload that reaches an idle server is decoded by its worker, and a batch
-may mix both. Every caller gets its own answer either way."""
+workers are busy, an upload that reaches an idle server is decoded by its worker, and the two
+kinds never share a batch. Every caller gets its own answer either way."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,8 @@ async def test_auto_on_cpu_decodes_in_the_server_and_in_idle_workers(
     served: tuple[Any, Any],
 ) -> None:
     app, _ = served
-    assert app.state.pool.workers_can_decode and not app.state.pool.decode_in_workers
+    plan = app.state.engine.decode_plan
+    assert plan.server_threads and plan.worker_threads and plan.idle_uploads_to_workers
 
 
 async def test_a_lone_upload_is_decoded_by_its_worker(
@@ -90,34 +90,42 @@ async def test_uploads_that_wait_for_a_busy_worker_are_decoded_by_the_server(
         np.testing.assert_allclose(vector, expected_for(data, tiny_store), atol=1e-5)
 
 
-async def test_a_batch_mixing_encoded_and_decoded_uploads_answers_each_caller(
+async def test_encoded_and_decoded_uploads_never_share_a_batch(
     served: tuple[Any, Any], tiny_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two requests can both find the server idle; one is queued before the other's decode
-    ends, and they share a batch. Forced here: every other request sees an idle server."""
+    """Two requests can both find the server idle: one is queued encoded, the other decoded
+    here once its decode ends. Forced here, request by request: each kind forms its own
+    batch, and a truncated upload gets its 400 from whichever side decodes it."""
     app, client = served
-    images = distinct_images(6)
+    images = distinct_images(5)
     truncated = images[4][: len(images[4]) // 2]
-    uploads = [*images[:4], truncated, images[5]]
-    seen_idle = itertools.cycle([True, False])
+    seen_idle = [True]
+
+    def post(data: bytes) -> Any:
+        return client.post("/predict/embedding", files={"image": ("x", data)})
+
     with BatchLog(app.state.streamer) as log, BatchGate(app.state.streamer) as gate:
         first = asyncio.create_task(embed(client, images[0]))
         await gate.wait_entered()
-        monkeypatch.setattr(Streamer, "idle", property(lambda _: next(seen_idle)))
-        rest = [
-            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x", data)}))
-            for data in uploads[1:]
-        ]
-        # The truncated upload is either queued encoded or refused by the server's decode.
+        monkeypatch.setattr(Streamer, "idle", property(lambda _: seen_idle[0]))
+        queued = []
+        for data, idle in ((images[1], True), (images[2], False), (images[3], True)):
+            seen_idle[0] = idle
+            queued.append(asyncio.create_task(post(data)))
+            await gate.wait_queued(len(queued))
+        seen_idle[0] = False  # decoded here: refused before it is queued
+        refused_here = await post(truncated)
+        seen_idle[0] = True  # left encoded: its worker refuses it
+        queued.append(asyncio.create_task(post(truncated)))
         await gate.wait_queued(4)
-        await asyncio.sleep(0.2)  # let a server-side decode of it finish and fail
         monkeypatch.undo()
         gate.open()
         await first
-        answers = await asyncio.gather(*rest)
-    assert len(log.batches) == 2 and len(set(log.batches[1])) == 2  # mixed
-    assert [a.status_code for a in answers] == [200, 200, 200, 400, 200]
-    assert answers[3].json()["error"]["type"] == "invalid_image"
-    for answer, data in zip(answers, uploads[1:], strict=True):
-        if answer.status_code == 200:
-            np.testing.assert_allclose(answer.json(), expected_for(data, tiny_store), atol=1e-5)
+        answers = await asyncio.gather(*queued)
+    assert log.batches[0] == [True]
+    assert sorted(log.batches[1:]) == [[False], [True, True, True]]
+    assert [a.status_code for a in answers] == [200, 200, 200, 400]
+    for bad in (refused_here, answers[3]):
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_image"
+    for answer, data in zip(answers[:3], images[1:4], strict=True):
+        np.testing.assert_allclose(answer.json(), expected_for(data, tiny_store), atol=1e-5)

@@ -25,7 +25,7 @@ async def test_device_decode_answers_each_upload_in_a_batch(tiny_store: Path) ->
         mb_batch_size=8,
         mb_decode="device",
     ) as (app, client):
-        assert app.state.pool.decode_in_workers
+        assert app.state.engine.decode_plan.on_device
         with BatchGate(app.state.streamer) as gate:
             first = asyncio.create_task(embed(client, photos[0]))
             await gate.wait_entered()

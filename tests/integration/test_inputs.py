@@ -45,7 +45,7 @@ async def test_every_odd_file_gets_200_or_a_precise_4xx_within_a_second(
     served: tuple[Any, Any], name: str, data: bytes, status: int
 ) -> None:
     app, client = served
-    pids = [w["pid"] for w in app.state.pool.describe()]
+    pids = [w["pid"] for w in app.state.transport.describe()]
     for task in ("tag", "embedding"):
         started = time.monotonic()
         response = await client.post(
@@ -57,7 +57,7 @@ async def test_every_odd_file_gets_200_or_a_precise_4xx_within_a_second(
         if status != 200:
             assert set(body) == {"error"} and body["error"]["message"]
             assert "Traceback" not in response.text and "/work" not in response.text
-    workers = app.state.pool.describe()
+    workers = app.state.transport.describe()
     assert [w["pid"] for w in workers] == pids and all(w["alive"] for w in workers)
 
 

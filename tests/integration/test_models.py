@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 import torch
 
+from app.engine import plan_from_settings
 from app.errors import ModelStoreError, WorkerStartError
 from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_manifest, sha256_file
+from app.settings import load_settings
+from app.workers.messages import WorkerConfig
 from app.workers.models import load_models
 from app.workers.pool import WorkerPool
-from app.workers.process import BatchRunner
+from app.workers.runner import BatchRunner
 from tests.conftest import distinct_images, running_app
 
 pytestmark = pytest.mark.slow
@@ -82,15 +85,9 @@ async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path:
     manifest = json.loads((store / "manifest.json").read_text())
     manifest["files"]["embedding"]["sha256"] = sha256_file(store / "embedding.pt")
     (store / "manifest.json").write_text(json.dumps(manifest))
-    pool = WorkerPool(
-        model_store=store,
-        manifest=read_manifest(store),
-        devices=[],
-        worker_num=1,
-        threads_per_worker=1,
-        max_batch_size=4,
-        start_timeout_s=60,
-    )
+    plan = plan_from_settings(load_settings(cuda_devices="cpu", mb_worker_num=1))
+    config = WorkerConfig(model_store=str(store), max_batch_size=4)
+    pool = WorkerPool(read_manifest(store), plan, config, start_timeout_s=60)
     with pytest.raises(WorkerStartError, match="worker 0 on cpu failed to start"):
         await pool.start()
     assert pool.describe() == []
@@ -110,7 +107,7 @@ async def test_several_cpu_workers_share_the_load(tiny_store: Path) -> None:
         responses = await asyncio.gather(
             *(client.post("/predict/embedding", files={"image": ("x.png", d)}) for d in images)
         )
-        workers: list[dict[str, Any]] = app.state.pool.describe()
+        workers: list[dict[str, Any]] = app.state.transport.describe()
     assert all(r.status_code == 200 for r in responses)
     assert len(workers) == 2 and all(w["ready"] and w["alive"] for w in workers)
     assert len({w["pid"] for w in workers}) == 2
@@ -125,7 +122,7 @@ async def test_auto_batch_size_is_measured_and_used(tiny_store: Path) -> None:
         mb_batch_size="auto",
         mb_auto_batch_max=8,
     ) as (app, client):
-        worker = app.state.pool.describe()[0]
+        worker = app.state.transport.describe()[0]
         ready = (await client.get("/readyz")).json()
         streamer_batch = app.state.streamer.max_batch_size
     assert 1 <= worker["batch_size"] <= 8

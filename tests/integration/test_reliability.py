@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app.bench.loadgen import Response, closed_loop, multipart_request
 from app.images import preprocess
 from app.manifest import read_manifest
 from app.workers.models import load_models
+from bench.loadgen import Response, closed_loop, multipart_request
 from tests.conftest import BatchGate, distinct_images, running_app
 from tests.models import POISON_RGB, tiny_expected_embedding
 from tests.server import ServerProcess, alive, shm_files
@@ -165,7 +165,7 @@ async def test_real_model_under_concurrency_answers_as_when_alone(
         jobs = [("embedding" if i % 3 else "tag", photos[i % 4]) for i in range(120)]
         transport = httpx.ASGITransport(app=app)
         results = await httpx_closed_loop("http://test", jobs, clients=16, transport=transport)
-        sizes = app.state.pool.stats.batch_sizes
+        sizes = app.state.transport.stats.batch_sizes
     assert Counter(status for _, status, _ in results) == {200: 120}
     for index, _, body in results:
         task, expected = jobs[index][0], alone[jobs[index][0], index % 4]
@@ -413,7 +413,7 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
             gate.open()
             responses = await asyncio.gather(first, *rest)
         retried = streamer.stats.retried_batches
-        pool_ready = app.state.pool.ready
+        pool_ready = app.state.transport.ready
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 200, 200, 500, 200, 200, 200]
     assert responses[3].json()["error"] == {

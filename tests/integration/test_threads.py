@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.workers.pool import LEND_AFTER_IDLE_S
+from app.workers.lending import LEND_AFTER_IDLE_S
 from tests.conftest import distinct_images, embed, expected_for, running_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
@@ -26,19 +26,19 @@ async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path
         mb_worker_threads=1,
         mb_batch_size=4,
     ) as (app, client):
-        pool = app.state.pool
+        pool = app.state.transport
         await asyncio.sleep(LEND_AFTER_IDLE_S)
 
         alone = await embed(client, images[0])
         assert pool.stats.threads == {2: 1}
-        (last,) = [w for w in pool._workers if w.batches == 1]
+        (last,) = [w for w in pool.workers if w.batches == 1]
 
         first = asyncio.create_task(embed(client, images[1]))
         async with asyncio.timeout(10):
-            while not any(worker.pending for worker in pool._workers):
+            while not any(worker.busy for worker in pool.workers):
                 await asyncio.sleep(0.001)
         # The worker that answered last takes the next batch too (its caches are warm).
-        assert last.pending is not None
+        assert last.busy
         second = await embed(client, images[2])  # decoded and sent while the slow model computes
         results = [alone, await first, second]
         assert pool.stats.threads == {2: 2, 1: 1}

@@ -1,16 +1,91 @@
-"""The app's start-up helpers that need no workers."""
+"""The app's lifecycle without workers: nothing happens at import, and what the lifespan
+does around the engine (start-up objects frozen out of the collector's sight while serving,
+readiness flipped at shutdown)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace, TracebackType
+from typing import Any, ClassVar
 
-from app.main import _freeze_startup_objects
+import pytest
+
+import app.main
+from app.main import create_app
+from app.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_freezing_start_up_objects_is_undone_at_shutdown() -> None:
-    undo = _freeze_startup_objects()
-    try:
-        assert gc.get_freeze_count() > 0
-    finally:
-        undo()
+def test_importing_the_app_builds_nothing_and_configures_no_logging() -> None:
+    code = (
+        "import logging, app.main;"
+        "print(hasattr(app.main, 'app'), logging.getLogger('app').handlers,"
+        " logging.getLogger('uvicorn').handlers)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "[]", "[]"]
+
+
+def test_python_m_app_help_lists_every_setting_and_starts_nothing() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.startswith("usage: python -m app")
+    for name in Settings.model_fields:
+        assert f"  {name.upper()} (default" in out.stdout
+
+
+class FakeEngine:
+    """Stands in for the engine: no workers, just the attributes the lifespan reads."""
+
+    instances: ClassVar[list[FakeEngine]] = []
+
+    def __init__(self, settings: Settings, metrics: Any, *, drain_timeout_s: float) -> None:
+        self.drain_timeout_s = drain_timeout_s
+        self.transport = SimpleNamespace(describe=list, restart_count=0, ready=True)
+        self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
+        self.predictor = object()
+        self.closed_while_serving: bool | None = None
+        FakeEngine.instances.append(self)
+
+    async def __aenter__(self) -> FakeEngine:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.frozen_at_exit = gc.get_freeze_count()
+
+
+def test_start_up_objects_are_frozen_while_serving_and_released_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app.main, "Engine", FakeEngine)
+    served = create_app(Settings(mb_request_timeout=7))
+
+    async def lifespan() -> None:
+        async with served.router.lifespan_context(served):
+            # The app and the engine, alive at start-up, are out of the collector's sight.
+            frozen = {id(o) for o in gc.get_objects()}
+            assert id(served) not in frozen and id(served.state.engine) not in frozen
+            assert gc.get_freeze_count() > 1000
+            assert not served.state.closing
+        assert served.state.closing  # readiness turned 503 before the engine drained
+
+    asyncio.run(lifespan())
+    (engine,) = FakeEngine.instances
+    assert engine.drain_timeout_s == 7  # admitted requests may finish at shutdown
+    assert engine.frozen_at_exit == 0  # unfrozen before the engine stopped
     assert gc.get_freeze_count() == 0

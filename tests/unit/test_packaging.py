@@ -74,3 +74,18 @@ def test_dockerfile_healthcheck_is_valid_python_probing_readyz() -> None:
     assert argv[:2] == ["python", "-c"]
     compile(argv[2], "healthcheck", "exec")
     assert "/readyz" in argv[2] and 'os.environ["PORT"]' in argv[2]
+
+
+def test_image_leaves_the_benchmark_out() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    # The first path component of every COPY source ("." for the whole build context).
+    copied = [
+        source.strip("./").split("/")[0] or "."
+        for line in re.findall(r"^COPY (.+)$", dockerfile, flags=re.M)
+        for source in line.split()[:-1]
+        if not source.startswith("--")
+    ]
+    assert "app" in copied and "bench" not in copied and "." not in copied
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert "bench" in ignored or "bench/" in ignored
+    assert (REPO / "bench" / "__main__.py").is_file()

@@ -354,3 +354,18 @@ def test_bad_construction_names_the_parameter(kwargs: dict[str, float], message:
     base = {"max_batch_size": 1, "max_latency_s": 0.0}
     with pytest.raises(ValueError, match=message):
         Streamer(FakeModel(), **{**base, **kwargs})  # type: ignore[arg-type]
+
+
+async def test_each_item_reaches_the_transport_with_its_deadline() -> None:
+    """A transport may forward the deadline (a broker does) or drop an expired item."""
+    seen: list[tuple[object, float | None]] = []
+
+    async def record(key: Hashable, items: Sequence[BatchItem[str]]) -> dict[int, str]:
+        seen.extend((item.payload, item.deadline) for item in items)
+        return {item.id: item.payload for item in items}
+
+    now = [100.0]
+    async with Streamer(record, max_batch_size=8, max_latency_s=0, clock=lambda: now[0]) as s:
+        await s.submit("bounded", timeout_s=2.5)
+        await s.submit("unbounded")
+    assert seen == [("bounded", 102.5), ("unbounded", None)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.workers import process
-from app.workers.protocol import StartFailed, WorkerSpec
+from app.workers.messages import StartFailed, WorkerConfig, WorkerSpec
 
 # Activation-sized arrays (1-48 MiB) allocated and freed in a mixed order, as batches of
 # different sizes do; prints the page faults of five rounds after a warm-up round.
@@ -42,7 +42,7 @@ def page_faults(mode: str) -> int:
     # A fresh interpreter each: the thresholds are process-wide and must not leak into pytest.
     done = subprocess.run(
         [sys.executable, "-c", ROUNDS, mode],
-        cwd=Path(__file__).resolve().parents[2],  # so that ``app`` imports
+        cwd=Path(__file__).resolve().parents[3],  # so that ``app`` imports
         capture_output=True,
         text=True,
         check=True,
@@ -69,7 +69,8 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     monkeypatch.setattr(process, "retain_freed_memory", lambda: calls.append("allocator"))
     monkeypatch.setattr(process, "load_models", fail_to_load)
     ours, theirs = multiprocessing.Pipe()
-    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), "unused", "unused", 0, 8, (8, 8, 3))
+    config = WorkerConfig(model_store="unused", max_batch_size=8)
+    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0)
     process.worker_main(spec, theirs)
     assert isinstance(ours.recv(), StartFailed)
     assert calls == ["allocator", "load_models"]

@@ -15,9 +15,10 @@ from skimage import data
 from app.images import ORIENTATION_TAG, _resize_center_crop, preprocess, read_header
 from app.jobs import Task
 from app.manifest import InputSpec
+from app.workers.batches import read_images
+from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder, resize_center_crop, upright
-from app.workers.process import _batch_pixels
-from app.workers.protocol import InputBuffer, RunBatch
+from app.workers.messages import RunBatch
 from tests.unit.test_images import encode
 
 SPEC = InputSpec(
@@ -133,7 +134,7 @@ def test_encoded_batch_becomes_a_device_tensor_the_runner_takes() -> None:
     try:
         spans, inline = buffer.pack([upload, upload])  # the second travels inline
         message = RunBatch(0, Task.EMBEDDING, (1, 2), 0, spans, inline)
-        pixels, errors = _batch_pixels(message, buffer, decoder(), (64, 64, 3))
+        pixels, errors = read_images(message, buffer, decoder(), (64, 64, 3))
     finally:
         buffer.unlink()
         buffer.close()

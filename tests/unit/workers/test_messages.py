@@ -8,7 +8,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 
-from app.workers.protocol import BatchDone
+from app.workers.messages import BatchDone
 
 
 def _round_trip(reply: BatchDone) -> BatchDone:

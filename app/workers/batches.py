@@ -1,0 +1,107 @@
+"""One batch's trip through a worker's shared buffer, both ways.
+
+The pool writes a batch's images into the buffer (``write_images``) and turns the worker's
+reply into each item's result (``results``); the worker reads the images back
+(``read_images``), decoding them first when they came encoded. A batch is all pixels or all
+encoded uploads: the Streamer never mixes the two (``app.jobs.BatchKey``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from app.errors import (
+    InferenceError,
+    InvalidImage,
+    PayloadTooLarge,
+    ServerError,
+    UnsupportedImageFormat,
+)
+from app.jobs import Task, TopK
+from app.workers.buffer import Inline, InputBuffer, Spans
+from app.workers.messages import BatchDone, RunBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.workers.decoding import Decoder, DeviceDecoder
+
+# position in the batch -> (error class name, message), for uploads a worker could not decode
+Errors = dict[int, tuple[str, str]]
+# The errors a worker may report for one image, by class name; nothing else is rebuilt.
+IMAGE_ERRORS: dict[str, type[ServerError]] = {
+    cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
+}
+
+
+def write_images(
+    buffer: InputBuffer,
+    images: Sequence[npt.NDArray[np.uint8] | bytes],
+    image_shape: tuple[int, int, int],
+) -> tuple[Spans, Inline]:
+    """Put one batch's images into ``buffer``: pixels as its first rows, or encoded uploads
+    packed end to end (those that do not fit travel inline). Returns ``RunBatch``'s
+    ``spans`` and ``inline``, both empty for pixels."""
+    blobs = [image for image in images if isinstance(image, bytes)]
+    if len(blobs) == len(images):
+        return buffer.pack(blobs)
+    if blobs:
+        raise TypeError("a batch holds pixels or encoded uploads, not both")
+    np.stack(images, out=buffer.images(len(images), image_shape))
+    return (), ()
+
+
+def read_images(
+    message: RunBatch,
+    buffer: InputBuffer,
+    decoder: Decoder | DeviceDecoder | None,
+    image_shape: tuple[int, int, int],
+) -> tuple[npt.NDArray[np.uint8] | torch.Tensor, Errors]:
+    """The batch's uint8 pixels (decoded here when they came encoded), less the uploads that
+    could not be decoded, and those uploads' errors by position."""
+    if not message.spans:
+        return buffer.images(len(message.ids), image_shape), {}
+    if decoder is None:
+        raise RuntimeError("an encoded batch reached a worker that does not decode")
+    blobs = [
+        buffer.blob(span) if span is not None else inline
+        for span, inline in zip(message.spans, message.inline, strict=True)
+    ]
+    if any(blob is None for blob in blobs):
+        raise ValueError("an encoded row has neither a span nor inline bytes")
+    return decoder.decode(blobs)  # type: ignore[arg-type]  # None ruled out above
+
+
+def image_error(name: str, message: str) -> ServerError:
+    """The typed error for an image a worker could not decode (its 4xx), or a plain
+    inference error for anything else (the worker logs the details)."""
+    error = IMAGE_ERRORS.get(name)
+    return error(message) if error is not None else InferenceError("could not decode the image")
+
+
+def results(
+    task: Task, top_ks: Sequence[int], ids: Sequence[int], reply: BatchDone
+) -> dict[int, Any]:
+    """Each item's result from a worker's reply: ``ids[row]`` gets its row of the outputs
+    (its embedding, or its top ``top_ks[row]`` classes), or the error its upload met."""
+    computed = [row for row in range(len(ids)) if row not in reply.errors]
+    answers: dict[int, Any] = {ids[row]: image_error(*error) for row, error in reply.errors.items()}
+    if not computed:
+        return answers
+    if task is Task.EMBEDDING:
+        embedding = reply.outputs["embedding"]
+        if len(embedding) != len(computed):
+            raise InferenceError(f"{len(embedding)} embeddings for {len(computed)} images")
+        answers.update({ids[row]: embedding[out] for out, row in enumerate(computed)})
+        return answers
+    indices, probs = reply.outputs["indices"], reply.outputs["probs"]
+    if len(indices) != len(computed) or len(probs) != len(computed):
+        raise InferenceError(f"{len(indices)} tag rows for {len(computed)} images")
+    for out, row in enumerate(computed):
+        k = top_ks[row]
+        answers[ids[row]] = TopK(indices[out, :k], probs[out, :k])
+    return answers

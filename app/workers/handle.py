@@ -1,0 +1,247 @@
+"""One worker process, as the pool sees it: start it, wait until it is ready, send it a
+batch, route its reply, stop or kill it, and release its buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from app.errors import InferenceError, WorkerDied, WorkerStartError
+from app.workers.buffer import InputBuffer
+from app.workers.channel import Channel, channel_pair
+from app.workers.messages import (
+    STOP,
+    BatchDone,
+    BatchFailed,
+    Ready,
+    RunBatch,
+    StartFailed,
+    WorkerConfig,
+    WorkerSpec,
+)
+from app.workers.process import worker_main
+
+log = logging.getLogger("app.workers.pool")
+
+
+async def wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
+    """Wait (without a thread) until ``process`` exits or ``timeout_s`` passes."""
+    if not process.is_alive() or timeout_s <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    exited = asyncio.Event()
+    loop.add_reader(process.sentinel, exited.set)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited.wait(), timeout_s)
+    finally:
+        loop.remove_reader(process.sentinel)
+    # The sentinel closes while the process exits, a moment before it can be reaped: a big
+    # process (a worker with its models) can still count as alive for some milliseconds.
+    # Nothing signals the reaping itself, so poll.
+    while process.is_alive() and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+
+
+class WorkerHandle:
+    """A spawned worker process, its socket and its shared buffer.
+
+    >>> # handle = WorkerHandle.spawn(0, "cpu", 2, config, buffer_size)
+    >>> # await handle.wait_ready()       # WorkerStartError if it cannot load
+    >>> # handle.start_reading(on_idle=pool_put_back, on_exit=pool_on_death)
+    >>> # reply = await handle.run(message)   # a BatchDone; WorkerDied if it dies meanwhile
+    >>> # await handle.stop(timeout_s=10)
+    """
+
+    def __init__(
+        self, spec: WorkerSpec, process: BaseProcess, conn: Channel, buffer: InputBuffer
+    ) -> None:
+        self.spec = spec
+        self.process = process
+        self.conn = conn
+        self.buffer = buffer
+        self.ready = False
+        self.alive = True
+        self.batch_size = spec.config.max_batch_size
+        self.throughput: dict[int, float] = {}
+        self.batches = 0
+        self.items = 0
+        self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
+        self._reader: asyncio.Task[None] | None = None
+        self._on_idle: Callable[[WorkerHandle], None] = lambda _: None
+        self._on_exit: Callable[[WorkerHandle], None] = lambda _: None
+        self._pending: asyncio.Future[BatchDone] | None = None
+        self._pending_id: int | None = None
+
+    @classmethod
+    def spawn(
+        cls, index: int, device: str, threads: int, config: WorkerConfig, buffer_size: int
+    ) -> WorkerHandle:
+        """Start a worker process (it loads its models in the background)."""
+        buffer = InputBuffer.create(buffer_size)
+        spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size)
+        parent, child = channel_pair()
+        process = mp.get_context("spawn").Process(
+            target=worker_main, args=(spec, child), name=f"model-worker-{index}", daemon=True
+        )
+        try:
+            process.start()
+        except BaseException:
+            buffer.unlink()
+            buffer.close()
+            parent.close()
+            raise
+        child.close()  # so the parent sees EOF the moment the worker dies
+        return cls(spec, process, parent, buffer)
+
+    # -- what the pool and the lending rule read ---------------------------------------------
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def threads(self) -> int:
+        return self.spec.threads
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def serving(self) -> bool:
+        """Alive, ready and not running a batch."""
+        return self.alive and self.ready and not self.busy
+
+    def describe(self) -> dict[str, Any]:
+        """This worker for ``/readyz`` and ``/info`` (``app.schemas.WorkerState``)."""
+        return {
+            "index": self.index,
+            "device": self.device,
+            "threads": self.threads,
+            "pid": self.process.pid,
+            "ready": self.ready,
+            "alive": self.alive,
+            "batch_size": self.batch_size,
+            "batches": self.batches,
+            "items": self.items,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def wait_ready(self) -> None:
+        """Wait for the worker's ``Ready``; ``WorkerStartError`` if it reports a failure or
+        exits first."""
+        try:
+            await self.conn.open()
+            message = await self.conn.recv()
+        except (asyncio.IncompleteReadError, OSError):
+            await wait_for_exit(self.process, 1.0)
+            raise WorkerStartError(
+                f"worker {self.index} on {self.device} exited during start-up "
+                f"(exit code {self.process.exitcode})"
+            ) from None
+        if isinstance(message, StartFailed):
+            raise WorkerStartError(
+                f"worker {message.index} on {self.device} failed to start: {message.message}"
+            )
+        assert isinstance(message, Ready)
+        self.ready = True
+        self.batch_size, self.throughput = message.batch_size, message.throughput
+
+    def start_reading(
+        self, on_idle: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle], None]
+    ) -> None:
+        """Route the worker's replies from now on: ``on_idle(self)`` once it is ready for
+        the next batch (now, and after each reply), ``on_exit(self)`` when its socket closes
+        (it died, or stopped). Unlinks the buffer's file: both processes have it mapped, so
+        nothing is left to leak from here on."""
+        self.buffer.unlink()
+        self._on_idle, self._on_exit = on_idle, on_exit
+        self._reader = asyncio.create_task(self._read(), name=f"worker-{self.index}-replies")
+        self.idle_since = time.monotonic()
+        on_idle(self)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                message = await self.conn.recv()
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                log.debug("worker %d channel closed: %r", self.index, exc)
+                self._on_exit(self)
+                return
+            self._on_reply(message)
+
+    def _on_reply(self, message: object) -> None:
+        future, expected = self._pending, self._pending_id
+        if not isinstance(message, BatchDone | BatchFailed) or message.batch_id != expected:
+            log.error("worker %d sent an unexpected message %r", self.index, message)
+            return
+        self._pending = self._pending_id = None
+        self.idle_since = time.monotonic()
+        self._on_idle(self)
+        if future is None or future.done():
+            return
+        if isinstance(message, BatchFailed):
+            # The full message (it may hold paths) goes to the log, not to HTTP clients.
+            log.error("worker %d: batch failed: %s", self.index, message.message)
+            future.set_exception(InferenceError("model call failed"))
+        else:
+            future.set_result(message)
+
+    def send(self, message: RunBatch) -> asyncio.Future[BatchDone]:
+        """Send one batch. The future gets its reply, ``InferenceError`` if the worker
+        reports the batch failed, or ``WorkerDied`` once it is marked dead (a socket found
+        closed here is reported to ``on_exit`` at once, like one the reader finds closed)."""
+        future: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
+        self._pending, self._pending_id = future, message.batch_id
+        self.batches += 1
+        self.items += len(message.ids)
+        try:
+            self.conn.send(message)
+        except (OSError, RuntimeError):
+            self._on_exit(self)
+        return future
+
+    def mark_dead(self, reason: str) -> None:
+        """No longer serving: fail the batch it was running with ``WorkerDied``."""
+        if self.alive:
+            self.alive = False
+            if self._reader is not None and self._reader is not asyncio.current_task():
+                self._reader.cancel()
+        future, self._pending = self._pending, None
+        if future is not None and not future.done():
+            future.set_exception(WorkerDied(reason))
+
+    def ask_to_stop(self) -> None:
+        if self.alive:
+            with contextlib.suppress(OSError, ValueError, AssertionError, RuntimeError):
+                self.conn.send(STOP)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    async def stop(self, timeout_s: float, reason: str) -> None:
+        """Wait up to ``timeout_s`` for the process to exit, kill it if it did not, and
+        release its socket and buffer."""
+        await wait_for_exit(self.process, timeout_s)
+        if self.process.is_alive():
+            log.warning("worker %d did not stop in time; killing it", self.index)
+            self.process.kill()
+            await wait_for_exit(self.process, 5.0)
+        self.process.join(timeout=1)
+        self.mark_dead(reason)
+        self.conn.close()
+        self.buffer.unlink()
+        self.buffer.close()

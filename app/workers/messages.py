@@ -1,0 +1,122 @@
+"""What the pool and a worker process say to each other over their socket.
+
+Only these small messages are pickled (both ends are our own processes, started by the
+pool). Images travel through the worker's shared buffer (``app.workers.buffer``); an upload
+that did not fit there travels inline in ``RunBatch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from app.jobs import Task
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker of a pool loads, and how (from the settings)."""
+
+    model_store: str
+    max_batch_size: int
+    auto_batch: bool = False  # measure throughput per batch size and pick the knee
+    dtype: str = "float32"
+    optimize: bool = True
+    decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
+    decode_on_device: bool = False  # JPEGs are decoded on the worker's device
+    max_pixels: int = 40_000_000  # the largest image a worker decodes
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker process needs to start, picklable for ``spawn``."""
+
+    index: int
+    device: str
+    threads: int
+    config: WorkerConfig
+    buffer_path: str
+    buffer_size: int
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """Run ``ids`` (one batch, in order). Without ``spans``, the batch's pixels fill the
+    buffer's first rows. With them, every image is an encoded upload: in the buffer at
+    ``spans[row] = (offset, length)``, or in ``inline[row]`` when it had no room there
+    (``spans[row]`` is then ``None``)."""
+
+    batch_id: int
+    task: Task
+    ids: tuple[int, ...]
+    top_k: int = 0
+    spans: tuple[tuple[int, int] | None, ...] = ()
+    inline: tuple[bytes | None, ...] = ()
+    threads: int = 0  # torch threads for this batch (its own plus any lent); 0: unchanged
+
+
+@dataclass(frozen=True)
+class Ready:
+    index: int
+    device: str
+    threads: int
+    pid: int
+    batch_size: int  # the largest batch this worker wants (its auto choice, or the maximum)
+    throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    index: int
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    batch_id: int
+    ids: tuple[int, ...]
+    # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]}
+    # Rows are the batch's items in order, less those in ``errors``.
+    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+    compute_s: float = 0.0  # time the worker spent on the batch, for metrics
+    # row -> (error class name, message) for images the worker could not decode
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+    threads: int = 0  # torch threads the batch ran on
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its arrays as raw bytes: cheaper at both ends than numpy's own
+        pickling, which goes through its reduce machinery."""
+        arrays = tuple(
+            (name, array.dtype.str, array.shape, array.tobytes())
+            for name, array in self.outputs.items()
+        )
+        fields = (self.batch_id, self.ids, arrays, self.compute_s, self.errors, self.threads)
+        return (_batch_done, fields)
+
+
+def _batch_done(
+    batch_id: int,
+    ids: tuple[int, ...],
+    arrays: tuple[tuple[str, str, tuple[int, ...], bytes], ...],
+    compute_s: float,
+    errors: dict[int, tuple[str, str]],
+    threads: int,
+) -> BatchDone:
+    """A ``BatchDone`` from its pickled form (its arrays are read-only views of the bytes)."""
+    outputs = {
+        name: np.frombuffer(raw, dtype=dtype).reshape(shape) for name, dtype, shape, raw in arrays
+    }
+    return BatchDone(batch_id, ids, outputs, compute_s, errors, threads)
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    batch_id: int
+    ids: tuple[int, ...]
+    message: str
+
+
+STOP = None  # sent to a worker to make it exit cleanly
