@@ -10,11 +10,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
 from app.workers.devices import parse_cuda_devices
+
+KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
 
 
 class Settings(BaseSettings):
@@ -98,7 +100,47 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, prediction routes need 'Authorization: Bearer <key>'."
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    mb_broker: SecretStr | None = Field(
+        None,
+        description=(
+            "Broker mode: a Redis URL (redis://host:port/db, rediss:// for TLS, a password as "
+            "redis://:secret@host). Front ends then start no model workers; `python -m "
+            "app.worker` runs them, on any host."
+        ),
+    )
+    mb_broker_prefix: str = Field(
+        "mb",
+        pattern=r"^[A-Za-z0-9_.-]{1,32}$",
+        description="Prefix of every Redis key broker mode uses (an ACL can be limited to it).",
+    )
+    mb_max_deliveries: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description=(
+            "Broker mode: a request whose worker died this many times is answered 500 instead "
+            "of being run again."
+        ),
+    )
+    mb_worker_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description=(
+            "Broker mode: this host's name in the workers' names (default: the host name); "
+            "worker i is '<name>:<i>', the same across restarts."
+        ),
+    )
+    prometheus_multiproc_dir: Path | None = Field(
+        None,
+        description=(
+            "A directory several front-end processes (uvicorn --workers, gunicorn) share, so "
+            "/metrics sums all of them (prometheus-client's multiprocess mode). Empty it "
+            "before starting them."
+        ),
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error."
+    )
     log_format: Literal["text", "json"] = Field("text", description="'json': one object a line.")
 
     @field_validator("cuda_devices")
@@ -119,10 +161,27 @@ class Settings(BaseSettings):
         """The most images one model call may take (the buffer size for 'auto')."""
         return self.mb_auto_batch_max if self.mb_batch_size == "auto" else int(self.mb_batch_size)
 
-    @field_validator("api_key", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _empty_key_is_none(cls, value: object) -> object:
-        return None if value == "" else value
+    def _empty_means_default(cls, data: object) -> object:
+        """``NAME=`` (as compose passes ``${NAME:-}``) means "not set": the default applies.
+        ``CUDA_DEVICES`` is the exception: empty is documented as the CPU."""
+        if isinstance(data, dict):
+            return {
+                key: value
+                for key, value in data.items()
+                if not (value == "" and str(key).lower() not in KEEP_EMPTY)
+            }
+        return data
+
+    @field_validator("mb_broker")
+    @classmethod
+    def _check_broker(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            scheme = value.get_secret_value().partition("://")[0]
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -135,6 +194,10 @@ class Settings(BaseSettings):
         return parse_cuda_devices(self.cuda_devices)
 
 
+# Their values never appear in an error message (a Redis URL may hold a password).
+SECRET_SETTINGS = frozenset({"API_KEY", "MB_BROKER"})
+
+
 def load_settings(**overrides: object) -> Settings:
     """Build ``Settings``, turning validation errors into one message naming each setting."""
     try:
@@ -143,7 +206,10 @@ def load_settings(**overrides: object) -> Settings:
         lines = []
         for error in exc.errors():
             name = ".".join(str(part) for part in error["loc"]).upper() or "settings"
-            lines.append(f"{name}: {error['msg']} (got {error.get('input')!r})")
+            got = "(not shown: it may hold a secret)"
+            if name not in SECRET_SETTINGS:
+                got = f"(got {error.get('input')!r})"
+            lines.append(f"{name}: {error['msg']} {got}")
         raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 

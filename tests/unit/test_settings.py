@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import SettingsError
-from app.settings import load_settings
+from app.settings import Settings, load_settings
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -74,3 +74,59 @@ def test_bad_value_fails_naming_the_setting(
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match=name):
         load_settings()
+
+
+def _compose_values(expression: str) -> list[str]:
+    """The values a compose ``environment`` entry can take when its variable is unset or
+    empty: ``${NAME:-default}`` gives its default, ``${NAME:-}`` the empty string."""
+    import re
+
+    match = re.fullmatch(r"\$\{(\w+):-(.*)\}", expression)
+    return [match.group(2)] if match else [expression]
+
+
+def test_settings_accept_every_value_the_compose_file_can_pass(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import yaml
+
+    compose = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "docker" / "docker-compose.yml").read_text()
+    )
+    monkeypatch.chdir(tmp_path)  # no .env file here
+    checked = 0
+    for name, service in compose["services"].items():
+        environment = {k: str(v) for k, v in service.get("environment", {}).items()}
+        if name == "locust" or not environment:
+            continue
+        for key in environment:
+            monkeypatch.delenv(key, raising=False)
+        for key, expression in environment.items():
+            (value,) = _compose_values(expression)
+            monkeypatch.setenv(key, value)
+        settings = load_settings()  # raises SettingsError naming the setting otherwise
+        if "MB_WORKER_NUM" in environment and environment["MB_WORKER_NUM"].endswith(":-}"):
+            assert settings.mb_worker_num is None  # empty: one worker per device
+        checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.parametrize(
+    "name", ["MB_WORKER_NUM", "MB_WORKER_THREADS", "MB_DECODE_THREADS", "PORT"]
+)
+def test_an_empty_value_means_the_default(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setenv(name, "")
+    default = Settings.model_fields[name.lower()].default
+    assert getattr(load_settings(), name.lower()) == default
+
+
+def test_an_empty_cuda_devices_still_means_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICES", "")
+    assert load_settings().cuda_device_ids == []
+
+
+def test_a_bad_broker_url_is_refused_without_echoing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MB_BROKER", "http://:s3cret@redis:6379/0")
+    with pytest.raises(SettingsError) as refused:
+        load_settings()
+    assert "MB_BROKER" in str(refused.value) and "s3cret" not in str(refused.value)
