@@ -9,12 +9,20 @@ WEIGHTS ?= pretrained
 MODEL_STORE ?= model_store
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
-.PHONY: run test lint bench bench-quick loadtest model install install-dev clean
+FRONT_ENDS ?= 2
+WORKERS ?= 2
+REDIS_PORT ?= 6379
+
+.PHONY: run run-cluster test lint bench bench-quick loadtest model install install-dev redis-server clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
 
-test: install-dev  ## whole test suite (CPU only) plus lint
+run-cluster: install redis-server $(MODEL_STORE)/manifest.json  ## broker mode on one machine: redis + front ends + workers
+	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app.cluster \
+		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
+
+test: install-dev redis-server  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests bench
 	$(PY) -m mypy
 	$(PY) -m pytest
@@ -37,6 +45,17 @@ model: $(MODEL_STORE)/manifest.json  ## export the default model if it is missin
 
 $(MODEL_STORE)/manifest.json: | install
 	$(PY) -m app.export --arch $(ARCH) --weights $(WEIGHTS) --out $(MODEL_STORE)
+
+# Broker mode and its tests need a real Redis: Debian's package, installed when it is missing
+# and this machine can (root with apt-get); without it the broker tests skip (CI requires it).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "note: redis-server is missing and cannot be installed here: the broker tests skip"; \
+	  fi; }
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

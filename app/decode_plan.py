@@ -43,17 +43,25 @@ class DecodePlan:
     worker_threads: int  # decode threads per worker; 0: batches reach workers as pixels
     on_device: bool = False  # workers decode JPEGs on their device (nvJPEG on a GPU)
     idle_uploads_to_workers: bool = False  # the exception of ``auto`` on CPU workers
+    # Broker mode: the workers are other processes, maybe on other hosts, with plans of
+    # their own; uploads travel to them encoded.
+    remote_workers: bool = False
 
     def __post_init__(self) -> None:
-        if self.server_threads == 0 and self.worker_threads == 0:
+        if self.server_threads == 0 and self.worker_threads == 0 and not self.remote_workers:
             raise ValueError("somebody must decode the uploads")
         if self.idle_uploads_to_workers and not (self.server_threads and self.worker_threads):
             raise ValueError("idle uploads go to the workers only when both sides decode")
 
+    @classmethod
+    def front_end(cls) -> DecodePlan:
+        """A broker front end's plan: it never decodes; the remote workers always do."""
+        return cls(server_threads=0, worker_threads=0, remote_workers=True)
+
     @property
     def workers_decode(self) -> bool:
         """Whether a worker may receive encoded uploads (it then needs a decoder)."""
-        return self.worker_threads > 0
+        return self.worker_threads > 0 or self.remote_workers
 
     def server_decodes(self, *, idle: bool) -> bool:
         """Whether the HTTP process decodes an upload that arrives now; ``idle``: nothing is
@@ -64,6 +72,8 @@ class DecodePlan:
 
     def describe(self) -> str:
         """For the start-up log line and ``/info``."""
+        if self.remote_workers:
+            return "the model workers, behind the broker"
         if self.server_threads == 0:
             where = "the workers' device" if self.on_device else "the workers"
             return f"{where} ({self.worker_threads} threads each)"

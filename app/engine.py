@@ -5,10 +5,11 @@ and stop it all again."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
+from urllib.parse import urlsplit
 
 from app.batching import Streamer, Transport
 from app.decode_plan import DecodePlan
@@ -17,46 +18,39 @@ from app.manifest import Manifest, read_classes, read_manifest
 from app.metrics import Metrics
 from app.services.predictor import Predictor
 from app.settings import Settings
-from app.workers.devices import cuda_device_count
-from app.workers.messages import WorkerConfig
-from app.workers.plan import WorkerPlan, plan_workers
-from app.workers.pool import WorkerPool
 
 log = logging.getLogger("app")
 
 
-def plan_from_settings(settings: Settings) -> WorkerPlan:
-    """Devices, threads and decode placement for these settings on this machine."""
-    return plan_workers(
-        cuda_devices=settings.cuda_device_ids,
-        worker_num=settings.mb_worker_num,
-        worker_threads=settings.mb_worker_threads,
-        decode=settings.mb_decode,
-        decode_threads=settings.mb_decode_threads,
-        available_gpus=cuda_device_count(),
-        cpu_count=os.cpu_count() or 1,
-    )
-
-
-def worker_config(settings: Settings, plan: WorkerPlan) -> WorkerConfig:
-    """What every model worker loads, and how."""
-    return WorkerConfig(
-        model_store=str(settings.model_store),
-        max_batch_size=settings.max_batch_size,
-        auto_batch=settings.mb_batch_size == "auto",
-        dtype=settings.mb_dtype,
-        optimize=settings.mb_optimize,
-        decode_threads=plan.decode.worker_threads,
-        decode_on_device=plan.decode.on_device,
-        max_pixels=settings.max_image_pixels,
-    )
+@dataclass(frozen=True)
+class OpenedTransport:
+    transport: Transport[ImageJob]
+    decode: DecodePlan  # where uploads are decoded with it
+    summary: str  # for the start-up log line
 
 
 def open_transport(
     settings: Settings, manifest: Manifest, metrics: Metrics | None
-) -> tuple[Transport[ImageJob], DecodePlan]:
+) -> OpenedTransport:
     """The transport these settings ask for (not started yet), and where uploads are
-    decoded with it: model worker processes on this machine."""
+    decoded with it: model worker processes on this machine, or (``MB_BROKER``) the
+    workers behind a Redis broker, which decode every upload."""
+    if settings.mb_broker is not None:
+        from app.broker.keys import Keys  # no redis client, nor torch, unless asked for
+        from app.broker.transport import BrokerTransport
+
+        broker = BrokerTransport(
+            settings.mb_broker.get_secret_value(),
+            Keys(settings.mb_broker_prefix),
+            max_queue=settings.mb_max_queue,
+            on_workers=metrics.on_workers if metrics else None,
+        )
+        where = urlsplit(settings.mb_broker.get_secret_value())
+        summary = f"through the broker at {where.scheme}://{where.hostname}:{where.port or 6379}"
+        return OpenedTransport(broker, DecodePlan.front_end(), summary)
+    from app.workers.plan import plan_from_settings, worker_config
+    from app.workers.pool import WorkerPool
+
     plan = plan_from_settings(settings)
     pool = WorkerPool(
         manifest,
@@ -66,7 +60,11 @@ def open_transport(
         batch_timeout_s=settings.mb_batch_timeout,
         on_compute=metrics.on_compute if metrics else None,
     )
-    return pool, plan.decode
+    summary = (
+        f"batch<={settings.max_batch_size}, max latency {settings.mb_max_latency:g} s, "
+        f"{len(plan.devices)} worker(s) on {', '.join(sorted(set(plan.devices)))}"
+    )
+    return OpenedTransport(pool, plan.decode, summary)
 
 
 class Engine:
@@ -93,6 +91,7 @@ class Engine:
         self._predictor: Predictor | None = None
         self.manifest: Manifest | None = None
         self.decode_plan: DecodePlan | None = None
+        self.summary = ""  # what serves the batches, for the log and /info
 
     @property
     def transport(self) -> Transport[ImageJob]:
@@ -115,10 +114,14 @@ class Engine:
         that fails."""
         settings, metrics = self.settings, self.metrics
         try:
-            self.manifest = read_manifest(settings.model_store, verify=True)
+            # A broker front end holds no weights: it needs the model's identity, input size
+            # and class names only.
+            roles = ("classes",) if settings.mb_broker is not None else None
+            self.manifest = read_manifest(settings.model_store, verify=True, roles=roles)
             classes = read_classes(settings.model_store, self.manifest)
-            self._transport, plan = open_transport(settings, self.manifest, metrics)
-            self.decode_plan = plan
+            opened = open_transport(settings, self.manifest, metrics)
+            self._transport, plan = opened.transport, opened.decode
+            self.decode_plan, self.summary = plan, opened.summary
             await self._transport.start()
             self._streamer = Streamer(
                 self._transport.run_batch,
@@ -127,7 +130,7 @@ class Engine:
                 max_queue_size=settings.mb_max_queue,
                 max_concurrent_batches=self._transport.capacity,
                 default_timeout_s=settings.mb_request_timeout,
-                on_batch=self._on_batch if metrics else None,
+                on_batch=self._on_batch if metrics and not metrics.remote_workers else None,
             )
             if plan.server_threads:
                 self._decode_pool = ThreadPoolExecutor(
@@ -146,12 +149,10 @@ class Engine:
             await self.aclose()
             raise
         log.info(
-            "serving %s from %s: batch<=%d, max latency %g s, %d worker(s), decoding in %s",
+            "serving %s from %s, %s; decoding in %s",
             self.manifest.arch,
             settings.model_store,
-            self._transport.batch_size,
-            settings.mb_max_latency,
-            self._transport.capacity,
+            opened.summary,
             plan.describe(),
         )
 

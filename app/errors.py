@@ -16,7 +16,8 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     ├── Unavailable                  the server cannot take it now (503 + Retry-After)
     │   ├── QueueFull                the bounded queue is full
     │   ├── NotReady                 workers still loading, or shutting down
-    │   └── WorkerDied               the worker running the batch died
+    │   ├── WorkerDied               the worker running the batch died, or none is alive
+    │   └── BrokerUnavailable        broker mode: Redis cannot be reached
     ├── DeadlineExceeded             the request's deadline passed              504
     ├── InferenceError               the model call failed for this item        500
     └── BatchContractError           a batch function broke its contract        500
@@ -38,6 +39,7 @@ The two 422s differ in whose rule the request breaks:
     ClientDisconnected   client_disconnected
     QueueFull            queue_full
     WorkerDied           worker_died
+    BrokerUnavailable    broker_unavailable
     DeadlineExceeded     timeout
 
 Errors without one (``NotReady``, ``InferenceError``, ``BatchContractError``) are not
@@ -127,6 +129,13 @@ class NotReady(Unavailable):
 class WorkerDied(Unavailable):
     code = "worker_died"
     reject_reason = "worker_died"
+
+
+class BrokerUnavailable(Unavailable):
+    """Broker mode: Redis cannot be reached, or lost the request (its answer cannot come)."""
+
+    code = "broker_unavailable"
+    reject_reason = "broker_unavailable"
 
 
 class DeadlineExceeded(ServerError):

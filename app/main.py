@@ -82,7 +82,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
     configure_logging(settings.log_level, settings.log_format)
-    metrics = Metrics()
+    metrics = Metrics(
+        remote_workers=settings.mb_broker is not None,
+        multiprocess_dir=settings.prometheus_multiproc_dir,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,7 +100,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             state.predictor = engine.predictor
             metrics.watch(
                 lambda: {
-                    "queue_depth": engine.streamer.queue_depth,
+                    "queue_depth": engine.streamer.queue_depth
+                    + engine.transport.shared_queue_depth,
                     "in_flight": engine.streamer.in_flight,
                     "workers": engine.transport.describe(),
                     "restarts": engine.transport.restart_count,

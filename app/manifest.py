@@ -6,6 +6,7 @@ Written by ``app.export``, read by the server (no torch needed to read or verify
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -52,8 +53,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(store: Path, *, verify: bool = True) -> Manifest:
-    """Read ``store/manifest.json``; with ``verify``, check every file's sha256.
+def read_manifest(
+    store: Path, *, verify: bool = True, roles: Collection[str] | None = None
+) -> Manifest:
+    """Read ``store/manifest.json``; with ``verify``, check the sha256 of every file (or of
+    the ``roles`` given: a broker front end needs only the class names, not the weights).
 
     Raises ``ModelStoreError`` with a message saying what to do.
     """
@@ -69,6 +73,8 @@ def read_manifest(store: Path, *, verify: bool = True) -> Manifest:
         raise ModelStoreError(f"{path} is not a valid manifest: {exc}") from None
     if verify:
         for role, entry in manifest.files.items():
+            if roles is not None and role not in roles:
+                continue
             file = store / entry.path
             if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
                 raise ModelStoreError(f"{role} file {entry.path!r} must stay inside {store}")

@@ -2,15 +2,27 @@
 
 Counters and histograms are updated where things happen (HTTP edge, Streamer, worker pool);
 gauges (queue depth, workers alive/ready) are read from live state at scrape time.
+
+Two modes change where some figures come from:
+
+* Several front-end processes (uvicorn ``--workers``, gunicorn) share
+  ``PROMETHEUS_MULTIPROC_DIR``: counters and histograms go to files there, and a scrape of
+  any one process sums them all (prometheus-client's multiprocess mode). The live gauges
+  come from the process that answers the scrape.
+* Broker mode (``remote_workers``): batches form in the model workers, so the batch sizes,
+  queue waits and model times they ran come from their heartbeats (``on_workers``), summed
+  over the workers alive, not from this process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from app.errors import ServerError
@@ -53,8 +65,14 @@ class _LiveState(Collector):
 class Metrics:
     """Every metric the server exports. ``render()`` gives the Prometheus text format."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, remote_workers: bool = False, multiprocess_dir: Path | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.remote_workers = remote_workers
+        self.multiprocess_dir = multiprocess_dir
+        self._live: list[Collector] = []
+        self._workers: list[dict[str, Any]] = []
         r = self.registry
         self.requests = Counter(
             "microbatch_http_requests",
@@ -69,34 +87,41 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.queue_wait = Histogram(
-            "microbatch_queue_wait_seconds",
-            "Time an item waited for its batch, by task.",
-            ["task"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.model_time = Histogram(
-            "microbatch_model_seconds",
-            "Worker time per batch (preprocess + model), by task.",
-            ["task"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "microbatch_batch_size",
-            "Images per model call, by task.",
-            ["task"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
+        if remote_workers:
+            self._live.append(_WorkerReported(lambda: self._workers))
+        else:
+            self.queue_wait = Histogram(
+                "microbatch_queue_wait_seconds",
+                "Time an item waited for its batch, by task.",
+                ["task"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
+            self.model_time = Histogram(
+                "microbatch_model_seconds",
+                "Worker time per batch (decode if it decodes + model), by task.",
+                ["task"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
+            self.batch_size = Histogram(
+                "microbatch_batch_size",
+                "Images per model call, by task.",
+                ["task"],
+                buckets=BATCH_BUCKETS,
+                registry=r,
+            )
         self.rejected = Counter(
             "microbatch_rejected", "Requests refused, by reason.", ["reason"], registry=r
         )
 
     def watch(self, read_state: Callable[[], dict[str, Any]]) -> None:
         """Export gauges read from ``read_state()`` at every scrape."""
-        self.registry.register(_LiveState(read_state))
+        self._live.append(_LiveState(read_state))
+
+    def on_workers(self, workers: list[dict[str, Any]]) -> None:
+        """Broker mode: the heartbeats of the workers alive, with what each has run."""
+        self._workers = workers
 
     def on_batch(self, key: Hashable, size: int, waits: Sequence[float]) -> None:
         task = str(key)
@@ -120,4 +145,87 @@ class Metrics:
         self.latency.labels(route).observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        registry = self.registry
+        if self.multiprocess_dir is not None:  # every process's counters, from their files
+            registry = CollectorRegistry()
+            path = str(self.multiprocess_dir)
+            MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+        return generate_latest(_Joined(registry, *self._live))
+
+
+class _Joined:
+    """What ``generate_latest`` reads: a registry's metrics, then the live ones."""
+
+    def __init__(self, *sources: CollectorRegistry | Collector) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Any]:
+        for source in self._sources:
+            yield from source.collect()
+
+
+def _histogram_family(
+    name: str,
+    documentation: str,
+    by_task: Mapping[str, list[tuple[str, float]]],
+    sums: Mapping[str, float],
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["task"])
+    for task in sorted(by_task):
+        family.add_metric([task], by_task[task], sums[task])
+    return family
+
+
+class _WorkerReported(Collector):
+    """Broker mode: the batches the workers ran, from their heartbeats (see
+    ``app.broker.consumer.ConsumerStats``), summed over the workers alive."""
+
+    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        workers = self._read()
+        sizes: dict[str, dict[int, int]] = {}
+        for worker in workers:
+            for task, counts in (worker.get("sizes") or {}).items():
+                merged = sizes.setdefault(task, {})
+                for size, count in counts.items():
+                    merged[int(size)] = merged.get(int(size), 0) + int(count)
+        buckets: dict[str, list[tuple[str, float]]] = {}
+        sums: dict[str, float] = {}
+        for task, counts in sizes.items():
+            buckets[task] = [
+                (str(float(le)), float(sum(n for size, n in counts.items() if size <= le)))
+                for le in BATCH_BUCKETS
+            ] + [("+Inf", float(sum(counts.values())))]
+            sums[task] = float(sum(size * n for size, n in counts.items()))
+        yield _histogram_family(
+            "microbatch_batch_size", "Images per model call, by task.", buckets, sums
+        )
+        for key, name, documentation in (
+            (
+                "wait_s",
+                "microbatch_queue_wait_seconds",
+                "Time an item waited for its batch, by task.",
+            ),
+            (
+                "model_s",
+                "microbatch_model_seconds",
+                "Worker time per batch (decode + model), by task.",
+            ),
+        ):
+            totals: dict[str, list[float]] = {}
+            for worker in workers:
+                for task, counts in (worker.get(key) or {}).items():
+                    if len(counts) == len(LATENCY_BUCKETS) + 2:
+                        total = totals.setdefault(task, [0.0] * len(counts))
+                        totals[task] = [a + float(b) for a, b in zip(total, counts, strict=True)]
+            buckets, sums = {}, {}
+            for task, counts in totals.items():
+                running, cumulative = 0.0, []
+                bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
+                for bound, count in zip(bounds, counts[:-1], strict=True):
+                    running += count
+                    cumulative.append((bound, running))
+                buckets[task], sums[task] = cumulative, counts[-1]
+            yield _histogram_family(name, documentation, buckets, sums)

@@ -24,6 +24,8 @@ class Health(BaseModel):
 
 
 class WorkerState(BaseModel):
+    name: str | None = Field(None, description="broker mode: '<host>:<index>'")
+    host: str | None = Field(None, description="broker mode: the worker's host")
     index: int
     device: str
     threads: int

@@ -112,3 +112,5 @@ class ServerProcess:
     ) -> None:
         if self.process is not None and self.process.poll() is None:
             self.stop()
+        elif self.process is not None:  # it died (a test killed it): collect its output
+            self.output = self.process.communicate()[0]

@@ -70,5 +70,9 @@ class Transport(Protocol[T]):
     def restart_count(self) -> int:
         """Workers restarted after dying or hanging, since start."""
 
+    @property
+    def shared_queue_depth(self) -> int:
+        """Requests waiting beyond this process (a broker's shared queue); 0 if none."""
+
     def describe(self) -> list[dict[str, Any]]:
         """One entry per model worker, in the shape of ``app.schemas.WorkerState``."""

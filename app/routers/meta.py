@@ -33,7 +33,9 @@ async def readyz(request: Request) -> JSONResponse:
     ready = transport is not None and transport.ready and not state.closing
     body = Readiness(
         status="ready" if ready else "not_ready",
-        queue_depth=streamer.queue_depth if streamer is not None else 0,
+        queue_depth=(streamer.queue_depth + transport.shared_queue_depth)
+        if streamer is not None and transport is not None
+        else 0,
         in_flight=streamer.in_flight if streamer is not None else 0,
         workers=[WorkerState(**w) for w in _workers(request)],
     )
@@ -63,6 +65,7 @@ async def info(request: Request, predictor: PredictorDep, settings: SettingsDep)
             "dtype": settings.mb_dtype,
             "optimize": settings.mb_optimize,
             "decode": engine.decode_plan.describe(),
+            "transport": engine.summary,
         },
         "workers": _workers(request),
     }

@@ -7,11 +7,14 @@ and only the engine calls it), so the rules are tested without hardware.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from app.decode_plan import DecodePlan, DecodeSetting, plan_decode
 from app.errors import WorkerStartError
-from app.workers.devices import assign_workers, resolve_devices
+from app.settings import Settings
+from app.workers.devices import assign_workers, cuda_device_count, resolve_devices
+from app.workers.messages import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,4 +81,32 @@ def plan_workers(
             decode_threads=decode_threads,
             cpu_count=cpu_count,
         ),
+    )
+
+
+def plan_from_settings(settings: Settings, decode: DecodeSetting | None = None) -> WorkerPlan:
+    """Devices, threads and decode placement for these settings on this machine
+    (``decode`` overrides ``MB_DECODE``)."""
+    return plan_workers(
+        cuda_devices=settings.cuda_device_ids,
+        worker_num=settings.mb_worker_num,
+        worker_threads=settings.mb_worker_threads,
+        decode=decode or settings.mb_decode,
+        decode_threads=settings.mb_decode_threads,
+        available_gpus=cuda_device_count(),
+        cpu_count=os.cpu_count() or 1,
+    )
+
+
+def worker_config(settings: Settings, plan: WorkerPlan) -> WorkerConfig:
+    """What every model worker loads, and how."""
+    return WorkerConfig(
+        model_store=str(settings.model_store),
+        max_batch_size=settings.max_batch_size,
+        auto_batch=settings.mb_batch_size == "auto",
+        dtype=settings.mb_dtype,
+        optimize=settings.mb_optimize,
+        decode_threads=plan.decode.worker_threads,
+        decode_on_device=plan.decode.on_device,
+        max_pixels=settings.max_image_pixels,
     )

@@ -125,6 +125,10 @@ class WorkerPool:
         return self._restart_count
 
     @property
+    def shared_queue_depth(self) -> int:
+        return 0  # every request waits in this process's Streamer
+
+    @property
     def workers(self) -> Sequence[WorkerHandle]:
         return tuple(self._workers)
 

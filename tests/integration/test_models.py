@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine import plan_from_settings
 from app.errors import ModelStoreError, WorkerStartError
 from app.images import preprocess
 from app.jobs import Task
@@ -20,6 +19,7 @@ from app.manifest import read_manifest, sha256_file
 from app.settings import load_settings
 from app.workers.messages import WorkerConfig
 from app.workers.models import load_models
+from app.workers.plan import plan_from_settings
 from app.workers.pool import WorkerPool
 from app.workers.runner import BatchRunner
 from tests.conftest import distinct_images, running_app

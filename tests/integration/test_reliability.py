@@ -16,88 +16,19 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from app.images import preprocess
-from app.manifest import read_manifest
-from app.workers.models import load_models
 from bench.loadgen import Response, closed_loop, multipart_request
+from tests.checks import Expectation, httpx_closed_loop, mixed_jobs
 from tests.conftest import BatchGate, distinct_images, running_app
-from tests.models import POISON_RGB, tiny_expected_embedding
+from tests.models import POISON_RGB
 from tests.server import ServerProcess, alive, shm_files
 
 pytestmark = pytest.mark.slow
 
 
-class Expectation:
-    """Computes, in the test process, what the tiny model must answer for a given upload."""
-
-    def __init__(self, store: Path) -> None:
-        self.spec = read_manifest(store).input
-        self.classifier = load_models(store, torch.device("cpu")).classifier
-        self.classes = (store / "classes.txt").read_text().splitlines()
-
-    def embedding(self, data: bytes) -> np.ndarray:
-        return tiny_expected_embedding(preprocess(data, self.spec))
-
-    def probs(self, data: bytes) -> np.ndarray:
-        with torch.inference_mode():
-            logits = self.classifier(torch.from_numpy(self.embedding(data))[None])
-        return torch.softmax(logits, dim=1)[0].numpy()
-
-    def check(self, task: str, data: bytes, answer: Any) -> bool:
-        if task == "embedding":
-            return bool(np.allclose(answer, self.embedding(data), atol=1e-5))
-        probs = self.probs(data)
-        top = [self.classes.index(tag["name"]) for tag in answer]
-        return top[0] == int(np.argmax(probs)) and bool(
-            np.allclose([tag["prob"] for tag in answer], probs[top], atol=1e-5)
-        )
-
-
-async def httpx_closed_loop(
-    base_url: str,
-    jobs: list[tuple[str, bytes]],
-    clients: int,
-    *,
-    timeout_s: float = 30,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> list[tuple[int, int, Any]]:
-    """Send every job once from ``clients`` concurrent clients; returns (job index, status,
-    body) per job. A client timeout is recorded as status 0."""
-    results: list[tuple[int, int, Any]] = []
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(jobs)):
-        queue.put_nowait(index)
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(
-        base_url=base_url, timeout=timeout_s, limits=limits, transport=transport
-    ) as client:
-
-        async def worker() -> None:
-            while not queue.empty():
-                index = queue.get_nowait()
-                task, data = jobs[index]
-                try:
-                    response = await client.post(
-                        f"/predict/{task}", files={"image": ("x.png", data)}, data={"k": "3"}
-                    )
-                except httpx.TimeoutException:
-                    results.append((index, 0, None))
-                    continue
-                results.append((index, response.status_code, response.json()))
-
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    return results
-
-
 # The slow test model takes ~0.25 s a batch on one thread: long enough to act mid-batch.
 SLOW_ONE_WORKER = {"MB_WORKER_NUM": "1", "MB_WORKER_THREADS": "1"}
-
-
-def mixed_jobs(images: list[bytes]) -> list[tuple[str, bytes]]:
-    return [("embedding" if i % 2 else "tag", data) for i, data in enumerate(images)]
 
 
 async def test_thousands_of_concurrent_requests_each_get_their_own_answer(tiny_store: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -15,6 +17,7 @@ REFUSALS = [
     (errors.QueueFull, "queue_full"),
     (errors.DeadlineExceeded, "timeout"),
     (errors.WorkerDied, "worker_died"),
+    (errors.BrokerUnavailable, "broker_unavailable"),
     (errors.ClientDisconnected, "client_disconnected"),
     (errors.ClientError, "bad_input"),
     (errors.InvalidImage, "bad_input"),
@@ -73,3 +76,50 @@ async def test_refusals_starlette_and_fastapi_make_count_as_bad_input() -> None:
         assert (await client.get("/typed?k=abc")).json()["error"]["type"] == "invalid_request"
         assert (await client.get("/nowhere")).status_code == 404  # not a refusal
     assert _rejected_lines(metrics) == ['microbatch_rejected_total{reason="bad_input"} 2.0']
+
+
+def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
+    """Batches form in the workers: their heartbeats' counts, summed, are the histograms."""
+    from app.broker.consumer import ConsumerStats
+
+    first, second = ConsumerStats(), ConsumerStats()
+    first.record("tag", 3, 2, 0.02, [0.001, 0.002, 0.2])
+    first.record("tag", 1, 1, 0.01, [0.003])
+    second.record("tag", 3, 1, 0.04, [0.0, 0.0, 0.0])
+    metrics = Metrics(remote_workers=True)
+    metrics.on_workers([vars(first), vars(second)])
+    text = metrics.render().decode()
+    assert 'microbatch_batch_size_count{task="tag"} 3.0' in text
+    assert 'microbatch_batch_size_sum{task="tag"} 7.0' in text
+    assert 'microbatch_batch_size_bucket{le="1.0",task="tag"} 1.0' in text
+    assert 'microbatch_batch_size_bucket{le="4.0",task="tag"} 3.0' in text
+    assert 'microbatch_queue_wait_seconds_count{task="tag"} 7.0' in text
+    assert 'microbatch_queue_wait_seconds_bucket{le="0.001",task="tag"} 4.0' in text
+    assert 'microbatch_model_seconds_sum{task="tag"} 0.07' in text
+
+
+def test_several_processes_are_summed_from_the_multiprocess_directory(tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR, a scrape reads every process's files there."""
+    import subprocess
+    import sys
+
+    code = "from app.metrics import Metrics; m = Metrics(); m.on_request('/predict/tag', 200, 0.01)"
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    repo = Path(__file__).resolve().parents[2]
+    for _ in range(2):  # two processes, one request each
+        subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, check=True)
+    reader = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from app.metrics import Metrics;"
+            "sys.stdout.write(Metrics(multiprocess_dir=Path(sys.argv[1])).render().decode())",
+            str(tmp_path),
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert 'microbatch_http_requests_total{route="/predict/tag",status="200"} 2.0' in reader.stdout

@@ -89,3 +89,29 @@ def test_image_leaves_the_benchmark_out() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     assert "bench" in ignored or "bench/" in ignored
     assert (REPO / "bench" / "__main__.py").is_file()
+
+
+def test_compose_cluster_profile_runs_broker_mode() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    cluster = {name for name, s in services.items() if "cluster" in s.get("profiles", [])}
+    assert cluster == {"redis", "frontend", "model-worker"}
+    frontend, worker = services["frontend"], services["model-worker"]
+    assert frontend["environment"]["MB_BROKER"] == worker["environment"]["MB_BROKER"]
+    assert frontend["environment"]["MB_BROKER"].startswith("redis://redis:")
+    assert "app.gunicorn_worker.Worker" in frontend["command"][-1]
+    assert "-w 2" in frontend["command"][-1]
+    assert worker["command"] == ["python", "-m", "app.worker"]
+    assert worker["deploy"]["replicas"] == 2
+    assert "ports" not in worker  # workers only talk to Redis
+
+
+def test_no_two_compose_services_publish_the_same_host_port() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    published: dict[str, str] = {}
+    for name, service in compose["services"].items():
+        assert "extends" not in service  # its ports would be its base's too
+        for mapping in service.get("ports", []):
+            host = mapping.rsplit(":", 1)[0]
+            assert host not in published, f"{name} and {published[host]} both publish {host}"
+            published[host] = name

@@ -62,6 +62,7 @@ class EchoTransport:
     batch_size = 4
     ready = True
     restart_count = 0
+    shared_queue_depth = 0
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -87,7 +88,9 @@ def test_another_transport_serves_the_app_unchanged(
 
     def open_echo(settings: Settings, manifest: Manifest, metrics: Any) -> Any:
         transports.append(EchoTransport(manifest))
-        return transports[-1], DecodePlan(server_threads=0, worker_threads=1)
+        return app.engine.OpenedTransport(
+            transports[-1], DecodePlan(server_threads=0, worker_threads=1), "in-process echo"
+        )
 
     monkeypatch.setattr(app.engine, "open_transport", open_echo)
     served = create_app(Settings(model_store=store, mb_request_timeout=20))

@@ -1,0 +1,45 @@
+"""The Redis keys front ends and workers share, all under one prefix (``MB_BROKER_PREFIX``),
+so a Redis ACL user can be limited to ``~<prefix>:*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.jobs import Task
+
+GROUP = "workers"  # the consumer group every worker joins, on every task's stream
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix.
+
+    >>> Keys("mb").stream(Task.TAG), Keys("mb").replies("fe1")
+    ('mb:{q}:tag', 'mb:replies:fe1')
+    """
+
+    prefix: str
+
+    def stream(self, task: Task) -> str:
+        """One stream per task, so a batch never mixes endpoints. The ``{q}`` hash tag keeps
+        both streams in one slot (the admission script reads them together)."""
+        return f"{self.prefix}:{{q}}:{task.value}"
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return tuple(self.stream(task) for task in Task)
+
+    def replies(self, frontend: str) -> str:
+        """The list one front-end process reads its replies from."""
+        return f"{self.prefix}:replies:{frontend}"
+
+    @property
+    def heartbeats(self) -> str:
+        """Sorted set: worker name -> Redis time (ms) of its last heartbeat. (One hash tag
+        with ``worker_info``: the heartbeat script writes both.)"""
+        return f"{self.prefix}:{{w}}:workers"
+
+    @property
+    def worker_info(self) -> str:
+        """Hash: worker name -> JSON of what it is and what it has run."""
+        return f"{self.prefix}:{{w}}:worker-info"

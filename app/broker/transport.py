@@ -1,0 +1,359 @@
+"""A front end's side of broker mode: a ``Transport`` that passes each request straight to a
+Redis stream and waits for its reply. Batches form in the workers (``app.broker.consumer``),
+across every front end.
+
+Per front-end process: one id (``frontend``), one reply list read by one asyncio task, and
+one monitor task that reads the workers' heartbeats and the shared queue's depth every
+second (readiness, ``/info``, metrics). No torch, no model weights.
+
+Failure rules: a request is refused with 503 ``broker_unavailable`` while Redis cannot be
+reached, and every request waiting for a reply fails the same way the moment the reply
+reader loses Redis (the entry or its reply may be gone). It is refused with 503
+``worker_died`` while no worker has sent a heartbeat recently, and with 503 ``queue_full``
+when the shared streams hold ``max_queue`` entries (checked and added in one script, so the
+bound holds across front ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from app.batching import BatchItem
+from app.broker.keys import Keys
+from app.broker.wire import MalformedMessage, decode_reply, encode_request
+from app.errors import (
+    BrokerUnavailable,
+    NotReady,
+    QueueFull,
+    ServerError,
+    WorkerDied,
+)
+from app.jobs import BatchKey, ImageJob, Task
+
+log = logging.getLogger(__name__)
+
+# Workers heartbeat every HEARTBEAT_S; one silent for STALE_S counts as gone.
+HEARTBEAT_S = 1.0
+STALE_S = 3.0
+MONITOR_S = 1.0
+# A reply list nobody reads (its front end died) expires this long after its last reply.
+REPLY_TTL_S = 60
+REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
+RECONNECT_S = 0.5
+NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
+# Add one request unless the task streams already hold ARGV[2] entries (those waiting and
+# those being computed): one round trip, and the bound holds across every front end.
+ADMIT = """
+local held = 0
+for i = 1, #KEYS do held = held + redis.call('XLEN', KEYS[i]) end
+if held >= tonumber(ARGV[2]) then return held end
+return redis.call('XADD', KEYS[tonumber(ARGV[1])], '*', 'h', ARGV[3], 'img', ARGV[4])
+"""
+
+
+class BrokerTransport:
+    """``app.batching.Transport`` over Redis Streams, for one front-end process.
+
+    >>> # transport = BrokerTransport("redis://127.0.0.1:6379/0", Keys("mb"), max_queue=1024)
+    >>> # await transport.start()    # never fails for Redis being down: it reconnects
+    >>> # await transport.run_batch(BatchKey(Task.TAG, encoded=True), items)
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keys: Keys,
+        *,
+        max_queue: int,
+        on_workers: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.max_queue = max_queue
+        self.frontend = uuid.uuid4().hex[:16]
+        self._url = url
+        self._on_workers = on_workers  # each monitor round: the live workers' heartbeats
+        self._redis: aioredis.Redis | None = None
+        self._reader: aioredis.Redis | None = None
+        self._admit: Any = None
+        self._ids = itertools.count()
+        self._pending: dict[str, asyncio.Future[object]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connected = False
+        self._run_id: str | None = None
+        self._workers: list[dict[str, Any]] = []
+        self._queue_depth = 0
+        self._rate = 0.0  # images/s the workers answered, lately (for Retry-After)
+        self._last_items: tuple[float, int] | None = None
+
+    # -- the Transport's state ---------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Requests this front end may have in Redis at once (its local bound)."""
+        return self.max_queue
+
+    @property
+    def batch_size(self) -> int:
+        """1: the front end passes each request on at once; the workers batch."""
+        return 1
+
+    @property
+    def ready(self) -> bool:
+        return self._connected and bool(self._workers)
+
+    @property
+    def restart_count(self) -> int:
+        return sum(int(worker.get("restarts", 0)) for worker in self._workers)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def shared_queue_depth(self) -> int:
+        """Entries in the shared streams at the last look (waiting or being computed)."""
+        return self._queue_depth
+
+    def describe(self) -> list[dict[str, Any]]:
+        return list(self._workers)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (or keep trying in the background: Redis may come up later)."""
+        # No retries inside the client: a request fails fast while Redis is away (503), and
+        # the reader and the monitor keep trying on their own.
+        once = Retry(NoBackoff(), 0)
+        self._redis = aioredis.Redis.from_url(
+            self._url, socket_timeout=5, socket_connect_timeout=2, retry=once
+        )
+        self._reader = aioredis.Redis.from_url(
+            self._url, socket_timeout=REPLY_BLOCK_S + 5, socket_connect_timeout=2, retry=once
+        )
+        self._admit = self._redis.register_script(ADMIT)
+        await self._look()
+        self._tasks = [
+            asyncio.create_task(self._read_replies(), name="broker-replies"),
+            asyncio.create_task(self._monitor(), name="broker-monitor"),
+        ]
+        if not self._connected:
+            log.warning("broker: Redis is not reachable yet; requests get 503 until it is")
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._fail_pending(NotReady("server is shutting down"))
+        for client in (self._redis, self._reader):
+            if client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    if self._connected and client is self._redis:
+                        await client.delete(self.keys.replies(self.frontend))
+                await client.aclose()
+        self._redis = self._reader = None
+        self._connected = False
+
+    # -- running batches ---------------------------------------------------------------------
+
+    async def run_batch(
+        self, key: Hashable, items: Sequence[BatchItem[ImageJob]]
+    ) -> Mapping[int, Any]:
+        """Add each item to its task's stream and wait for its reply (or its deadline)."""
+        assert isinstance(key, BatchKey) and key.encoded, "broker mode sends uploads encoded"
+        if not self._connected or self._redis is None:
+            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+        if not self._workers:
+            raise WorkerDied("no model worker is alive", retry_after_s=2)
+        stream_index = list(Task).index(key.task) + 1  # Lua counts from 1
+        now = time.monotonic()
+        sent: list[tuple[BatchItem[ImageJob], str, asyncio.Future[object]]] = []
+        loop = asyncio.get_running_loop()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for item in items:
+                    request_id = f"{self.frontend}-{next(self._ids)}"
+                    ttl_ms = NO_DEADLINE_MS
+                    if item.deadline is not None:
+                        ttl_ms = max(1, int(1000 * (item.deadline - now)))
+                    image = item.payload.image
+                    assert isinstance(image, bytes)
+                    fields = encode_request(
+                        request_id, self.frontend, key.task, item.payload.top_k, ttl_ms, image
+                    )
+                    future: asyncio.Future[object] = loop.create_future()
+                    self._pending[request_id] = future
+                    sent.append((item, request_id, future))
+                    await self._admit(
+                        keys=list(self.keys.streams),
+                        args=[stream_index, self.max_queue, fields["h"], fields["img"]],
+                        client=pipe,
+                    )
+                added = await pipe.execute()
+        except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
+            for _, request_id, _ in sent:
+                self._pending.pop(request_id, None)
+            log.error("broker: Redis refused a request: %s", exc)
+            raise BrokerUnavailable("the broker (Redis) refused the request") from None
+        except (RedisError, OSError) as exc:
+            for _, request_id, _ in sent:
+                self._pending.pop(request_id, None)
+            self._lost(exc)
+            raise BrokerUnavailable("the broker (Redis) cannot be reached") from None
+        results: dict[int, Any] = {}
+        waiting = []
+        for (item, request_id, future), outcome in zip(sent, added, strict=True):
+            if isinstance(outcome, int):  # the streams were full: it was not added
+                self._pending.pop(request_id, None)
+                results[item.id] = QueueFull(
+                    f"the shared queue is full ({outcome} waiting)",
+                    retry_after_s=self._retry_after(outcome),
+                )
+            else:
+                waiting.append((item, request_id, future))
+        for item, request_id, future in waiting:
+            results[item.id] = await self._reply(item, request_id, future)
+        return results
+
+    async def _reply(
+        self, item: BatchItem[ImageJob], request_id: str, future: asyncio.Future[object]
+    ) -> object:
+        """The item's result or error; after its deadline (the caller has had its 504),
+        forget it: a reply that still comes is dropped."""
+        timeout = None if item.deadline is None else max(0.0, item.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(None if timeout is None else timeout + 1.0):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            return BrokerUnavailable("no reply came before the deadline")
+        except ServerError as exc:
+            return exc
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _retry_after(self, waiting: int) -> float:
+        return float(max(1, math.ceil(waiting / self._rate))) if self._rate > 0 else 2.0
+
+    # -- replies -----------------------------------------------------------------------------
+
+    async def _read_replies(self) -> None:
+        key = self.keys.replies(self.frontend)
+        while True:
+            assert self._reader is not None
+            try:
+                popped = await self._reader.blmpop(
+                    REPLY_BLOCK_S, 1, key, direction="LEFT", count=512
+                )
+            except (RedisError, OSError) as exc:
+                self._lost(exc)
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            if popped:
+                for raw in popped[1]:
+                    if isinstance(raw, bytes):
+                        self._deliver(raw)
+
+    def _deliver(self, raw: bytes) -> None:
+        try:
+            reply = decode_reply(raw)
+        except MalformedMessage as exc:
+            log.error("broker: dropped a malformed reply (%s)", exc)
+            return
+        future = self._pending.get(reply.id)
+        if future is None or future.done():
+            return  # its caller gave up, or a duplicate after a reclaim
+        if isinstance(reply.result, ServerError):
+            future.set_exception(reply.result)
+        else:
+            future.set_result(reply.result)
+
+    def _lost(self, exc: BaseException) -> None:
+        """Redis could not be reached: every request waiting for a reply fails now."""
+        if self._connected:
+            log.error(
+                "broker: lost Redis (%s); failing %d waiting request(s)", exc, len(self._pending)
+            )
+        self._connected = False
+        self._fail_pending(BrokerUnavailable("lost the broker (Redis) while waiting"))
+
+    def _fail_pending(self, error: ServerError) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # -- the workers and the queue, as Redis sees them ---------------------------------------
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_S)
+            await self._look()
+
+    async def _look(self) -> None:
+        """One look at Redis: is it there (the same instance as before), which workers have
+        sent a heartbeat lately, how full are the streams."""
+        assert self._redis is not None
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.info("server")
+                for stream in self.keys.streams:
+                    pipe.xlen(stream)
+                answers = await pipe.execute()
+            seconds, micros = answers[0]
+            now_ms = seconds * 1000 + micros // 1000
+            names = await self._redis.zrangebyscore(
+                self.keys.heartbeats, now_ms - int(1000 * STALE_S), "+inf"
+            )
+            infos: list[Any] = []
+            if names:
+                infos = await self._redis.hmget(self.keys.worker_info, [_text(n) for n in names])
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            return
+        run_id = answers[1].get("run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            # A different Redis (restarted): the entries of waiting requests are gone.
+            self._fail_pending(BrokerUnavailable("the broker (Redis) restarted"))
+        self._run_id = run_id
+        if not self._connected:
+            log.info("broker: connected to Redis (front end %s)", self.frontend)
+        self._connected = True
+        self._queue_depth = sum(answers[2:])
+        workers = []
+        for raw in infos:
+            with contextlib.suppress(TypeError, ValueError):
+                info = json.loads(raw or b"")
+                if isinstance(info, dict):
+                    workers.append(info)
+        self._workers = sorted(workers, key=lambda w: str(w.get("name", "")))
+        self._update_rate(time.monotonic(), sum(int(w.get("items", 0)) for w in workers))
+        if self._on_workers is not None:
+            self._on_workers(self._workers)
+
+    def _update_rate(self, now: float, items: int) -> None:
+        if self._last_items is not None:
+            then, before = self._last_items
+            if now > then and items >= before:
+                rate = (items - before) / (now - then)
+                self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate
+        self._last_items = (now, items)
+
+
+def _text(value: object) -> str:
+    """Redis's replies come as bytes (or str, or loosely typed): text, for names and ids."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,227 @@
+"""What crosses the broker, both ways, and how it is checked. No pickle anywhere.
+
+A request is a stream entry with two fields: ``h``, a small JSON header (the request's id,
+its front end, the task, ``k`` and the milliseconds left before its deadline), and ``img``,
+the upload's bytes as they came. A reply is one list element: a 2-byte magic, the length of a
+JSON header (4 bytes, big-endian), the header (the request's id, the size of the batch it ran
+in, and either its arrays' names, dtypes and shapes, or an error's class name and message),
+then the arrays' raw little-endian bytes, end to end.
+
+Both sides parse what they read defensively: anyone who can write to Redis can write
+anything. A malformed request is never run; a malformed reply is never delivered; dtypes and
+error names come from allowlists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from app.errors import (
+    DeadlineExceeded,
+    InferenceError,
+    InvalidImage,
+    PayloadTooLarge,
+    ServerError,
+    UnsupportedImageFormat,
+)
+from app.jobs import Task, TopK
+
+WIRE_VERSION = 1
+REPLY_MAGIC = b"R1"
+MAX_HEADER_BYTES = 4096  # a request's or reply's JSON header; ours are under 200 bytes
+MAX_K = 100_000
+MAX_TTL_MS = 24 * 3600 * 1000
+_TOKEN = re.compile(r"^[A-Za-z0-9:._-]{1,128}$")
+# The only arrays a reply may carry, and their only dtypes (little-endian on the wire).
+REPLY_ARRAYS: dict[str, str] = {"embedding": "<f4", "indices": "<i8", "probs": "<f4"}
+# The only errors a reply may name: rebuilt as these classes, anything else is refused.
+REPLY_ERRORS: dict[str, type[ServerError]] = {
+    cls.__name__: cls
+    for cls in (
+        InvalidImage,
+        UnsupportedImageFormat,
+        PayloadTooLarge,
+        InferenceError,
+        DeadlineExceeded,
+    )
+}
+
+
+class MalformedMessage(ValueError):
+    """A stream entry or a reply that does not follow this format: dropped, never used."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as a worker reads it from the stream."""
+
+    id: str
+    frontend: str
+    task: Task
+    top_k: int
+    ttl_ms: int  # deadline: the entry's id time (Redis's clock) plus this
+    image: bytes
+
+
+def encode_request(
+    request_id: str, frontend: str, task: Task, top_k: int, ttl_ms: int, image: bytes
+) -> dict[str, bytes]:
+    """The stream entry's fields for one request."""
+    header = {
+        "v": WIRE_VERSION,
+        "id": request_id,
+        "fe": frontend,
+        "task": task.value,
+        "k": top_k,
+        "ttl_ms": ttl_ms,
+    }
+    return {"h": json.dumps(header, separators=(",", ":")).encode(), "img": image}
+
+
+def _token(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise MalformedMessage(f"{what} is not a short token")
+    return value
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MalformedMessage(f"{what} is not an integer in {low}..{high}")
+    return value
+
+
+def _json_object(raw: object, what: str) -> dict[str, Any]:
+    if not isinstance(raw, bytes) or len(raw) > MAX_HEADER_BYTES:
+        raise MalformedMessage(f"{what} is missing or over {MAX_HEADER_BYTES} bytes")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise MalformedMessage(f"{what} is not JSON") from None
+    if not isinstance(header, dict):
+        raise MalformedMessage(f"{what} is not a JSON object")
+    return header
+
+
+def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Request:
+    """A stream entry's fields as a ``Request``; ``MalformedMessage`` says what is wrong."""
+    if set(fields) != {b"h", b"img"}:
+        raise MalformedMessage(f"fields {sorted(fields)!r} are not exactly h and img")
+    header = _json_object(fields[b"h"], "the header")
+    if header.get("v") != WIRE_VERSION:
+        raise MalformedMessage(f"wire version {header.get('v')!r} is not {WIRE_VERSION}")
+    try:
+        task = Task(str(header.get("task")))
+    except ValueError:
+        raise MalformedMessage(f"task {header.get('task')!r} is unknown") from None
+    image = fields[b"img"]
+    if not isinstance(image, bytes) or len(image) > max_image_bytes:
+        raise MalformedMessage(f"the image is missing or over {max_image_bytes} bytes")
+    low_k = 1 if task is Task.TAG else 0
+    return Request(
+        id=_token(header.get("id"), "the id"),
+        frontend=_token(header.get("fe"), "the front end"),
+        task=task,
+        top_k=_int(header.get("k"), "k", low_k, MAX_K),
+        ttl_ms=_int(header.get("ttl_ms"), "ttl_ms", 1, MAX_TTL_MS),
+        image=image,
+    )
+
+
+def entry_time_ms(entry_id: bytes | str) -> int:
+    """The Redis time (ms) at which a stream entry was added: its id's first part."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+def _frame(header: dict[str, Any], payload: Sequence[bytes] = ()) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join((REPLY_MAGIC, struct.pack(">I", len(raw)), raw, *payload))
+
+
+def encode_result(
+    request_id: str, batch_size: int, outputs: Mapping[str, npt.NDArray[Any]]
+) -> bytes:
+    """A reply carrying one item's arrays (its embedding, or its top-k indices and probs)."""
+    arrays, payload = [], []
+    for name, array in outputs.items():
+        dtype = REPLY_ARRAYS[name]
+        data = np.ascontiguousarray(array, dtype=dtype)
+        arrays.append([name, dtype, list(data.shape)])
+        payload.append(data.tobytes())
+    return _frame({"id": request_id, "batch": batch_size, "arrays": arrays}, payload)
+
+
+def encode_error(request_id: str, batch_size: int, error: ServerError) -> bytes:
+    """A reply carrying one item's error (its class must be in ``REPLY_ERRORS``)."""
+    name = type(error).__name__
+    if name not in REPLY_ERRORS:
+        error, name = InferenceError("model call failed"), "InferenceError"
+    return _frame({"id": request_id, "batch": batch_size, "error": [name, error.message]})
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply as a front end reads it: the result for ``id`` (or its error)."""
+
+    id: str
+    batch_size: int  # the size of the batch the worker ran it in
+    result: object  # np.ndarray (embedding), TopK (tag) or a ServerError
+
+
+def decode_reply(raw: bytes, max_bytes: int = 64 << 20) -> Reply:
+    """A reply list element as a ``Reply``; ``MalformedMessage`` says what is wrong."""
+    if len(raw) < 6 or raw[:2] != REPLY_MAGIC or len(raw) > max_bytes:
+        raise MalformedMessage("not a reply of this format")
+    (length,) = struct.unpack(">I", raw[2:6])
+    header = _json_object(raw[6 : 6 + length], "the reply header")
+    body = memoryview(raw)[6 + length :]
+    request_id = _token(header.get("id"), "the id")
+    batch_size = _int(header.get("batch"), "batch", 1, 1 << 20)
+    if "error" in header:
+        error = header["error"]
+        if not (isinstance(error, list) and len(error) == 2 and isinstance(error[1], str)):
+            raise MalformedMessage("the error is not [name, message]")
+        kind = REPLY_ERRORS.get(error[0])
+        if kind is None:
+            raise MalformedMessage(f"error {error[0]!r} is not one a worker may send")
+        return Reply(request_id, batch_size, kind(error[1][:1000]))
+    arrays = _arrays(header.get("arrays"), body)
+    if set(arrays) == {"embedding"}:
+        return Reply(request_id, batch_size, arrays["embedding"])
+    if set(arrays) == {"indices", "probs"}:
+        return Reply(request_id, batch_size, TopK(arrays["indices"], arrays["probs"]))
+    raise MalformedMessage(f"arrays {sorted(arrays)} are neither an embedding nor top-k")
+
+
+def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:
+    if not isinstance(described, list) or len(described) > len(REPLY_ARRAYS):
+        raise MalformedMessage("the arrays are not a short list")
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    offset = 0
+    for entry in described:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise MalformedMessage("an array is not [name, dtype, shape]")
+        name, dtype, shape = entry
+        if REPLY_ARRAYS.get(name) != dtype:
+            raise MalformedMessage(f"array {name!r} of dtype {dtype!r} is not allowed")
+        if not (isinstance(shape, list) and len(shape) == 1):
+            raise MalformedMessage(f"array {name!r} is not one-dimensional")
+        count = _int(shape[0], "an array's length", 0, 1 << 24)
+        size = count * np.dtype(dtype).itemsize
+        if offset + size > len(body):
+            raise MalformedMessage("the arrays run past the reply")
+        arrays[name] = np.frombuffer(body[offset : offset + size], dtype=dtype).astype(
+            dtype[1:], copy=False
+        )
+        offset += size
+    if offset != len(body):
+        raise MalformedMessage("bytes are left over after the arrays")
+    return arrays

@@ -1,0 +1,199 @@
+"""Broker mode for real: a redis-server of the test's own on 127.0.0.1, model workers
+(``python -m app.worker``) and front ends as separate processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+import redis
+
+from tests.server import REPO, free_port
+
+PREFIX = "mbtest"
+
+
+def require_redis_server() -> str:
+    """The redis-server binary; the test skips without one, except where CI demands it
+    (``.ci/run`` installs it and sets ``CI_REQUIRE_REDIS=1``)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = (
+            "redis-server is not installed (make test installs it: apt-get install redis-server)"
+        )
+        if os.environ.get("CI_REQUIRE_REDIS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+class RedisServer:
+    """A throwaway redis-server (no persistence) on a free port; ``stop()`` and ``start()``
+    simulate an outage, after which it comes back empty, as a Redis without persistence
+    does after a restart."""
+
+    def __init__(self) -> None:
+        self.binary = require_redis_server()
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = tempfile.mkdtemp(prefix="mbtest-redis-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = self.client()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise AssertionError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def broker_env(redis_url: str, store: Path, **env: str) -> dict[str, str]:
+    return {
+        "MB_BROKER": redis_url,
+        "MB_BROKER_PREFIX": PREFIX,
+        "MODEL_STORE": str(store),
+        "CUDA_DEVICES": "cpu",
+        "LOG_LEVEL": "warning",
+        **env,
+    }
+
+
+class Workers:
+    """``python -m app.worker`` (or another script, for fault injection) with its env;
+    started and waited for until ``count`` workers heartbeat through Redis."""
+
+    def __init__(
+        self,
+        redis_server: RedisServer,
+        store: Path,
+        *,
+        count: int = 1,
+        command: list[str] | None = None,
+        **env: str,
+    ) -> None:
+        self.redis = redis_server
+        self.count = count
+        self.command = command or [sys.executable, "-m", "app.worker"]
+        self.env = {
+            **os.environ,
+            **broker_env(redis_server.url, store, MB_WORKER_NUM=str(count), MB_WORKER_THREADS="1"),
+            **env,
+        }
+        self.process: subprocess.Popen[str] | None = None
+        self.output = ""
+
+    def start(self, timeout_s: float = 90) -> Workers:
+        self.process = subprocess.Popen(
+            self.command,
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while len(self.live()) < self.count:
+            if self.process.poll() is not None:
+                self.output = self.process.communicate()[0]
+                raise AssertionError(f"workers exited during start:\n{self.output}")
+            if time.monotonic() > deadline:
+                raise AssertionError("workers never sent heartbeats")
+            time.sleep(0.1)
+        return self
+
+    def live(self) -> dict[str, dict[str, Any]]:
+        """The workers with a fresh heartbeat, by name, as Redis has them."""
+        import json
+
+        client = self.redis.client()
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        names = client.zrangebyscore(f"{PREFIX}:{{w}}:workers", now_ms - 3000, "+inf")
+        if not names:
+            return {}
+        infos = client.hmget(f"{PREFIX}:{{w}}:worker-info", names)
+        return {
+            name.decode(): json.loads(info) for name, info in zip(names, infos, strict=True) if info
+        }
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.output = self.process.communicate(timeout=timeout_s)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.output = self.process.communicate()[0]
+            raise AssertionError(f"workers did not stop within {timeout_s} s") from None
+        return self.process.returncode
+
+    def __enter__(self) -> Workers:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.stop()
+        if self.process is not None:  # nothing of the process group may outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def stream_state(redis_server: RedisServer) -> dict[str, tuple[int, int]]:
+    """Each task stream's (length, entries pending in the consumer group)."""
+    client = redis_server.client()
+    state = {}
+    for task in ("tag", "embedding"):
+        stream = f"{PREFIX}:{{q}}:{task}"
+        length = client.xlen(stream)
+        pending = 0
+        if client.exists(stream):
+            groups = client.xinfo_groups(stream)
+            pending = sum(int(group["pending"]) for group in groups)
+        state[task] = (length, pending)
+    return state

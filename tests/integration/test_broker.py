@@ -1,0 +1,554 @@
+"""Broker mode for real: redis-server, front ends and model workers as separate processes on
+127.0.0.1. Every request gets exactly one answer, its own, through any front end; batches
+form in the workers across front ends; failures of workers, front ends and Redis itself
+end in typed answers, never hangs, and leave nothing behind in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from bench.loadgen import Response, closed_loop, multipart_request
+from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_state
+from tests.checks import Expectation, mixed_jobs
+from tests.conftest import distinct_images
+from tests.models import POISON_RGB, export_slow
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def front_end(redis_server: RedisServer, store: Path, **env: str) -> ServerProcess:
+    return ServerProcess(**broker_env(redis_server.url, store, **env))
+
+
+def png(rgb: tuple[int, int, int], size: int = 40) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), rgb).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sizes_run(workers: Workers, task: str) -> Counter[int]:
+    """Batches of each size the live workers ran for ``task`` (from their heartbeats)."""
+    total: Counter[int] = Counter()
+    for info in workers.live().values():
+        for size, count in (info.get("sizes", {}).get(task) or {}).items():
+            total[int(size)] += count
+    return total
+
+
+def total(workers: Workers, field: str) -> int:
+    return sum(int(info.get(field, 0)) for info in workers.live().values())
+
+
+async def wait_for(condition: Any, timeout_s: float = 20, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def post(base_url: str, path: str, data: bytes, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        return await client.post(path, files={"image": ("x.png", data)}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_store: Path) -> Iterator[tuple[RedisServer, Workers, list[ServerProcess]]]:
+    """Redis, two workers and two front ends, with a max latency no request should ever
+    wait out."""
+    with RedisServer() as redis_server:
+        with Workers(redis_server, tiny_store, count=2, MB_MAX_LATENCY="5") as workers:
+            fronts = [front_end(redis_server, tiny_store, MB_MAX_LATENCY="5") for _ in range(2)]
+            try:
+                for front in fronts:
+                    front.start()
+                yield redis_server, workers, fronts
+            finally:
+                for front in fronts:
+                    if front.process is not None and front.process.poll() is None:
+                        front.stop()
+
+
+async def test_a_thousand_requests_through_two_front_ends_each_get_their_own_answer(
+    cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
+) -> None:
+    redis_server, workers, fronts = cluster
+    expect = Expectation(tiny_store)
+    jobs = mixed_jobs(distinct_images(1000, size=40))
+    answers: dict[int, list[tuple[int, Any]]] = {}
+    mixed_before, items_before = total(workers, "mixed_batches"), total(workers, "items")
+
+    async def through(front: ServerProcess, indices: list[int]) -> Any:
+        requests = [
+            multipart_request(
+                "127.0.0.1", front.port, f"/predict/{jobs[i][0]}", jobs[i][1], fields=[("k", "3")]
+            )
+            for i in indices
+        ]
+
+        def record(position: int, response: Response) -> None:
+            answers.setdefault(indices[position], []).append(
+                (response.status, json.loads(response.body))
+            )
+
+        return await closed_loop(
+            "127.0.0.1", front.port, requests, clients=32, total=len(indices), check=record
+        )
+
+    started = time.monotonic()
+    halves = [[i for i in range(1000) if (i // 2) % 2 == half] for half in (0, 1)]  # both tasks
+    results = await asyncio.gather(through(fronts[0], halves[0]), through(fronts[1], halves[1]))
+    seconds = time.monotonic() - started
+    await wait_for(
+        lambda: total(workers, "items") - items_before >= 1000, what="the heartbeats to catch up"
+    )
+    statuses = Counter(status for replies in answers.values() for status, _ in replies)
+    mismatches = [
+        i for i, [(_, body)] in answers.items() if not expect.check(jobs[i][0], jobs[i][1], body)
+    ]
+    sizes = sizes_run(workers, "tag") + sizes_run(workers, "embedding")
+    mixed = total(workers, "mixed_batches") - mixed_before
+    print(
+        f"\nbroker mix-up: 1000 requests through 2 front ends in {seconds:.1f} s "
+        f"({1000 / seconds:.0f}/s), statuses {dict(statuses)}, mismatches {len(mismatches)}, "
+        f"batches holding both front ends' items {mixed}, largest batch {max(sizes)}"
+    )
+    assert all(result.errors == 0 for result in results)
+    assert sorted(answers) == list(range(1000))  # none missing
+    assert all(len(replies) == 1 for replies in answers.values())  # none twice
+    assert statuses == {200: 1000}
+    assert mismatches == []
+    assert mixed >= 1, "no worker batch held items from both front ends"
+    assert max(sizes) > 1
+    assert stream_state(redis_server) == {"tag": (0, 0), "embedding": (0, 0)}
+
+
+async def test_a_lone_request_runs_at_once_as_a_batch_of_one(
+    cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
+) -> None:
+    _, workers, fronts = cluster
+    await asyncio.sleep(1.5)  # the last test's batches are all in the heartbeats
+    before = sizes_run(workers, "embedding")
+    started = time.monotonic()
+    response = await post(fronts[0].base_url, "/predict/embedding", distinct_images(1)[0])
+    took = time.monotonic() - started
+    assert response.status_code == 200
+    assert took < 1.0, f"a lone request took {took:.2f} s (MB_MAX_LATENCY is 5 s)"
+    await wait_for(
+        lambda: sizes_run(workers, "embedding")[1] == before[1] + 1, what="the batch of 1"
+    )
+    assert sum(sizes_run(workers, "embedding").values()) == sum(before.values()) + 1
+    print(f"\nbroker lone request: {1000 * took:.1f} ms, a batch of 1")
+
+
+async def test_forged_entries_and_replies_are_dropped_and_nothing_crashes(
+    cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
+) -> None:
+    redis_server, workers, fronts = cluster
+    client = redis_server.client()
+    stream = f"{PREFIX}:{{q}}:tag"
+    good_header = {"v": 1, "id": "forged-1", "fe": "nobody", "task": "tag", "k": 3, "ttl_ms": 9000}
+    forged = [
+        {"h": pickle.dumps({"v": 1, "id": "x"}), "img": b"x"},  # pickled bytes
+        {"h": json.dumps(good_header)},  # no image
+        {"img": png((1, 2, 3))},  # no header
+        {"h": json.dumps({**good_header, "k": "3"}), "img": png((1, 2, 3))},  # k not an int
+        {"h": json.dumps({**good_header, "task": "embedding"}), "img": png((1, 2, 3))},
+        {"h": json.dumps({**good_header, "id": "../../etc"}), "img": png((1, 2, 3))},
+        {"h": json.dumps(good_header), "img": b"\0" * (10 * 1024 * 1024 + 1)},  # oversized
+        {"h": b"\xff" * 5000, "img": b""},  # not even text
+        {"h": json.dumps(good_header), "img": png((1, 2, 3)), "extra": b"1"},
+    ]
+    malformed_before = total(workers, "malformed")
+    for fields in forged:
+        client.xadd(stream, fields)  # type: ignore[arg-type]
+    # Forged replies, pushed at a front end: found by sending it a real request first.
+    assert (
+        await post(fronts[0].base_url, "/predict/tag", distinct_images(1)[0])
+    ).status_code == 200
+    for raw in (
+        b"R1" + (5).to_bytes(4, "big") + b"nope!",
+        pickle.dumps({"id": "x"}),
+        b"R1"
+        + (60).to_bytes(4, "big")
+        + json.dumps({"id": "x", "batch": 1, "arrays": [["embedding", "|O", [1]]]}).encode()[:60],
+        b"R1"
+        + (len(b'{"id":"x","batch":1,"error":["SystemExit","bye"]}')).to_bytes(4, "big")
+        + b'{"id":"x","batch":1,"error":["SystemExit","bye"]}',
+    ):
+        for key in client.scan_iter(f"{PREFIX}:replies:*"):
+            client.rpush(key, raw)
+    await wait_for(
+        lambda: total(workers, "malformed") - malformed_before == len(forged),
+        what="every forged entry to be dropped",
+    )
+    assert stream_state(redis_server)["tag"] == (0, 0)  # acknowledged and deleted, never run
+    assert len(workers.live()) == 2
+    for front in fronts:
+        response = await post(front.base_url, "/predict/tag", distinct_images(2)[1])
+        assert response.status_code == 200, response.text
+        assert front.process is not None and front.process.poll() is None
+
+
+async def test_a_front_end_killed_mid_request_leaves_the_other_serving_and_redis_bounded(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    slow = export_slow(tmp_path / "slow", rounds=600)
+    with RedisServer() as redis_server, Workers(redis_server, slow, count=1):
+        doomed, survivor = front_end(redis_server, slow), front_end(redis_server, slow)
+        with doomed, survivor:
+            images = distinct_images(6)
+            in_flight = [
+                asyncio.create_task(post(doomed.base_url, "/predict/embedding", image))
+                for image in images[:4]
+            ]
+            await wait_for(lambda: stream_state(redis_server)["embedding"][0] >= 4, what="queued")
+            os.kill(doomed.pid, signal.SIGKILL)
+            results = await asyncio.gather(*in_flight, return_exceptions=True)
+            assert all(isinstance(r, httpx.TransportError) for r in results)
+            response = await post(survivor.base_url, "/predict/embedding", images[5])
+            assert response.status_code == 200
+            # The dead front end's requests were answered into its reply list, which expires.
+            client = redis_server.client()
+            await wait_for(lambda: stream_state(redis_server)["embedding"] == (0, 0), what="done")
+            lists = list(client.scan_iter(f"{PREFIX}:replies:*"))
+            assert lists, "the dead front end's replies should be waiting to expire"
+            assert all(0 < client.ttl(key) <= 60 for key in lists)
+
+
+async def test_a_corrupt_image_fails_alone_in_its_batch(tiny_store: Path, tmp_path: Path) -> None:
+    slow = export_slow(tmp_path / "slow", rounds=300)
+    expect = Expectation(slow)
+    with RedisServer() as redis_server, Workers(redis_server, slow, count=1) as workers:
+        with front_end(redis_server, slow) as front:
+            images = distinct_images(5)
+            await post(front.base_url, "/predict/embedding", images[0])  # learns its batch time
+            blocker = asyncio.create_task(post(front.base_url, "/predict/embedding", images[0]))
+            await wait_for(
+                lambda: any(w.get("running") for w in workers.live().values()), what="busy"
+            )
+            uploads = [images[1], images[2][:200], images[3], images[4]]
+            answers = await asyncio.gather(
+                blocker, *(post(front.base_url, "/predict/embedding", data) for data in uploads)
+            )
+    assert [a.status_code for a in answers] == [200, 200, 400, 200, 200]
+    assert answers[2].json()["error"]["type"] == "invalid_image"
+    for answer, data in zip(answers[1:], uploads, strict=True):
+        if answer.status_code == 200:
+            assert expect.check("embedding", data, answer.json())
+
+
+async def test_a_worker_killed_mid_batch_has_its_entries_answered_exactly_once(
+    tmp_path: Path,
+) -> None:
+    slow = export_slow(tmp_path / "slow", rounds=900)
+    expect = Expectation(slow)
+    with RedisServer() as redis_server, Workers(redis_server, slow, count=2) as workers:
+        with front_end(redis_server, slow) as front:
+            images = distinct_images(12)
+            await post(front.base_url, "/predict/embedding", images[0])
+            requests = [
+                asyncio.create_task(post(front.base_url, "/predict/embedding", image))
+                for image in images
+            ]
+
+            def busy() -> dict[str, Any] | None:
+                running = [w for w in workers.live().values() if w.get("running", 0) >= 2]
+                return running[0] if running else None
+
+            await wait_for(lambda: busy() is not None, what="a worker running a batch")
+            victim = busy()
+            assert victim is not None
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            answers = await asyncio.gather(*requests)
+            recovered = time.monotonic() - killed
+            await wait_for(
+                lambda: stream_state(redis_server) == {"tag": (0, 0), "embedding": (0, 0)},
+                what="nothing left in Redis",
+            )
+            await wait_for(
+                lambda: any(w.get("restarts") == 1 for w in workers.live().values()),
+                what="the killed worker back",
+            )
+    print(
+        f"\nbroker kill -9 of a worker holding {victim['running']} items: all "
+        f"{len(answers)} answered {recovered:.1f} s after the kill"
+    )
+    assert [a.status_code for a in answers] == [200] * len(images)
+    for answer, image in zip(answers, images, strict=True):
+        assert expect.check("embedding", image, answer.json())
+    assert recovered < 15
+
+
+async def test_a_poison_input_that_kills_its_worker_fails_alone_after_max_deliveries(
+    tiny_store: Path,
+) -> None:
+    expect = Expectation(tiny_store)
+    poison = png(POISON_RGB)
+    goods = distinct_images(3)
+    command = [sys.executable, str(Path(__file__).parents[1] / "poison_worker.py")]
+    with RedisServer() as redis_server:
+        with Workers(redis_server, tiny_store, count=1, command=command, MB_MAX_DELIVERIES="2"):
+            with front_end(redis_server, tiny_store) as front:
+                started = time.monotonic()
+                answers = await asyncio.gather(
+                    post(front.base_url, "/predict/embedding", poison),
+                    *(post(front.base_url, "/predict/embedding", data) for data in goods),
+                )
+                took = time.monotonic() - started
+                await wait_for(
+                    lambda: stream_state(redis_server)["embedding"] == (0, 0), what="empty"
+                )
+    print(f"\nbroker poison: answered in {took:.1f} s, statuses {[a.status_code for a in answers]}")
+    assert answers[0].status_code == 500
+    assert answers[0].json()["error"]["type"] == "inference_error"
+    assert [a.status_code for a in answers[1:]] == [200, 200, 200]
+    for answer, data in zip(answers[1:], goods, strict=True):
+        assert expect.check("embedding", data, answer.json())
+
+
+async def test_redis_stopped_under_load_gives_fast_503s_then_recovers_by_itself(
+    tiny_store: Path,
+) -> None:
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1) as workers:
+        with front_end(redis_server, tiny_store) as front:
+            pids = (front.pid, workers.process.pid if workers.process else 0)
+            image = distinct_images(1)[0]
+            assert (await post(front.base_url, "/predict/tag", image)).status_code == 200
+            redis_server.stop()
+            outage: list[tuple[int, float, str]] = []
+            async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as client:
+                for _ in range(20):
+                    began = time.monotonic()
+                    response = await client.post("/predict/tag", files={"image": ("x", image)})
+                    kind = response.json()["error"]["type"] if response.status_code != 200 else ""
+                    outage.append((response.status_code, time.monotonic() - began, kind))
+                    await asyncio.sleep(0.05)
+                ready = await client.get("/readyz")
+                redis_server.start()  # empty: streams and consumer group are gone
+                began = time.monotonic()
+                while True:
+                    response = await client.post("/predict/tag", files={"image": ("x", image)})
+                    if response.status_code == 200:
+                        break
+                    assert time.monotonic() - began < 20, response.text
+                    await asyncio.sleep(0.2)
+                back_after = time.monotonic() - began
+            assert (front.pid, workers.process.pid if workers.process else 0) == pids
+            assert front.process is not None and front.process.poll() is None
+    statuses = Counter(status for status, _, _ in outage)
+    slowest = max(seconds for _, seconds, _ in outage)
+    print(
+        f"\nbroker outage: {dict(statuses)} while Redis was down, slowest answer "
+        f"{1000 * slowest:.0f} ms; served again {back_after:.1f} s after Redis came back"
+    )
+    assert statuses == {503: 20}
+    assert {kind for _, _, kind in outage} == {"broker_unavailable"}
+    assert slowest < 0.5
+    assert ready.status_code == 503
+
+
+async def test_no_worker_alive_gives_fast_503s_and_readiness_503(tiny_store: Path) -> None:
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1) as workers:
+        with front_end(redis_server, tiny_store) as front:
+            workers.stop()
+            await wait_for(lambda: front.readiness()[0] == 503, what="readiness 503")
+            began = time.monotonic()
+            response = await post(front.base_url, "/predict/embedding", distinct_images(1)[0])
+            assert time.monotonic() - began < 0.5
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "worker_died"
+    assert "Retry-After" in response.headers
+
+
+async def test_a_request_past_its_deadline_is_dropped_unrun(tmp_path: Path) -> None:
+    slow = export_slow(tmp_path / "slow", rounds=900)
+    with RedisServer() as redis_server, Workers(redis_server, slow, count=1) as workers:
+        with front_end(redis_server, slow) as front:
+            images = distinct_images(3)
+            await post(front.base_url, "/predict/embedding", images[0])
+            blocker = asyncio.create_task(post(front.base_url, "/predict/embedding", images[1]))
+            await wait_for(
+                lambda: any(w.get("running") for w in workers.live().values()), what="busy"
+            )
+            late = await post(
+                front.base_url,
+                "/predict/embedding",
+                images[2],
+                headers={"X-Request-Timeout": "0.2"},
+            )
+            assert (await blocker).status_code == 200
+            await wait_for(lambda: total(workers, "expired") == 1, what="the late entry dropped")
+            assert sum(sizes_run(workers, "embedding").values()) == 2  # it never ran
+            assert stream_state(redis_server)["embedding"] == (0, 0)
+    assert late.status_code == 504
+
+
+@pytest.mark.parametrize("launcher", ["uvicorn", "gunicorn"])
+async def test_several_front_end_processes_share_one_port_and_one_metrics(
+    launcher: str, tiny_store: Path, tmp_path: Path
+) -> None:
+    """The two documented launches of N front-end processes: all of them serve, and a
+    scrape of any one counts every process's requests (prometheus multiprocess mode)."""
+    from tests.server import REPO, free_port
+
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    port = free_port()
+    commands = {
+        "uvicorn": ["-m", "uvicorn", "--factory", "app.main:create_app", "--workers", "2"],
+        "gunicorn": ["-m", "gunicorn", "-k", "app.gunicorn_worker.Worker", "-w", "2"],
+    }
+    bind = ["--host", "127.0.0.1", "--port", str(port)]
+    if launcher == "gunicorn":
+        bind = ["-b", f"127.0.0.1:{port}", "app.main:create_app()"]
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
+        env = {
+            **os.environ,
+            **broker_env(redis_server.url, tiny_store, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
+        }
+        import subprocess
+
+        log_path = tmp_path / "front-ends.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *commands[launcher], *bind],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            await wait_for(
+                lambda: _ready(base) or process.poll() is not None, timeout_s=60, what="ready"
+            )
+            assert process.poll() is None, log_path.read_text()
+            # A new connection per request, until both processes have served some (the
+            # second may still be starting when the first answers /readyz).
+            close = [("Connection", "close")]
+            requests = [
+                multipart_request("127.0.0.1", port, "/predict/embedding", data, headers=close)
+                for data in distinct_images(50)
+            ]
+            statuses: Counter[int] = Counter()
+            deadline = time.monotonic() + 60
+            while len(_pids(metrics_dir)) < 2 and time.monotonic() < deadline:
+                result = await closed_loop("127.0.0.1", port, requests, clients=16, total=50)
+                statuses += result.statuses
+            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+    served = [
+        line for line in metrics.splitlines()
+        if line.startswith('microbatch_http_requests_total{route="/predict/embedding",status="200"}')
+    ]  # fmt: skip
+    assert len(_pids(metrics_dir)) == 2, "one process served every request"
+    assert set(statuses) == {200}
+    assert served and float(served[0].split()[-1]) == statuses[200]  # summed over both
+
+
+def _pids(metrics_dir: Path) -> set[str]:
+    """The processes that have counted something (prometheus writes one file per pid)."""
+    return {path.stem.rsplit("_", 1)[-1] for path in metrics_dir.glob("counter_*.db")}
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_the_worker_command_refuses_to_start_without_a_broker(tiny_store: Path) -> None:
+    import subprocess
+
+    from tests.server import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "MB_BROKER"}
+    done = subprocess.run(
+        [sys.executable, "-m", "app.worker"],
+        cwd=REPO,
+        env={**env, "MODEL_STORE": str(tiny_store)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "MB_BROKER" in done.stderr
+    np.testing.assert_equal(done.stdout, "")
+
+
+async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path) -> None:
+    """``make run-cluster``: Redis, 2 front ends and 2 workers from one command; SIGTERM
+    stops them all (front ends, then workers, then Redis) and nothing is left running."""
+    import subprocess
+
+    import psutil
+
+    from tests.broker import require_redis_server
+    from tests.server import REPO, free_port
+
+    require_redis_server()
+    port, redis_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "MB_BROKER"},
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "MODEL_STORE": str(tiny_store),
+        "CUDA_DEVICES": "cpu",
+        "MB_WORKER_THREADS": "1",
+        "MB_BROKER_PREFIX": PREFIX,
+        "LOG_LEVEL": "warning",
+    }
+    command = [sys.executable, "-m", "app.cluster", "--redis-port", str(redis_port)]
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_for(lambda: _ready(base), timeout_s=90, what="the cluster to be ready")
+        family = [process.pid] + [c.pid for c in psutil.Process(process.pid).children(True)]
+        ready = httpx.get(f"{base}/readyz", timeout=5).json()
+        # Each front-end process sees the workers at its own next look (within a second).
+        image = distinct_images(1)[0]
+        await wait_for(
+            lambda: (
+                httpx.post(
+                    f"{base}/predict/embedding", files={"image": ("x", image)}, timeout=10
+                ).status_code
+                == 200
+            ),
+            what="an answer",
+        )
+        answer = await post(base, "/predict/embedding", image)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert answer.status_code == 200
+    assert len(ready["workers"]) == 2
+    assert code == 0
+    time.sleep(0.5)
+    assert [
+        pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ] == []
