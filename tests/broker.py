@@ -3,22 +3,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import pytest
 import redis
 
-from tests.server import REPO, free_port
+from tests.server import REPO, ChildProcess, free_port
 
 PREFIX = "mbtest"
 
@@ -100,9 +97,12 @@ def broker_env(redis_url: str, store: Path, **env: str) -> dict[str, str]:
     }
 
 
-class Workers:
+class Workers(ChildProcess):
     """``python -m app.worker`` (or another script, for fault injection) with its env;
     started and waited for until ``count`` workers heartbeat through Redis."""
+
+    name = "workers"
+    own_group = True
 
     def __init__(
         self,
@@ -159,29 +159,8 @@ class Workers:
             name.decode(): json.loads(info) for name, info in zip(names, infos, strict=True) if info
         }
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            self.output = self.process.communicate(timeout=timeout_s)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.output = self.process.communicate()[0]
-            raise AssertionError(f"workers did not stop within {timeout_s} s") from None
-        return self.process.returncode
-
     def __enter__(self) -> Workers:
         return self.start()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.stop()
-        if self.process is not None:  # nothing of the process group may outlive the test
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def stream_state(redis_server: RedisServer) -> dict[str, tuple[int, int]]:

@@ -3,6 +3,7 @@ and signals matter."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -38,9 +39,54 @@ def shm_files() -> set[str]:
     return {p.name for p in shm.glob("microbatch-*")} if shm.is_dir() else set()
 
 
-class ServerProcess:
+class ChildProcess:
+    """A process a test started: ``stop()`` it, or leave its ``with`` block, and nothing of
+    it is left running (its whole process group, when it has one of its own)."""
+
+    process: subprocess.Popen[str] | None = None
+    output = ""
+    own_group = False  # started with start_new_session=True
+    name = "process"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Send ``sig`` and wait; returns the exit status (output in ``self.output``)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.output = self.process.communicate(timeout=timeout_s)[0]
+        except subprocess.TimeoutExpired:
+            self._kill()
+            self.output = self.process.communicate()[0]
+            raise AssertionError(f"{self.name} did not stop within {timeout_s} s") from None
+        return self.process.returncode
+
+    def _kill(self) -> None:
+        assert self.process is not None
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        else:
+            self.process.kill()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.stop()
+        else:  # it died (a test killed it): collect its output
+            self.output = self.process.communicate()[0]
+        if self.own_group:
+            self._kill()
+
+
+class ServerProcess(ChildProcess):
     """``with ServerProcess(MODEL_STORE=...) as server:`` starts the server and waits until
     /readyz answers 200; leaving the block stops it (SIGTERM, then SIGKILL)."""
+
+    name = "server"
 
     def __init__(self, **env: str) -> None:
         self.port = free_port()
@@ -91,26 +137,5 @@ class ServerProcess:
     def worker_pids(self) -> list[int]:
         return [w["pid"] for w in self.readiness()[1]["workers"]]
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
-        """Send ``sig`` and wait; returns the exit status (output in ``self.output``)."""
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            self.output = self.process.communicate(timeout=timeout_s)[0]
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.output = self.process.communicate()[0]
-            raise AssertionError(f"server did not stop within {timeout_s} s") from None
-        return self.process.returncode
-
     def __enter__(self) -> ServerProcess:
         return self.start()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.stop()
-        elif self.process is not None:  # it died (a test killed it): collect its output
-            self.output = self.process.communicate()[0]
