@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             started.append(broker)
             _wait_for_redis(args.redis_port, broker)
+            time.sleep(0.2)
+            if broker.poll() is not None:  # it could not bind: the ping reached another Redis
+                print(f"error: port {args.redis_port} is taken (--redis-port)", file=sys.stderr)
+                return 2
             env["MB_BROKER"] = f"redis://127.0.0.1:{args.redis_port}/0"
         env["MB_WORKER_NUM"] = str(args.workers)
         started.append(

@@ -29,8 +29,8 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
+from app.logs import configure_logging
 from app.manifest import read_manifest
-from app.observability import configure_logging
 from app.settings import Settings, get_settings
 from app.workers.messages import WorkerConfig
 from app.workers.plan import plan_from_settings, worker_config
@@ -38,6 +38,7 @@ from app.workers.plan import plan_from_settings, worker_config
 log = logging.getLogger("app.worker")
 
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap
+STABLE_S = 60.0  # a worker that ran this long before it died restarts without delay growth
 STOP_TIMEOUT_S = 60.0  # a worker finishing its batch after SIGTERM gets this long
 
 
@@ -56,8 +57,6 @@ class ConsumerSpec:
     max_deliveries: int
     batch_timeout_s: float
     max_image_bytes: int
-    log_level: str
-    log_format: str
     restarts: int = 0
 
 
@@ -71,7 +70,7 @@ def consumer_main(spec: ConsumerSpec) -> None:
     from app.broker.keys import Keys
     from app.workers.process import prepare
 
-    configure_logging(spec.log_level, spec.log_format)
+    configure_logging(spec.config.log_level, spec.config.log_format)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
@@ -127,6 +126,8 @@ class Supervisor:
         self.stopping = threading.Event()
         self._failures: dict[int, int] = {}
         self._due: dict[int, float] = {}  # index -> when to restart it
+        self._started: dict[int, float] = {}  # index -> when its current life began
+        self._signalled: set[int] = set()  # pids told to stop
 
     def _start(self, spec: ConsumerSpec) -> None:
         process = mp.get_context("spawn").Process(
@@ -134,24 +135,34 @@ class Supervisor:
         )
         process.start()
         self.processes[spec.index] = process
+        self._started[spec.index] = time.monotonic()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.stopping.is_set():
             log.info("stopping the workers (each finishes its batch)")
             self.stopping.set()
-            for process in self.processes.values():
-                if process.is_alive() and process.pid is not None:
-                    os.kill(process.pid, signal.SIGTERM)
+        self._tell_to_stop()
+
+    def _tell_to_stop(self) -> None:
+        """SIGTERM to every worker not told yet (one may have started after the signal)."""
+        for process in self.processes.values():
+            pid = process.pid
+            if pid is not None and pid not in self._signalled and process.is_alive():
+                self._signalled.add(pid)
+                os.kill(pid, signal.SIGTERM)
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         for spec in self.specs:
-            self._start(spec)
+            if not self.stopping.is_set():
+                self._start(spec)
         deadline: float | None = None
         while True:
-            if self.stopping.is_set() and deadline is None:
-                deadline = time.monotonic() + STOP_TIMEOUT_S
+            if self.stopping.is_set():
+                self._tell_to_stop()
+                if deadline is None:
+                    deadline = time.monotonic() + STOP_TIMEOUT_S
             alive = {p.sentinel: i for i, p in self.processes.items() if p.exitcode is None}
             if self.stopping.is_set() and not alive:
                 return 0
@@ -169,6 +180,8 @@ class Supervisor:
         process.join(timeout=1)
         if self.stopping.is_set():
             return
+        if time.monotonic() - self._started.get(index, 0.0) >= STABLE_S:
+            self._failures.pop(index, None)  # it served a while: start the backoff afresh
         failures = self._failures.get(index, 0)
         first, cap = RESTART_BACKOFF_S
         delay = min(cap, first * 2**failures)
@@ -216,8 +229,6 @@ def specs_from_settings(settings: Settings, host: str) -> list[ConsumerSpec]:
             max_deliveries=settings.mb_max_deliveries,
             batch_timeout_s=settings.mb_batch_timeout,
             max_image_bytes=settings.max_upload_bytes,
-            log_level=settings.log_level,
-            log_format=settings.log_format,
         )
         for index, device in enumerate(plan.devices)
     ]

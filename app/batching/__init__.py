@@ -1,6 +1,7 @@
 """Micro-batching core: asyncio and the standard library only (no web framework, no torch)."""
 
-from app.batching.streamer import BatchObserver, Streamer, StreamerStats, Trace
+from app.batching.observe import BatchObserver, StreamerStats, Trace
+from app.batching.streamer import Streamer
 from app.batching.transport import BatchFn, BatchItem, Transport
 
 __all__ = [

@@ -19,11 +19,12 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from app.batching.observe import BatchObserver, StreamerStats, Trace
 from app.batching.transport import BatchFn, BatchItem
 from app.errors import (
     BatchContractError,
@@ -41,18 +42,6 @@ R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Trace:
-    """Filled in by the Streamer for one submitted item: what its batch looked like."""
-
-    batch_size: int = 0
-    queue_wait_s: float = 0.0
-
-
-# Called once per dispatched batch with its key, its size and each item's queue wait (s).
-BatchObserver = Callable[[Hashable, int, Sequence[float]], None]
-
-
 @dataclass(eq=False, slots=True)
 class _Pending(Generic[T, R]):
     id: int
@@ -63,22 +52,8 @@ class _Pending(Generic[T, R]):
     deadline: float | None
     trace: Trace | None = None
     dispatched: bool = False
-
-
-@dataclass
-class StreamerStats:
-    """Counters for observability and tests. ``batch_sizes[key][n]`` counts batches of n."""
-
-    submitted: int = 0
-    rejected_queue_full: int = 0
-    expired: int = 0
-    batches: int = 0
-    retried_batches: int = 0
-    batch_sizes: dict[Hashable, Counter[int]] = field(default_factory=dict)
-
-    def record_batch(self, key: Hashable, size: int) -> None:
-        self.batches += 1
-        self.batch_sizes.setdefault(key, Counter())[size] += 1
+    batch: list[_Pending[T, R]] | None = None  # once dispatched: its batch, and the task
+    task: asyncio.Task[None] | None = None  # running it
 
 
 class Streamer(Generic[T, R]):
@@ -229,12 +204,17 @@ class Streamer(Generic[T, R]):
             if timer is not None:
                 timer.cancel()
             # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
-            # so its item is never computed; a dispatched one is simply ignored when it ends.
+            # so its item is never computed. Once every caller of a dispatched batch has
+            # gone, the batch is cancelled: a transport may still stop it (a broker drops
+            # what no worker has read yet); the pool lets its worker finish.
             if not item.dispatched:
                 with contextlib.suppress(ValueError):
                     self._queue.remove(item)
             if not future.done():
                 future.cancel()
+            batch = item.batch
+            if item.task is not None and batch and all(other.future.done() for other in batch):
+                item.task.cancel()  # a no-op once it has finished
 
     def _expire(self, item: _Pending[T, R], timeout: float) -> None:
         if not item.future.done():
@@ -315,6 +295,8 @@ class Streamer(Generic[T, R]):
             self._on_batch(batch[0].key, len(batch), waits)
         self._in_flight += 1
         task = asyncio.create_task(self._execute(batch))
+        for item in batch:
+            item.batch, item.task = batch, task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -37,6 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 from app.broker.keys import GROUP, Keys
 from app.broker.transport import HEARTBEAT_S, REPLY_TTL_S, STALE_S, _text
 from app.broker.wire import (
+    MAX_TTL_MS,
     MalformedMessage,
     Request,
     decode_request,
@@ -48,6 +48,7 @@ from app.errors import InferenceError, ServerError
 from app.jobs import Task, TopK
 from app.metrics import LATENCY_BUCKETS
 from app.workers.batches import results
+from app.workers.handle import rss_bytes
 from app.workers.messages import BatchDone
 from app.workers.process import PreparedWorker
 
@@ -145,9 +146,11 @@ class Consumer:
         self.stats = ConsumerStats()
         self._tasks = {keys.stream(task): task for task in Task}
         self._heartbeat = client.register_script(HEARTBEAT)
-        self._fetched: queue.Queue[Fetched] = queue.Queue(maxsize=1)  # one batch ahead at most
-        self._idle = threading.Condition()
-        self._busy_since: float | None = None
+        # The fetcher reads only while this slot is empty, and puts its read here: one read
+        # ahead at most (at most one batch per task), never a backlog held out of others' reach.
+        self._cond = threading.Condition()
+        self._slot: Fetched | None = None
+        self._busy_since: float | None = None  # while a batch computes (not while it answers)
         self._compute_s = 0.0  # EWMA of a batch's time here, and of a read's
         self._fetch_s = 0.0
         self._last_cleanup = 0.0
@@ -155,91 +158,115 @@ class Consumer:
         # heartbeat (which returns Redis's TIME): deadlines are judged on Redis's clock
         # with no round trip per batch, and never against this host's wall clock.
         self._offset_ms = 0.0
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # SIGTERM: finish, then stop
+        self._stop_fetching = threading.Event()
+        self._done = threading.Event()  # heartbeats go on until the last answer is out
         self._redis_down = False  # to log an outage once, not every second
+        self._logged: dict[str, float] = {}  # error message -> when last logged
         self._running = 0  # items in the batch being run now (for /info)
 
     # -- the main loop -----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set; the batch being run when it is set finishes first."""
+        """Serve until ``stop`` is set; then finish the batch being run and the one read
+        ahead, send the last answers, and take this worker out of the heartbeats."""
         self._stop = stop
         self._ensure_groups()
         self._send_heartbeat()
-        beat = threading.Thread(target=self._beat, args=(stop,), name="heartbeat", daemon=True)
-        beat.start()
-        self._recover(stop, own=True)  # what this worker's last life left pending
-        fetch = threading.Thread(target=self._fetch, args=(stop,), name="fetcher", daemon=True)
-        fetch.start()
+        beat = _thread(self._beat, "heartbeat")
+        self._recover(own=True)  # what this worker's last life left pending
+        fetch = _thread(self._fetch, "fetcher")
         next_reclaim = time.monotonic() + RECLAIM_S
         while not stop.is_set():
             if time.monotonic() >= next_reclaim:
-                self._recover(stop, own=False)
+                self._recover(own=False)
                 next_reclaim = time.monotonic() + RECLAIM_S
-            try:
-                fetched = self._fetched.get(timeout=RECLAIM_S)
-            except queue.Empty:
-                continue
-            self._set_busy(True)
-            started = time.perf_counter()
-            try:
-                for stream, entries in fetched:
-                    self._process(stream, entries, self._redis_now_ms())
-            finally:
-                self._compute_s = _ewma(self._compute_s, time.perf_counter() - started)
-                self._set_busy(False)
-        # Entries read ahead stay pending under this worker's name: its next life (same
-        # name) or another worker claims them.
-        for thread in (fetch, beat):
-            thread.join(timeout=5)
+            fetched = self._take(timeout_s=RECLAIM_S)
+            if fetched is not None:
+                self._run_read(fetched)
+        self._stop_fetching.set()
+        fetch.join()  # its last read, if any, lands in the slot
+        fetched = self._take(timeout_s=0)
+        if fetched is not None:
+            self._run_read(fetched)
+        self._done.set()
+        beat.join(timeout=5)
+        self._leave()
+
+    def _take(self, timeout_s: float) -> Fetched | None:
+        with self._cond:
+            if self._slot is None and timeout_s > 0:
+                self._cond.wait(timeout_s)
+            fetched, self._slot = self._slot, None
+            self._cond.notify_all()  # the fetcher may read again
+            return fetched
+
+    def _run_read(self, fetched: Fetched) -> None:
+        for stream, entries in fetched:
+            self._process(stream, entries, self._redis_now_ms())
 
     def _set_busy(self, busy: bool) -> None:
-        with self._idle:
+        with self._cond:
             self._busy_since = time.monotonic() if busy else None
-            self._idle.notify_all()
+            self._cond.notify_all()
+
+    def _leave(self) -> None:
+        """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
+        try:
+            self.client.zrem(self.keys.heartbeats, self.name)
+            self.client.hdel(self.keys.worker_info, self.name)
+        except (RedisError, OSError) as exc:
+            self._unreachable(exc)
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _fetch(self, stop: threading.Event) -> None:
-        """Read the next batch so it arrives as the current one ends: at once while idle,
-        else a read's time before the current batch is expected to end."""
+    def _may_read(self) -> bool:
+        """The slot is empty, and the batch computing (if any) is expected to end within
+        a read's time: a read now arrives as the model frees up, with what piled up."""
+        if self._slot is not None:
+            return False
+        if self._busy_since is None:
+            return True
+        return self._busy_since + self._compute_s - self._fetch_s <= time.monotonic()
+
+    def _fetch(self) -> None:
+        """The fetcher thread: read the next batch (everything waiting, up to the batch
+        size per task) when ``_may_read``; the read blocks until an entry exists."""
         streams: dict[Any, Any] = {stream: ">" for stream in self._tasks}
-        while not stop.is_set():
-            with self._idle:
-                while self._busy_since is not None and not stop.is_set():
-                    lead = self._busy_since + self._compute_s - self._fetch_s - time.monotonic()
-                    if lead <= 0:
-                        break
-                    self._idle.wait(lead)
+        while not self._stop_fetching.is_set():
+            with self._cond:
+                while not self._may_read() and not self._stop_fetching.is_set():
+                    lead = 0.5
+                    if self._slot is None and self._busy_since is not None:
+                        lead = self._busy_since + self._compute_s - self._fetch_s
+                        lead = max(0.001, lead - time.monotonic())
+                    self._cond.wait(lead)
+            if self._stop_fetching.is_set():
+                return
             started = time.perf_counter()
             try:
                 read = self.client.xreadgroup(
                     GROUP, self.name, streams, count=self.prepared.batch_size, block=1000
                 )
-                if not read:
-                    continue
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost the groups (a restart without data)
                     self._ensure_groups()
                 else:
-                    log.error("worker %s: reading failed: %s", self.name, exc)
+                    self._error(f"reading failed: {exc}")
                     time.sleep(RETRY_S)
                 continue
             except (RedisError, OSError) as exc:
                 self._unreachable(exc)
                 time.sleep(RETRY_S)
                 continue
-            self._redis_down = False
+            if not read:
+                continue
             fetch_s = time.perf_counter() - started
-            if self._busy_since is not None:  # a read that waited for entries says nothing
-                self._fetch_s = _ewma(self._fetch_s, fetch_s)
-            fetched = [(_text(stream), entries) for stream, entries in cast(list[Any], read)]
-            while not stop.is_set():
-                try:
-                    self._fetched.put(fetched, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
+            with self._cond:
+                if self._busy_since is not None:  # a read that waited says nothing of reads
+                    self._fetch_s = _ewma(self._fetch_s, fetch_s)
+                self._slot = [(_text(stream), entries) for stream, entries in cast(list[Any], read)]
+                self._cond.notify_all()
 
     def _ensure_groups(self) -> None:
         """Create the consumer group on every stream (and the streams), from their start so
@@ -271,14 +298,13 @@ class Consumer:
                 request = decode_request(fields, self.max_image_bytes)
                 if request.task is not task:
                     raise MalformedMessage(f"a {request.task} request in the {task} stream")
-            except MalformedMessage as exc:
-                log.error(
-                    "worker %s: dropped malformed entry %s: %s", self.name, _text(entry_id), exc
-                )
+                expired = entry_time_ms(entry_id) + request.ttl_ms <= now_ms
+            except Exception as exc:  # MalformedMessage, or anything a forged entry causes
+                self._error(f"dropped malformed entry {_text(entry_id)[:40]}: {str(exc)[:200]}")
                 self.stats.malformed += 1
                 dropped.append(entry_id)
                 continue
-            if entry_time_ms(entry_id) + request.ttl_ms <= now_ms:
+            if expired:
                 self.stats.expired += 1  # its caller has had its 504: nobody waits for it
                 dropped.append(entry_id)
                 continue
@@ -287,10 +313,13 @@ class Consumer:
         if runnable:
             started = time.perf_counter()
             self._running = len(runnable)
+            self._set_busy(True)
             try:
                 replies = self._compute(task, runnable)
             finally:
+                self._set_busy(False)
                 self._running = 0
+                self._compute_s = _ewma(self._compute_s, time.perf_counter() - started)
             waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
             frontends = len({request.frontend for _, request in runnable})
             self.stats.record(
@@ -351,26 +380,32 @@ class Consumer:
                     pipe.xdel(stream, *done)
                     pipe.execute()
                 return
-            except ResponseError as exc:  # the stream or group is gone: so are the callers
-                log.error("worker %s: could not answer %d entries: %s", self.name, len(done), exc)
-                return
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                    return  # the stream or group is gone (Redis came back empty), and its callers
+                self._error(f"could not answer {len(done)} entries: {exc}")  # out of memory, say
             except (RedisError, OSError) as exc:
                 self._unreachable(exc)
-                if self._stop.is_set():  # they stay pending: the next life or another redoes them
-                    return
-                time.sleep(RETRY_S)
+            if self._stop.is_set():  # they stay pending: the next life or another redoes them
+                return
+            time.sleep(RETRY_S)
 
     # -- what others left behind -------------------------------------------------------------
 
-    def _recover(self, stop: threading.Event, *, own: bool) -> None:
+    def _recover(self, *, own: bool) -> None:
         """Claim and run, one at a time, the entries left pending by this worker's last life
-        (``own``) or by workers that stopped sending heartbeats or hang on a batch."""
+        (``own``), by workers that stopped sending heartbeats, or stuck here (an answer Redis
+        refused) for twice ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken:
+        a hung worker ends its own life (see ``_beat``) and stops its heartbeats."""
         try:
-            self._recover_once(stop, own=own)
+            self._recover_once(own=own)
+        except ResponseError as exc:
+            self._error(f"could not look for orphaned entries: {exc}")
         except (RedisError, OSError) as exc:
             self._unreachable(exc)
 
-    def _recover_once(self, stop: threading.Event, *, own: bool) -> None:
+    def _recover_once(self, *, own: bool) -> None:
+        stop = self._stop
         seconds, micros = self.client.time()
         now_ms = seconds * 1000 + micros // 1000
         live = {
@@ -379,7 +414,7 @@ class Consumer:
                 self.keys.heartbeats, now_ms - int(1000 * STALE_S), "+inf"
             )
         }
-        hung_ms = int(1000 * self.batch_timeout_s)
+        stuck_ms = int(2000 * self.batch_timeout_s)
         # Entries a dead worker holds have been idle at least since its last heartbeat.
         idle_ms = 0 if own else int(1000 * min(STALE_S, self.batch_timeout_s))
         for stream in self._tasks:
@@ -399,9 +434,10 @@ class Consumer:
                         return
                     consumer = _text(entry["consumer"])
                     idle = int(entry["time_since_delivered"])
-                    orphaned = own or (
-                        consumer != self.name and (consumer not in live or idle >= hung_ms)
-                    )
+                    if consumer == self.name:
+                        orphaned = own or idle >= stuck_ms
+                    else:
+                        orphaned = consumer not in live
                     if orphaned:
                         self._take_over(
                             stream, _text(entry["message_id"]), idle, int(entry["times_delivered"])
@@ -429,17 +465,13 @@ class Consumer:
             )
             try:
                 request = decode_request(fields, self.max_image_bytes)
-            except MalformedMessage:
+            except Exception:  # malformed: never run, never answered
                 self._answer(stream, [], [entry_id])
                 return
             error = InferenceError(f"the model failed on this image {delivered} times")
             self._answer(stream, [(entry_id, request, encode_error(request.id, 1, error))], [])
             return
-        self._set_busy(True)
-        try:
-            self._process(stream, [(entry_id, fields)], self._redis_now_ms())
-        finally:
-            self._set_busy(False)
+        self._process(stream, [(entry_id, fields)], self._redis_now_ms())
 
     def _forget_the_long_gone(self, now_ms: int) -> None:
         """Bounded memory: heartbeats not renewed for ``FORGET_S``, and consumers with
@@ -454,11 +486,16 @@ class Consumer:
             for consumer in self.client.xinfo_consumers(stream, GROUP):
                 if consumer["pending"] == 0 and consumer["idle"] > 1000 * FORGET_S:
                     self.client.xgroup_delconsumer(stream, GROUP, consumer["name"])
+            # Whatever left every pending list without an answer (a consumer deleted in
+            # the moment it was handed an entry, say) is past any deadline by now.
+            self.client.xtrim(stream, minid=now_ms - MAX_TTL_MS - int(1000 * FORGET_S))
 
     # -- heartbeats --------------------------------------------------------------------------
 
-    def _beat(self, stop: threading.Event) -> None:
-        while not stop.wait(HEARTBEAT_S):
+    def _beat(self) -> None:
+        """The heartbeat thread: until the last answer is out (not merely until SIGTERM:
+        a worker finishing its batch must not look dead, or others would redo it)."""
+        while not self._done.wait(HEARTBEAT_S):
             busy_since = self._busy_since
             if busy_since is not None and time.monotonic() - busy_since > self.batch_timeout_s:
                 # Hung: die, so the supervisor restarts this worker and others claim its
@@ -478,6 +515,7 @@ class Consumer:
             "ready": True,
             "alive": True,
             "running": self._running,
+            "rss_bytes": rss_bytes(os.getpid()),
             **{key: value for key, value in vars(self.stats).items()},
         }
         try:
@@ -497,6 +535,31 @@ class Consumer:
         if not self._redis_down:
             log.warning("worker %s: Redis unreachable (%s); retrying", self.name, exc)
         self._redis_down = True
+
+    def _error(self, message: str) -> None:
+        """Log an error, the same one at most once a minute (no spam from a loop)."""
+        now = time.monotonic()
+        if now - self._logged.get(message, -60.0) >= 60.0:
+            self._logged[message] = now
+            if len(self._logged) > 1000:
+                self._logged.clear()
+            log.error("worker %s: %s", self.name, message)
+
+
+def _thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread whose unexpected death ends the process: a worker that reads nothing
+    while its heartbeats go on would look ready forever. Its supervisor restarts it."""
+
+    def guarded() -> None:
+        try:
+            target()
+        except BaseException:
+            log.exception("the %s thread failed; exiting so the worker restarts", name)
+            os._exit(71)
+
+    thread = threading.Thread(target=guarded, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _encode(request: Request, batch_size: int, answer: object) -> bytes:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import math
 import time
@@ -34,7 +33,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.batching import BatchItem
 from app.broker.keys import Keys
-from app.broker.wire import MalformedMessage, decode_reply, encode_request
+from app.broker.wire import (
+    MalformedMessage,
+    decode_reply,
+    decode_worker_info,
+    encode_request,
+)
 from app.errors import (
     BrokerUnavailable,
     NotReady,
@@ -92,6 +96,7 @@ class BrokerTransport:
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future[object]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._connected = False
         self._run_id: str | None = None
         self._workers: list[dict[str, Any]] = []
@@ -173,67 +178,63 @@ class BrokerTransport:
     async def run_batch(
         self, key: Hashable, items: Sequence[BatchItem[ImageJob]]
     ) -> Mapping[int, Any]:
-        """Add each item to its task's stream and wait for its reply (or its deadline)."""
+        """Add each item to its task's stream and wait for its reply (or its deadline).
+        The Streamer passes one item at a time: batches form in the workers."""
         assert isinstance(key, BatchKey) and key.encoded, "broker mode sends uploads encoded"
         if not self._connected or self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         if not self._workers:
             raise WorkerDied("no model worker is alive", retry_after_s=2)
-        stream_index = list(Task).index(key.task) + 1  # Lua counts from 1
-        now = time.monotonic()
-        sent: list[tuple[BatchItem[ImageJob], str, asyncio.Future[object]]] = []
-        loop = asyncio.get_running_loop()
+        return {item.id: await self._one(key.task, item) for item in items}
+
+    async def _one(self, task: Task, item: BatchItem[ImageJob]) -> object:
+        """One request: admitted and added in one script call, then its reply."""
+        assert self._redis is not None
+        request_id = f"{self.frontend}-{next(self._ids)}"
+        ttl_ms = NO_DEADLINE_MS
+        if item.deadline is not None:
+            ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
+        image = item.payload.image
+        assert isinstance(image, bytes)
+        fields = encode_request(request_id, self.frontend, task, item.payload.top_k, ttl_ms, image)
+        stream = self.keys.stream(task)
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future  # before the entry exists: a fast reply finds it
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for item in items:
-                    request_id = f"{self.frontend}-{next(self._ids)}"
-                    ttl_ms = NO_DEADLINE_MS
-                    if item.deadline is not None:
-                        ttl_ms = max(1, int(1000 * (item.deadline - now)))
-                    image = item.payload.image
-                    assert isinstance(image, bytes)
-                    fields = encode_request(
-                        request_id, self.frontend, key.task, item.payload.top_k, ttl_ms, image
-                    )
-                    future: asyncio.Future[object] = loop.create_future()
-                    self._pending[request_id] = future
-                    sent.append((item, request_id, future))
-                    await self._admit(
-                        keys=list(self.keys.streams),
-                        args=[stream_index, self.max_queue, fields["h"], fields["img"]],
-                        client=pipe,
-                    )
-                added = await pipe.execute()
+            added = await self._admit(
+                keys=list(self.keys.streams),
+                args=[list(Task).index(task) + 1, self.max_queue, fields["h"], fields["img"]],
+            )
         except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
-            for _, request_id, _ in sent:
-                self._pending.pop(request_id, None)
+            self._pending.pop(request_id, None)
             log.error("broker: Redis refused a request: %s", exc)
-            raise BrokerUnavailable("the broker (Redis) refused the request") from None
-        except (RedisError, OSError) as exc:
-            for _, request_id, _ in sent:
-                self._pending.pop(request_id, None)
-            self._lost(exc)
-            raise BrokerUnavailable("the broker (Redis) cannot be reached") from None
-        results: dict[int, Any] = {}
-        waiting = []
-        for (item, request_id, future), outcome in zip(sent, added, strict=True):
-            if isinstance(outcome, int):  # the streams were full: it was not added
-                self._pending.pop(request_id, None)
-                results[item.id] = QueueFull(
-                    f"the shared queue is full ({outcome} waiting)",
-                    retry_after_s=self._retry_after(outcome),
-                )
-            else:
-                waiting.append((item, request_id, future))
-        for item, request_id, future in waiting:
-            results[item.id] = await self._reply(item, request_id, future)
-        return results
+            return BrokerUnavailable("the broker (Redis) refused the request")
+        except (RedisError, OSError) as exc:  # only this request failed to go out
+            self._pending.pop(request_id, None)
+            self._unreachable(exc)
+            return BrokerUnavailable("the broker (Redis) cannot be reached")
+        except BaseException:
+            self._pending.pop(request_id, None)
+            raise
+        if isinstance(added, int):  # the streams held max_queue entries: not added
+            self._pending.pop(request_id, None)
+            return QueueFull(
+                f"the shared queue is full ({added} waiting)",
+                retry_after_s=self._retry_after(added),
+            )
+        return await self._reply(item, request_id, future, stream, added)
 
     async def _reply(
-        self, item: BatchItem[ImageJob], request_id: str, future: asyncio.Future[object]
+        self,
+        item: BatchItem[ImageJob],
+        request_id: str,
+        future: asyncio.Future[object],
+        stream: str,
+        entry_id: bytes,
     ) -> object:
         """The item's result or error; after its deadline (the caller has had its 504),
-        forget it: a reply that still comes is dropped."""
+        forget it: a reply that still comes is dropped. If its caller goes away first (the
+        Streamer cancels this), the entry leaves the stream: unread, it is never computed."""
         timeout = None if item.deadline is None else max(0.0, item.deadline - time.monotonic())
         try:
             async with asyncio.timeout(None if timeout is None else timeout + 1.0):
@@ -242,8 +243,24 @@ class BrokerTransport:
             return BrokerUnavailable("no reply came before the deadline")
         except ServerError as exc:
             return exc
+        except asyncio.CancelledError:
+            self._forget(stream, entry_id)
+            raise
         finally:
             self._pending.pop(request_id, None)
+
+    def _forget(self, stream: str, entry_id: bytes) -> None:
+        """Delete an entry nobody waits for (in the background: its caller has gone)."""
+        if self._redis is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._delete(stream, entry_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _delete(self, stream: str, entry_id: bytes) -> None:
+        assert self._redis is not None
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.xdel(stream, entry_id)
 
     def _retry_after(self, waiting: int) -> float:
         return float(max(1, math.ceil(waiting / self._rate))) if self._rate > 0 else 2.0
@@ -265,7 +282,10 @@ class BrokerTransport:
             if popped:
                 for raw in popped[1]:
                     if isinstance(raw, bytes):
-                        self._deliver(raw)
+                        try:
+                            self._deliver(raw)
+                        except Exception:  # one bad reply must not stop the reader
+                            log.exception("broker: delivering a reply failed")
 
     def _deliver(self, raw: bytes) -> None:
         try:
@@ -281,13 +301,20 @@ class BrokerTransport:
         else:
             future.set_result(reply.result)
 
-    def _lost(self, exc: BaseException) -> None:
-        """Redis could not be reached: every request waiting for a reply fails now."""
+    def _unreachable(self, exc: BaseException) -> None:
+        """A command failed to reach Redis: new requests are refused at once until the
+        monitor reaches it again; requests already waiting keep waiting for their replies."""
         if self._connected:
-            log.error(
-                "broker: lost Redis (%s); failing %d waiting request(s)", exc, len(self._pending)
-            )
+            log.error("broker: Redis unreachable (%s)", exc)
         self._connected = False
+
+    def _lost(self, exc: BaseException) -> None:
+        """The reply reader lost Redis: the replies of waiting requests may never come
+        (Redis may be gone, or back empty), so every waiting request fails now."""
+        if self._pending:
+            waiting = len(self._pending)
+            log.error("broker: lost Redis (%s); failing %d waiting request(s)", exc, waiting)
+        self._unreachable(exc)
         self._fail_pending(BrokerUnavailable("lost the broker (Redis) while waiting"))
 
     def _fail_pending(self, error: ServerError) -> None:
@@ -301,7 +328,10 @@ class BrokerTransport:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_S)
-            await self._look()
+            try:
+                await self._look()
+            except Exception:  # a bug must not freeze readiness: log it, look again
+                log.exception("broker: looking at Redis failed")
 
     async def _look(self) -> None:
         """One look at Redis: is it there (the same instance as before), which workers have
@@ -323,7 +353,7 @@ class BrokerTransport:
             if names:
                 infos = await self._redis.hmget(self.keys.worker_info, [_text(n) for n in names])
         except (RedisError, OSError) as exc:
-            self._lost(exc)
+            self._unreachable(exc)
             return
         run_id = answers[1].get("run_id")
         if self._run_id is not None and run_id != self._run_id:
@@ -336,11 +366,11 @@ class BrokerTransport:
         self._queue_depth = sum(answers[2:])
         workers = []
         for raw in infos:
-            with contextlib.suppress(TypeError, ValueError):
-                info = json.loads(raw or b"")
-                if isinstance(info, dict):
-                    workers.append(info)
-        self._workers = sorted(workers, key=lambda w: str(w.get("name", "")))
+            try:
+                workers.append(decode_worker_info(raw).model_dump(mode="json"))
+            except MalformedMessage as exc:
+                log.error("broker: ignored a worker's heartbeat: %s", str(exc)[:300])
+        self._workers = sorted(workers, key=lambda w: str(w["name"]))
         self._update_rate(time.monotonic(), sum(int(w.get("items", 0)) for w in workers))
         if self._on_workers is not None:
             self._on_workers(self._workers)

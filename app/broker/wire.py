@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import (
     DeadlineExceeded,
@@ -38,7 +39,7 @@ WIRE_VERSION = 1
 REPLY_MAGIC = b"R1"
 MAX_HEADER_BYTES = 4096  # a request's or reply's JSON header; ours are under 200 bytes
 MAX_K = 100_000
-MAX_TTL_MS = 24 * 3600 * 1000
+MAX_TTL_MS = 2 * 3600 * 1000  # entries older than this are trimmed unread
 _TOKEN = re.compile(r"^[A-Za-z0-9:._-]{1,128}$")
 # The only arrays a reply may carry, and their only dtypes (little-endian on the wire).
 REPLY_ARRAYS: dict[str, str] = {"embedding": "<f4", "indices": "<i8", "probs": "<f4"}
@@ -103,7 +104,7 @@ def _json_object(raw: object, what: str) -> dict[str, Any]:
         raise MalformedMessage(f"{what} is missing or over {MAX_HEADER_BYTES} bytes")
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # nesting past the stack
         raise MalformedMessage(f"{what} is not JSON") from None
     if not isinstance(header, dict):
         raise MalformedMessage(f"{what} is not a JSON object")
@@ -225,3 +226,44 @@ def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:
     if offset != len(body):
         raise MalformedMessage("bytes are left over after the arrays")
     return arrays
+
+
+class WorkerInfo(BaseModel):
+    """What a worker says of itself in its heartbeat (``app.broker.consumer``); a front end
+    validates it before it believes any of it (``/info``, readiness, metrics)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=_TOKEN.pattern)
+    host: str = Field(max_length=128)
+    index: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    device: str = Field(max_length=32)
+    threads: int = Field(ge=0)
+    batch_size: int = Field(ge=1)
+    ready: bool
+    alive: bool
+    running: int = Field(ge=0)
+    rss_bytes: int | None = Field(None, ge=0)
+    restarts: int = Field(ge=0)
+    batches: int = Field(ge=0)
+    items: int = Field(ge=0)
+    mixed_batches: int = Field(ge=0)
+    expired: int = Field(ge=0)
+    malformed: int = Field(ge=0)
+    reclaimed: int = Field(ge=0)
+    given_up: int = Field(ge=0)
+    # task -> batch size -> batches; task -> histogram (see ConsumerStats)
+    sizes: dict[Task, dict[int, int]] = Field(default_factory=dict)
+    model_s: dict[Task, list[float]] = Field(default_factory=dict)
+    wait_s: dict[Task, list[float]] = Field(default_factory=dict)
+
+
+def decode_worker_info(raw: bytes | str | None) -> WorkerInfo:
+    """A heartbeat's description, or ``MalformedMessage``."""
+    if raw is None or len(raw) > 64 * 1024:
+        raise MalformedMessage("the worker's description is missing or too large")
+    try:
+        return WorkerInfo.model_validate_json(raw)
+    except (ValidationError, RecursionError) as exc:
+        raise MalformedMessage(f"the worker's description does not check: {exc}") from None

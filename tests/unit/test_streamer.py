@@ -369,3 +369,38 @@ async def test_each_item_reaches_the_transport_with_its_deadline() -> None:
         await s.submit("bounded", timeout_s=2.5)
         await s.submit("unbounded")
     assert seen == [("bounded", 102.5), ("unbounded", None)]
+
+
+async def test_a_batch_whose_callers_all_left_is_cancelled() -> None:
+    """A transport may then stop the work (a broker drops what no worker has read)."""
+    model = FakeModel(gated=True)
+    cancelled = asyncio.Event()
+
+    async def watched(key: Hashable, items: Sequence[BatchItem[object]]) -> dict[int, object]:
+        try:
+            return await model(key, items)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with Streamer(watched, max_batch_size=8, max_latency_s=10) as streamer:
+        caller = asyncio.create_task(streamer.submit("left"))
+        await model.started.wait()
+        caller.cancel()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        await wait_until(lambda: streamer.in_flight == 0)
+        model.release.set()
+        assert await streamer.submit("next") == ("default", "next")  # the slot is free again
+
+
+async def test_a_batch_keeps_running_while_one_of_its_callers_waits() -> None:
+    model = FakeModel(gated=True)
+    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+        blocker = asyncio.create_task(streamer.submit("blocker"))
+        await model.started.wait()
+        leaving, staying = (asyncio.create_task(streamer.submit(p)) for p in ("a", "b"))
+        await wait_until(lambda: streamer.queue_depth == 2)
+        model.release.set()
+        await blocker
+        leaving.cancel()
+        assert await staying == ("default", "b")

@@ -152,3 +152,11 @@ def _reply(header: object, body: bytes = b"") -> bytes:
 def test_a_malformed_reply_is_refused_with_its_reason(raw: bytes, reason: str) -> None:
     with pytest.raises(MalformedMessage, match=reason):
         decode_reply(raw)
+
+
+def test_a_header_nested_past_the_stack_is_malformed_not_a_crash() -> None:
+    deep = b"[" * 2000 + b"]" * 2000
+    with pytest.raises(MalformedMessage, match="not JSON"):
+        decode_request({b"h": deep, b"img": b"x"}, max_image_bytes=100)
+    with pytest.raises(MalformedMessage, match="not JSON"):
+        decode_reply(b"R1" + struct.pack(">I", len(deep)) + deep)
