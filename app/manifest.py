@@ -10,7 +10,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from app.errors import ModelStoreError
 
@@ -35,14 +35,38 @@ class FileEntry(BaseModel):
 
 
 class Manifest(BaseModel):
+    """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
+    ``classifier`` or ``classes`` file."""
+
     format_version: Literal[1] = FORMAT_VERSION
     format: Literal["torchscript"] = "torchscript"
     arch: str
     weights: str = Field(description="where the weights came from; 'random' for test models")
     input: InputSpec
     embedding_dim: int = Field(gt=0)
-    num_classes: int = Field(gt=0)
+    num_classes: int = Field(ge=0)
     files: dict[Literal["embedding", "classifier", "classes"], FileEntry]
+    # sha256 of manifest.json as read (not part of it): the export's identity.
+    digest: str = Field(default="", exclude=True)
+
+    @model_validator(mode="after")
+    def _classifier_and_classes_go_together(self) -> Manifest:
+        has_head = "classifier" in self.files
+        if "embedding" not in self.files:
+            raise ValueError("the embedding model is missing from files")
+        if has_head != ("classes" in self.files) or has_head != (self.num_classes > 0):
+            raise ValueError("a classifier comes with its classes file and num_classes > 0")
+        return self
+
+    @property
+    def has_classifier(self) -> bool:
+        return "classifier" in self.files
+
+    @property
+    def model_id(self) -> str:
+        """``<arch>@<first 12 hex of the manifest's sha256>``: the same for every load of
+        one export, different for any other (its files' checksums are in the manifest)."""
+        return f"{self.arch}@{self.digest[:12]}"
 
 
 def sha256_file(path: Path) -> str:
@@ -67,10 +91,12 @@ def read_manifest(
             f"no model in {store}: {MANIFEST_NAME} is missing. Export one with "
             "`python -m app.export` (or `make model`)."
         )
+    raw = path.read_bytes()
     try:
-        manifest = Manifest.model_validate_json(path.read_bytes())
+        manifest = Manifest.model_validate_json(raw)
     except ValidationError as exc:
         raise ModelStoreError(f"{path} is not a valid manifest: {exc}") from None
+    manifest.digest = hashlib.sha256(raw).hexdigest()
     if verify:
         for role, entry in manifest.files.items():
             if roles is not None and role not in roles:
@@ -88,6 +114,9 @@ def read_manifest(
 
 
 def read_classes(store: Path, manifest: Manifest) -> list[str]:
+    """The class names in the classifier's index order; none for an embedding-only export."""
+    if not manifest.has_classifier:
+        return []
     names = (store / manifest.files["classes"].path).read_text(encoding="utf-8").splitlines()
     if len(names) != manifest.num_classes:
         raise ModelStoreError(

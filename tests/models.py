@@ -97,3 +97,16 @@ def export_slow(out: Path, rounds: int = 150) -> Path:
 
 def export_poison(out: Path) -> Path:
     return export_test_model(out, torch.jit.script(PoisonEmbedding()), arch="poison-test")
+
+
+def export_embedding_only(out: Path) -> Path:
+    """TinyEmbedding with no classifier: an embedding-only store."""
+    split = SplitModel(
+        embedding=TinyEmbedding().eval(),
+        classifier=None,
+        input=TINY_INPUT,
+        embedding_dim=TINY_DIM,
+        num_classes=0,
+    )
+    export_split(split, arch="tiny-backbone", weights="random", out=out)
+    return out

@@ -32,7 +32,7 @@ def quiet_torchscript() -> Iterator[None]:
 class LoadedModels:
     manifest: Manifest
     embedding: Model
-    classifier: Model
+    classifier: Model | None  # None: an embedding-only export
     dtype: torch.dtype = torch.float32
 
 
@@ -65,13 +65,18 @@ LOADERS: dict[str, Callable[[Path, torch.device, LoadOptions], Model]] = {
 def load_models(
     store: Path, device: torch.device, options: LoadOptions | None = None
 ) -> LoadedModels:
-    """Verify ``store`` against its manifest, then load both models onto ``device``."""
+    """Verify ``store`` against its manifest, then load its models (the embedding model, and
+    the classifier head unless the export has none) onto ``device``."""
     options = options or LoadOptions()
     manifest = read_manifest(store, verify=True)
     load = LOADERS[manifest.format]
     return LoadedModels(
         manifest=manifest,
         embedding=load(store / manifest.files["embedding"].path, device, options),
-        classifier=load(store / manifest.files["classifier"].path, device, options),
+        classifier=(
+            load(store / manifest.files["classifier"].path, device, options)
+            if manifest.has_classifier
+            else None
+        ),
         dtype=options.dtype,
     )

@@ -45,11 +45,18 @@ class BatchRunner:
         normalised = torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
         return normalised.to(self.models.dtype)
 
+    @property
+    def full_task(self) -> Task:
+        """The task that runs every model this worker has (for warm-up and measuring)."""
+        return Task.TAG if self.models.classifier is not None else Task.EMBEDDING
+
     def run(self, task: Task, pixels: Pixels, top_k: int) -> dict[str, Any]:
         with torch.inference_mode():
             features = self.models.embedding(self.to_input(pixels))
             if task is Task.EMBEDDING:
                 return {"embedding": features.float().cpu().numpy()}
+            if self.models.classifier is None:
+                raise RuntimeError("this model has no classifier")
             probs = torch.softmax(self.models.classifier(features).float(), dim=1)
             values, indices = torch.topk(probs, k=top_k, dim=1)
             return {"indices": indices.cpu().numpy(), "probs": values.cpu().numpy()}
@@ -58,7 +65,7 @@ class BatchRunner:
         """The TorchScript executor optimises on its first calls: make those now."""
         warm = np.zeros((1, *self.image_shape), dtype=np.uint8)
         for _ in range(2):
-            self.run(Task.TAG, warm, top_k=1)
+            self.run(self.full_task, warm, top_k=1)
 
 
 # A batch size is worth it only if it is this close to the best throughput seen: among
@@ -78,7 +85,7 @@ def _images_per_s(runner: BatchRunner, pixels: npt.NDArray[np.uint8]) -> tuple[f
     seconds one call took."""
     calls, started = 0, time.perf_counter()
     while calls < 1 or time.perf_counter() - started < AUTO_BATCH_MIN_TIMING_S:
-        runner.run(Task.TAG, pixels, 1)
+        runner.run(runner.full_task, pixels, 1)
         calls += 1
     elapsed = time.perf_counter() - started
     return len(pixels) * calls / elapsed, elapsed / calls
@@ -95,7 +102,7 @@ def choose_batch_size(
     size, past_the_knee = 1, 0
     while size <= upper:  # the first round also finds how far to grow
         pixels = np.zeros((size, *image_shape), dtype=np.uint8)
-        runner.run(Task.TAG, pixels, 1)  # first call at a new shape may be slower
+        runner.run(runner.full_task, pixels, 1)  # first call at a new shape may be slower
         batches.append(pixels)
         throughput[size], call_s = _images_per_s(runner, pixels)
         # Two sizes in a row well below the best so far: throughput is falling (on a CPU,

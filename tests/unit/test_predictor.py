@@ -14,7 +14,7 @@ import pytest
 from app.decode_plan import DecodePlan
 from app.errors import InvalidImage
 from app.jobs import BatchKey, ImageJob, Task
-from app.manifest import Manifest
+from app.manifest import FileEntry, Manifest
 from app.services.predictor import Predictor
 from tests.unit.test_images import SPEC, encode, gradient
 
@@ -41,8 +41,14 @@ class FakeStreamer:
 def _predictor(
     streamer: FakeStreamer, plan: DecodePlan, pool: ThreadPoolExecutor | None
 ) -> Predictor:
+    entry = FileEntry(path="unused", sha256="0" * 64)
     manifest = Manifest(
-        arch="tiny", weights="random", input=SPEC, embedding_dim=4, num_classes=10, files={}
+        arch="tiny",
+        weights="random",
+        input=SPEC,
+        embedding_dim=4,
+        num_classes=10,
+        files={"embedding": entry, "classifier": entry, "classes": entry},
     )
     return Predictor(
         streamer,  # type: ignore[arg-type]

@@ -15,6 +15,8 @@ from app.workers.runner import choose_batch_size
 class FakeRunner:
     """Each call 'takes' cost(batch size) seconds on a fake clock."""
 
+    full_task = Task.TAG
+
     def __init__(self, cost: Any) -> None:
         self.cost = cost
         self.now = 0.0

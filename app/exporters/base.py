@@ -1,0 +1,187 @@
+"""What every exporter shares: the error, the build request, the split model and its checks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.errors import StartupError
+from app.manifest import InputSpec
+
+log = logging.getLogger("app.export")
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# InputSpec knows bilinear and bicubic; libraries name a few more. Each maps to the nearer of
+# the two in how it weighs neighbouring pixels.
+INTERPOLATIONS = {
+    "bilinear": "bilinear",
+    "bicubic": "bicubic",
+    "lanczos": "bicubic",
+    "nearest": "bilinear",
+    "nearest-exact": "bilinear",
+    "box": "bilinear",
+    "hamming": "bilinear",
+}
+
+
+# What to do when pretrained weights' head does not fit the labels of --classes.
+PRETRAINED_HEAD_FIX = (
+    "pass --weights PATH to a checkpoint fine-tuned with those labels, or --no-classifier"
+)
+
+
+class ExportError(StartupError):
+    """Bad arguments, weights or model: the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """How to build a library's model, decided once from the command line.
+
+    ``weights``: "pretrained", "random" or the path of a checkpoint. ``num_classes``: the size
+    of the head ``--classes`` asks for; None keeps the model's own head. ``classifier``: False
+    exports the embedding model only.
+    """
+
+    weights: str = "pretrained"
+    num_classes: int | None = None
+    classifier: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_classes is not None and not self.classifier:
+            raise ExportError("class names need a classifier: drop --classes or --no-classifier")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ExportError(f"a classifier needs at least one class, not {self.num_classes}")
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return None if self.weights in ("pretrained", "random") else Path(self.weights)
+
+
+@dataclass
+class SplitModel:
+    """A model split at its pooled features, with how to feed it.
+
+    ``classifier`` is None (and ``num_classes`` 0) for an embedding-only export.
+    """
+
+    embedding: nn.Module
+    classifier: nn.Module | None
+    input: InputSpec
+    embedding_dim: int
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class Built:
+    """A built model and, for the manifest, where its weights came from."""
+
+    split: SplitModel
+    weights: str
+
+
+def input_spec(
+    *,
+    what: str,
+    size: tuple[int, int],
+    resize_size: int,
+    interpolation: str,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> InputSpec:
+    """An InputSpec from a library's preprocessing config, refusing what the server cannot
+    do (non-square crops, other than 3 channels)."""
+    if size[0] != size[1]:
+        raise ExportError(f"{what} takes {size[0]}x{size[1]} images; the server crops squares only")
+    if len(mean) != 3 or len(std) != 3:
+        raise ExportError(f"{what} normalises {len(mean)} channels; the server feeds RGB")
+    mode = INTERPOLATIONS.get(interpolation.lower(), "bilinear")
+    if mode != interpolation.lower():
+        log.warning("%s resizes with %r; the server will use %r", what, interpolation, mode)
+    return InputSpec(
+        crop_size=size[0],
+        resize_size=max(resize_size, size[0]),
+        interpolation=mode,  # type: ignore[arg-type]
+        mean=(mean[0], mean[1], mean[2]),
+        std=(std[0], std[1], std[2]),
+    )
+
+
+def random_images(spec: InputSpec, count: int = 2) -> torch.Tensor:
+    return torch.rand(count, 3, spec.crop_size, spec.crop_size)
+
+
+def run(module: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``module(x)`` under no_grad; any failure becomes an ExportError naming ``what``."""
+    try:
+        with torch.no_grad():
+            y = module(x)
+    except Exception as exc:
+        raise ExportError(
+            f"{what} fails on a {tuple(x.shape)} batch: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(y, torch.Tensor):
+        raise ExportError(f"{what} returns {type(y).__name__}, not a tensor")
+    return y
+
+
+def features_dim(features: torch.Tensor, images: torch.Tensor, what: str) -> int:
+    """The embedding size, checking that ``what`` gave one [D] vector per image."""
+    if features.ndim != 2 or features.shape[0] != images.shape[0]:
+        raise ExportError(
+            f"{what} gives {tuple(features.shape)} for {images.shape[0]} images, not [N, D] "
+            "pooled features"
+        )
+    return int(features.shape[1])
+
+
+def checked_split(
+    model: nn.Module, cut: Callable[[], nn.Module], spec: InputSpec, what: str
+) -> SplitModel:
+    """Split ``model`` at its head: ``cut()`` detaches the head and returns it, leaving
+    ``model`` ending at the features. Refuses unless head(model(x)) reproduces the whole
+    model's logits on a random batch (a head that is not the model's last step, say)."""
+    model.eval()
+    images = random_images(spec)
+    logits = run(model, images, what)
+    head = cut().eval()
+    features = run(model, images, f"{what} without its head")
+    dim = features_dim(features, images, f"{what} without its head")
+    again = run(head, features, f"{what}'s head")
+    if again.shape != logits.shape or not torch.allclose(again, logits, atol=1e-4, rtol=1e-4):
+        raise ExportError(
+            f"{what} cannot be split at its head: classifier(embedding(x)) does not reproduce "
+            "its logits. Export it with --no-classifier, or split it yourself and use "
+            "--from-torchscript"
+        )
+    return SplitModel(
+        embedding=model,
+        classifier=head,
+        input=spec,
+        embedding_dim=dim,
+        num_classes=int(logits.shape[1]),
+    )
+
+
+def embedding_only(model: nn.Module, spec: InputSpec, what: str) -> SplitModel:
+    model.eval()
+    images = random_images(spec)
+    dim = features_dim(run(model, images, what), images, what)
+    return SplitModel(
+        embedding=model, classifier=None, input=spec, embedding_dim=dim, num_classes=0
+    )
+
+
+def check_head_size(have: int, request: BuildRequest, what: str, fix: str) -> None:
+    """Refuse a head that is not the size ``--classes`` asks for; ``fix`` says what to do."""
+    if request.num_classes is None or have == request.num_classes:
+        return
+    head = f"a {have}-way classifier head" if have else "no classifier head"
+    raise ExportError(f"{what} has {head} but --classes lists {request.num_classes} labels: {fix}")

@@ -1,0 +1,182 @@
+"""Writing a model store: trace the split model, check the traces, write files and manifest."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
+from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
+from app.workers.models import quiet_torchscript
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+IMAGENET_CLASSES = REPO_ROOT / "imagenet_classes.txt"
+EMBEDDING_FILE, CLASSIFIER_FILE, CLASSES_FILE = "embedding.pt", "classifier.pt", "classes.txt"
+
+
+def read_labels(path: Path) -> list[str]:
+    """Class names from a text file, one per line, in the classifier's output order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ExportError(f"cannot read class names from {path}: {exc}") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    labels = [line.strip() for line in lines]
+    if not labels:
+        raise ExportError(f"{path} lists no class names")
+    if "" in labels:
+        raise ExportError(f"{path}: line {labels.index('') + 1} is empty; one name per line")
+    return labels
+
+
+def labels_for(num_classes: int, classes: list[str] | None, what: str) -> list[str]:
+    """``classes`` if they fit a ``num_classes``-way head; without them, ImageNet's 1000."""
+    if classes is not None:
+        if len(classes) != num_classes:
+            raise ExportError(
+                f"{what}'s classifier has {num_classes} outputs, {len(classes)} class names given"
+            )
+        return classes
+    imagenet = IMAGENET_CLASSES.read_text(encoding="utf-8").splitlines()
+    if num_classes != len(imagenet):
+        raise ExportError(
+            f"{what}'s classifier has {num_classes} outputs and no --classes was given (the "
+            f"default labels are ImageNet's {len(imagenet)}): pass --classes FILE with "
+            f"{num_classes} names, one per line, or --no-classifier"
+        )
+    return imagenet
+
+
+def _eval(module: nn.Module) -> None:
+    with contextlib.suppress(NotImplementedError):  # torch.export's: captured in one mode
+        module.eval()
+
+
+def _trace(module: nn.Module, example: torch.Tensor, role: str) -> torch.jit.ScriptModule:
+    if isinstance(module, torch.jit.ScriptModule):  # already compiled (scripted by the caller)
+        return module
+    try:
+        with warnings.catch_warnings(), quiet_torchscript():
+            # Shape arithmetic (e.g. TF "same" padding) is fixed at the exported input size.
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]
+            traced: torch.jit.ScriptModule = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ExportError(f"cannot trace the {role} model: {type(exc).__name__}: {exc}") from None
+    # The server runs batches of every size: a trace that fixed the batch size fails here.
+    for x in (example, torch.rand(example.shape[0] + 1, *example.shape[1:])):
+        expected = run(module, x, f"the {role} model")
+        with torch.no_grad():
+            try:
+                got = traced(x)
+            except Exception as exc:
+                raise ExportError(
+                    f"the traced {role} model fails on a batch of {x.shape[0]} (traced on "
+                    f"{example.shape[0]}): {type(exc).__name__}"
+                ) from None
+        if got.shape != expected.shape or not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
+            raise ExportError(f"traced {type(module).__name__} does not reproduce the eager model")
+    return traced
+
+
+def _save(module: torch.jit.ScriptModule, path: Path) -> FileEntry:
+    with quiet_torchscript():
+        torch.jit.save(module, str(path))
+    return FileEntry(path=path.name, sha256=sha256_file(path))
+
+
+def export_split(
+    split: SplitModel, *, arch: str, weights: str, out: Path, classes: list[str] | None = None
+) -> Manifest:
+    """Trace the embedding model (and the classifier, if any), write them with ``classes``
+    into ``out`` and write the manifest last (so a half-written store is never taken for a
+    valid one). An embedding-only split takes no ``classes``."""
+    if split.classifier is None and classes:
+        raise ExportError(f"{len(classes)} class names for a model without a classifier")
+    if split.classifier is not None and (classes is None or len(classes) != split.num_classes):
+        raise ExportError(f"{len(classes or [])} class names for {split.num_classes} classes")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    images = random_images(split.input)
+    with torch.no_grad():
+        features = split.embedding(images)
+    if features.shape != (2, split.embedding_dim):
+        raise ExportError(f"embedding output shape {tuple(features.shape)} is not (N, dim)")
+    files = {"embedding": _save(_trace(split.embedding, images, "embedding"), out / EMBEDDING_FILE)}
+    if split.classifier is not None and classes is not None:
+        traced = _trace(split.classifier, features, "classifier")
+        files["classifier"] = _save(traced, out / CLASSIFIER_FILE)
+        (out / CLASSES_FILE).write_text("\n".join(classes) + "\n", encoding="utf-8")
+        files["classes"] = FileEntry(path=CLASSES_FILE, sha256=sha256_file(out / CLASSES_FILE))
+    else:  # files of an earlier export that the manifest would no longer vouch for
+        (out / CLASSIFIER_FILE).unlink(missing_ok=True)
+        (out / CLASSES_FILE).unlink(missing_ok=True)
+    manifest = Manifest(
+        arch=arch,
+        weights=weights,
+        input=split.input,
+        embedding_dim=split.embedding_dim,
+        num_classes=split.num_classes if split.classifier is not None else 0,
+        files=files,  # type: ignore[arg-type]
+    )
+    tmp = out / (MANIFEST_NAME + ".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(out / MANIFEST_NAME)
+    return manifest
+
+
+def export_module(
+    embedding: nn.Module,
+    out: Path,
+    *,
+    input: InputSpec,
+    classifier: nn.Module | None = None,
+    classes: list[str] | None = None,
+    arch: str,
+    weights: str = "custom",
+) -> Manifest:
+    """Export any model that timm and torchvision do not build: ``embedding`` maps normalised
+    images [N, 3, S, S] (S = ``input.crop_size``) to features [N, D]; the optional
+    ``classifier`` maps those to logits [N, K], named by ``classes`` (ImageNet's by default
+    when K is 1000). Modules are traced as ``export_split`` does; TorchScript modules are
+    saved as they are. For example, a ``torch.export`` program (its batch size dynamic)::
+
+        program = torch.export.export(
+            backbone.eval(),
+            (torch.rand(2, 3, 224, 224),),
+            dynamic_shapes=({0: torch.export.Dim.DYNAMIC},),
+        )
+        export_module(
+            program.module(),
+            Path("model_store"),
+            input=InputSpec(crop_size=224, resize_size=256, interpolation="bicubic",
+                            mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
+            arch="my-model",
+        )
+    """
+    _eval(embedding)
+    images = random_images(input)
+    features = run(embedding, images, "the embedding model")
+    dim = features_dim(features, images, "the embedding model")
+    num_classes = 0
+    if classifier is not None:
+        _eval(classifier)
+        logits = run(classifier, features, "the classifier")
+        if logits.ndim != 2:
+            raise ExportError(f"the classifier gives {tuple(logits.shape)}, not [N, K] logits")
+        num_classes = int(logits.shape[1])
+        classes = labels_for(num_classes, classes, arch)
+    elif classes:
+        raise ExportError("class names need a classifier")
+    split = SplitModel(
+        embedding=embedding,
+        classifier=classifier,
+        input=input,
+        embedding_dim=dim,
+        num_classes=num_classes,
+    )
+    return export_split(split, arch=arch, weights=weights, out=out, classes=classes)
