@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from app.engine import Engine
 from app.errors import ServerError, StartupError
+from app.logs import configure_logging
 from app.settings import load_settings
 
 log = logging.getLogger("app.batch")
@@ -116,6 +117,7 @@ async def _feed(
     """Submit every file, a bounded window at a time, and write each answer as it comes.
     Raises (and leaves nothing running) if writing fails."""
     settings = engine.settings
+    model_id = engine.predictor.manifest.model_id  # on every line: never mix two exports
     # Enough in flight to keep every worker busy with full batches, not so much that the
     # queue bound or memory is at risk.
     transport = engine.transport
@@ -124,7 +126,7 @@ async def _feed(
     )
 
     async def one(path: Path) -> None:
-        entry: dict[str, Any] = {"path": str(path.relative_to(root))}
+        entry: dict[str, Any] = {"path": str(path.relative_to(root)), "model_id": model_id}
         try:
             data = await asyncio.to_thread(path.read_bytes)
             deadline = time.monotonic() + settings.mb_request_timeout
@@ -132,7 +134,8 @@ async def _feed(
                 tags = await engine.predictor.tag(data, top_k, deadline)
                 entry["result"] = [{"name": t.name, "prob": t.prob} for t in tags]
             else:
-                entry["result"] = await engine.predictor.embedding(data, deadline)
+                vector = await engine.predictor.embedding(data, deadline)
+                entry["result"] = vector.tolist()
             counts["ok"] += 1
         except (ServerError, OSError) as exc:
             code = getattr(exc, "code", "unreadable_file")
@@ -167,7 +170,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings()
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)  # LOG_FORMAT=json too
     if not args.input_dir.is_dir():
         print(f"error: {args.input_dir} is not a directory", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     │   ├── InvalidRequest           breaks a fixed rule of the API (below)    422
     │   ├── InvalidParameter         a value this server refuses (below)       422
     │   ├── Unauthorized             API_KEY is set and the token is wrong     401
+    │   ├── NoClassifier             tags asked of an embedding-only model     404
+    │   ├── ModelNotFound            a v2 route names a model not served here  404
     │   └── ClientDisconnected       the client left before its answer         499
     ├── Unavailable                  the server cannot take it now (503 + Retry-After)
     │   ├── QueueFull                the bounded queue is full
@@ -100,6 +102,18 @@ class Unauthorized(ClientError):
     code = "unauthorized"
 
 
+class NoClassifier(ClientError):
+    """The served model is embedding-only: it has no classes to tag with."""
+
+    code = "no_classifier"
+
+
+class ModelNotFound(ClientError):
+    """An Open Inference Protocol route names a model this server does not serve."""
+
+    code = "model_not_found"
+
+
 class ClientDisconnected(ClientError):
     """Nobody reads this answer; it exists so the request ends in a known state."""
 
@@ -155,6 +169,8 @@ class BatchContractError(ServerError):
 HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (InvalidImage, 400),
     (Unauthorized, 401),
+    (NoClassifier, 404),
+    (ModelNotFound, 404),
     (PayloadTooLarge, 413),
     (UnsupportedImageFormat, 415),
     (InvalidRequest, 422),

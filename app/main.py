@@ -24,9 +24,10 @@ from fastapi import FastAPI
 
 from app.engine import Engine
 from app.errors import SettingsError
+from app.logs import configure_logging
 from app.metrics import Metrics
-from app.observability import RequestLog, configure_logging
-from app.routers import meta, predict
+from app.observability import RequestLog
+from app.routers import meta, predict, v2
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.settings import Settings, get_settings
 
@@ -70,6 +71,26 @@ def _freeze_startup_objects() -> Callable[[], None]:
     return gc.unfreeze
 
 
+def _document_bearer_auth(app: FastAPI) -> None:
+    """Show in the OpenAPI docs that the prediction routes want ``Authorization: Bearer``
+    (their handlers check it themselves; see ``app.dependencies.require_api_key``)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "API_KEY"}
+            for path, operations in schema["paths"].items():
+                if path.startswith(predict.router.prefix) or path.endswith("/infer"):
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the application from ``settings`` (default: the environment). Nothing starts
     until the ASGI lifespan runs. Exits with status 2 and a message naming each bad setting
@@ -98,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 engine.streamer,
             )
             state.predictor = engine.predictor
+            state.model_id = engine.predictor.manifest.model_id  # X-Model-Id on every answer
             metrics.watch(
                 lambda: {
                     "queue_depth": engine.streamer.queue_depth
@@ -105,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "in_flight": engine.streamer.in_flight,
                     "workers": engine.transport.describe(),
                     "restarts": engine.transport.restart_count,
+                    "model": engine.predictor.manifest,
                 }
             )
             restore_signals = _flag_closing_on_signals(app)
@@ -133,5 +156,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(predict.router)
     app.include_router(meta.router)
+    app.include_router(v2.router)
+    if settings.api_key is not None:
+        _document_bearer_auth(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     return app

@@ -1,13 +1,11 @@
-"""Logging set-up (text or JSON lines) and the per-request log line + HTTP metrics."""
+"""The per-request log line, request ids and HTTP metrics (pure ASGI middleware)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
 import uuid
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,45 +14,16 @@ from app.metrics import Metrics
 log = logging.getLogger("app.request")
 
 REQUEST_ID_HEADER = "x-request-id"
+MODEL_ID_HEADER = b"x-model-id"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_STANDARD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, plus any ``extra`` fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD_FIELDS})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str, fmt: str) -> None:
-    """Route our loggers (and uvicorn's) to stderr in ``text`` or ``json`` format."""
-    handler = logging.StreamHandler()
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("app", "uvicorn", "uvicorn.error"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.setLevel(level.upper())
-        logger.propagate = False
-    # Our request log replaces uvicorn's access log (it has the request id and batch size).
-    logging.getLogger("uvicorn.access").disabled = True
 
 
 class RequestLog:
     """Pure ASGI middleware: a request id (``X-Request-ID`` if the client sent a sane one,
     else a new one) echoed in the response, one log line per request, and HTTP metrics.
+    Every response also says which export answered it (``X-Model-Id``, once the app's
+    lifespan has put ``model_id`` in its state), so answers of two exports never mix
+    unknowingly.
 
     Handlers may put ``batch_size`` into ``request.state`` for the log line."""
 
@@ -72,12 +41,16 @@ class RequestLog:
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
 
+        model_id = getattr(scope["app"].state, "model_id", None) if "app" in scope else None
+
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                if model_id:
+                    headers.append((MODEL_ID_HEADER, model_id.encode()))
                 message = {**message, "headers": headers}
             await send(message)
 

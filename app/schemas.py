@@ -35,6 +35,7 @@ class WorkerState(BaseModel):
     batch_size: int = Field(description="largest batch this worker takes (auto: its choice)")
     batches: int = Field(description="model calls this worker has run")
     items: int = Field(description="images this worker has been given")
+    rss_bytes: int | None = Field(None, description="its resident memory")
 
 
 class Readiness(BaseModel):

@@ -91,6 +91,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         10 * 1024 * 1024, ge=1, description="Largest accepted upload, in bytes (413 beyond)."
     )
+    max_images_per_request: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Most images in one request (repeated image fields; 413 beyond).",
+    )
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Largest image (width x height) decoded (413 beyond)."
     )

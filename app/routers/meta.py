@@ -54,6 +54,7 @@ async def info(request: Request, predictor: PredictorDep, settings: SettingsDep)
     engine = request.app.state.engine
     streamer = engine.streamer
     return {
+        "model_id": predictor.manifest.model_id,
         "model": predictor.manifest.model_dump(),
         "batching": {
             "batch_size": streamer.max_batch_size,
@@ -73,5 +74,7 @@ async def info(request: Request, predictor: PredictorDep, settings: SettingsDep)
 
 @router.get("/tags", response_model=list[str])
 async def tags(predictor: PredictorDep) -> list[str]:
-    """The class names the tagger can return, in the model's index order."""
+    """The class names the tagger can return, in the model's index order (404 for an
+    embedding-only model)."""
+    predictor.require_classifier()
     return predictor.classes

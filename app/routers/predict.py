@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from app.dependencies import app_settings, require_api_key, serving_predictor
@@ -18,10 +18,16 @@ from app.services.predictor import Predictor
 router = APIRouter(prefix="/predict", tags=["predict"], route_class=DirectRoute)
 
 ERRORS: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 422, 503, 504)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
 }
 MAX_K = 1000
 K_HELP = "how many labels to return"
+SHAPE_HEADER = "X-Embedding-Shape"
+EMBEDDING_BYTES_HELP = (
+    "with Accept: application/octet-stream: the embeddings as raw little-endian float32, "
+    f"rows in image order; their shape in the {SHAPE_HEADER} header ('1280', or '3,1280' "
+    "for several images)"
+)
 
 
 def _upload_body(*, with_k: bool) -> dict[str, Any]:
@@ -31,9 +37,15 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "format": "binary",
         "description": "the image (JPEG, PNG, WebP, BMP or GIF)",
     }
+    images = {
+        "type": "array",
+        "items": image,
+        "minItems": 1,
+        "description": "one image, or the field repeated for several (answered as a list)",
+    }
     form: dict[str, Any] = {
         "type": "object",
-        "properties": {FILE_FIELD: image},
+        "properties": {FILE_FIELD: images},
         "required": [FILE_FIELD],
     }
     k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": 5}
@@ -82,34 +94,77 @@ async def _admit(request: Request) -> tuple[Predictor, Upload, float]:
     require_api_key(request, settings)
     predictor = serving_predictor(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
-    return predictor, await read_upload(request, settings.max_upload_bytes), deadline
+    upload = await read_upload(
+        request, settings.max_upload_bytes, max_images=settings.max_images_per_request
+    )
+    return predictor, upload, deadline
+
+
+def _wants_binary(request: Request) -> bool:
+    return "application/octet-stream" in request.headers.get("accept", "")
 
 
 @router.post(
     "/embedding",
-    response_model=list[float],
-    responses=ERRORS,
+    response_model=list[float] | list[list[float]],
+    responses={
+        **ERRORS,
+        200: {
+            "content": {
+                "application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": EMBEDDING_BYTES_HELP,
+                }
+            }
+        },
+    },
     openapi_extra=_upload_body(with_k=False),
 )
-async def embedding(request: Request) -> JSONResponse:
-    """Embed one image: the model's pooled feature vector as a list of floats."""
+async def embedding(request: Request) -> Response:
+    """Embed images: each one's pooled feature vector (a list of floats; a list of them for
+    several images, in order; raw float32 with ``Accept: application/octet-stream``)."""
     predictor, upload, deadline = await _admit(request)
     with batch_trace(request) as trace:
-        vector = await unless_disconnected(
-            request, predictor.embedding(upload.data, deadline, trace)
+        vectors = await unless_disconnected(
+            request,
+            predictor.embeddings(
+                [image.data for image in upload.images],
+                deadline,
+                trace,
+                names=[image.filename for image in upload.images],
+            ),
         )
-    return JSONResponse(vector)
+    if _wants_binary(request):
+        shape = vectors.shape if upload.several else vectors.shape[1:]
+        return Response(
+            vectors.astype("<f4").tobytes(),
+            media_type="application/octet-stream",
+            headers={SHAPE_HEADER: ",".join(map(str, shape))},
+        )
+    return JSONResponse(vectors.tolist() if upload.several else vectors[0].tolist())
 
 
 @router.post(
-    "/tag", response_model=list[TagOut], responses=ERRORS, openapi_extra=_upload_body(with_k=True)
+    "/tag",
+    response_model=list[TagOut] | list[list[TagOut]],
+    responses=ERRORS,
+    openapi_extra=_upload_body(with_k=True),
 )
 async def tag(request: Request) -> JSONResponse:
-    """Tag one image: the top-k class names with their probabilities, most probable first."""
+    """Tag images: the top-k class names with their probabilities, most probable first (a
+    list of such lists for several images, in order)."""
     predictor, upload, deadline = await _admit(request)
     top_k = _k(upload.fields.get("k"), request.query_params.get("k"))
     with batch_trace(request) as trace:
-        tags = await unless_disconnected(
-            request, predictor.tag(upload.data, top_k, deadline, trace)
+        answers = await unless_disconnected(
+            request,
+            predictor.tags(
+                [image.data for image in upload.images],
+                top_k,
+                deadline,
+                trace,
+                names=[image.filename for image in upload.images],
+            ),
         )
-    return JSONResponse([{"name": t.name, "prob": t.prob} for t in tags])
+    shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]
+    return JSONResponse(shaped if upload.several else shaped[0])

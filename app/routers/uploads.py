@@ -3,7 +3,8 @@
 Two shapes are accepted:
 
 * ``multipart/form-data`` with the image in the field ``image`` (and small text fields such
-  as ``k``), what browsers, ``curl -F`` and locust send;
+  as ``k``), what browsers, ``curl -F`` and locust send; the field may repeat, up to
+  ``max_images`` times (413 beyond), for several images in one request;
 * the image itself as the whole body, with an ``image/*`` or ``application/octet-stream``
   Content-Type (``curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'``).
 
@@ -38,24 +39,34 @@ HOW_TO_SEND = (
 )
 
 
-@dataclass
-class Upload:
-    """The image's bytes and the form's text fields (empty for a raw body)."""
+@dataclass(frozen=True)
+class Image:
+    """One uploaded image: its bytes, and its file name (for error messages)."""
 
     data: bytes
+    filename: str = ""
+
+
+@dataclass
+class Upload:
+    """The images in form order (one for a raw body) and the form's text fields."""
+
+    images: list[Image]
     fields: dict[str, str] = field(default_factory=dict)
+    several: bool = False  # the form repeated the image field: the answer is a list
 
 
-async def read_upload(request: Request, max_bytes: int) -> Upload:
-    """The uploaded image (413 as soon as it passes ``max_bytes``, without reading on)."""
+async def read_upload(request: Request, max_bytes: int, max_images: int = 1) -> Upload:
+    """The uploaded image(s) (413 as soon as the body passes ``max_bytes``, or the form holds
+    more than ``max_images`` images, without reading on)."""
     media_type, options = parse_options_header(request.headers.get("content-type"))
     if media_type == b"multipart/form-data":
         boundary = options.get(b"boundary")
         if not boundary:
             raise ClientError("the multipart Content-Type has no boundary")
-        return await _read_form(request, boundary, max_bytes)
+        return await _read_form(request, boundary, max_bytes, max_images)
     if media_type.startswith(RAW_BODY_TYPES):
-        return Upload(await _read_body(request, max_bytes))
+        return Upload([Image(await _read_body(request, max_bytes))])
     raise InvalidRequest(HOW_TO_SEND)
 
 
@@ -72,19 +83,22 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 class _Form:
-    """python-multipart callbacks that keep the image part and the small text fields."""
+    """python-multipart callbacks that keep the image parts and the small text fields."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_images: int) -> None:
         self.max_bytes = max_bytes
-        self.image: bytes | None = None
+        self.max_images = max_images
+        self.images: list[Image] = []
         self.fields: dict[str, str] = {}
-        self.files: list[str] = []  # names of the file parts, the image's included
+        self.other_files: list[str] = []  # file parts not named image: refused
         self._header_name = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
         self._name = ""
-        self._is_file = False
+        self._filename = ""
+        self._is_image = False
         self._limit = 0
+        self._size = 0  # the bytes of every image so far: together within max_bytes
         self._data = bytearray()
 
     def callbacks(self) -> MultipartCallbacks:
@@ -116,33 +130,39 @@ class _Form:
     def _headers_finished(self) -> None:
         _, options = parse_options_header(self._headers.get(b"content-disposition"))
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
-        self._is_file = self._name == FILE_FIELD or b"filename" in options
-        if self._is_file:
-            self.files.append(self._name)
-            if len(self.files) > 1:
-                raise ClientError("send one image per request; this form has several files")
-            self._limit = self.max_bytes
+        self._filename = options.get(b"filename", b"").decode("utf-8", "replace")[:200]
+        self._is_image = self._name == FILE_FIELD
+        if self._is_image:
+            if len(self.images) >= self.max_images:
+                raise PayloadTooLarge(f"at most {self.max_images} images per request")
+        elif b"filename" in options:
+            self.other_files.append(self._name)
+            if len(self.other_files) > MAX_TEXT_FIELDS:
+                raise ClientError(f"the form has more than {MAX_TEXT_FIELDS} other files")
         else:
             if len(self.fields) >= MAX_TEXT_FIELDS:
                 raise ClientError(f"the form has more than {MAX_TEXT_FIELDS} fields")
             self._limit = MAX_TEXT_FIELD_BYTES
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if not self._is_image and self._name in self.other_files:
+            return  # refused at the end; the body's own limit bounds it meanwhile
         self._data += data[start:end]
-        if len(self._data) > self._limit:
-            if self._is_file:
-                raise PayloadTooLarge(f"upload is over {self.max_bytes} bytes")
+        if self._is_image and self._size + len(self._data) > self.max_bytes:
+            raise PayloadTooLarge(f"upload is over {self.max_bytes} bytes")
+        if not self._is_image and len(self._data) > self._limit:
             raise InvalidRequest(f"form field '{self._name}' is over {self._limit} bytes")
 
     def _part_end(self) -> None:
-        if self._name == FILE_FIELD:
-            self.image = bytes(self._data)
-        elif not self._is_file:
+        if self._is_image:
+            self.images.append(Image(bytes(self._data), self._filename))
+            self._size += len(self._data)
+        elif self._name not in self.other_files:
             self.fields[self._name] = self._data.decode("utf-8", "replace")
 
 
-async def _read_form(request: Request, boundary: bytes, max_bytes: int) -> Upload:
-    form = _Form(max_bytes)
+async def _read_form(request: Request, boundary: bytes, max_bytes: int, max_images: int) -> Upload:
+    form = _Form(max_bytes, max_images)
     parser = MultipartParser(boundary, form.callbacks())
     try:
         async for chunk in request.stream():
@@ -151,7 +171,10 @@ async def _read_form(request: Request, boundary: bytes, max_bytes: int) -> Uploa
         raise ClientError(f"malformed multipart body: {exc}") from None
     if parser.state != MultipartState.END:
         raise ClientError("malformed multipart body: it ends before its closing boundary")
-    if form.image is None:
-        others = f" (it has {', '.join(repr(n) for n in form.files)})" if form.files else ""
-        raise InvalidRequest(f"the form field '{FILE_FIELD}' is missing{others}; {HOW_TO_SEND}")
-    return Upload(form.image, form.fields)
+    if form.other_files:
+        names = ", ".join(repr(name) for name in form.other_files)
+        missing = "" if form.images else f"the form field '{FILE_FIELD}' is missing; "
+        raise InvalidRequest(f"{missing}unexpected file field(s) {names}; {HOW_TO_SEND}")
+    if not form.images:
+        raise InvalidRequest(f"the form field '{FILE_FIELD}' is missing; {HOW_TO_SEND}")
+    return Upload(form.images, form.fields, several=len(form.images) > 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import numpy.typing as npt
 
 from app.batching import Streamer, Trace
 from app.decode_plan import DecodePlan
-from app.errors import DeadlineExceeded, InvalidParameter
+from app.errors import ClientError, DeadlineExceeded, InvalidParameter, NoClassifier
 from app.images import preprocess
 from app.jobs import BatchKey, ImageJob, Task, TopK
 from app.manifest import Manifest
@@ -77,22 +78,108 @@ class Predictor:
             trace=trace,
         )
 
+    def require_classifier(self) -> None:
+        """``NoClassifier`` (404) when the served model is embedding-only."""
+        if not self.manifest.has_classifier:
+            raise NoClassifier(
+                f"the served model ({self.manifest.model_id}) has no classifier: it answers "
+                "/predict/embedding only"
+            )
+
+    async def _many(
+        self,
+        task: Task,
+        images: Sequence[bytes],
+        top_k: int,
+        deadline: float,
+        trace: Trace | None,
+        names: Sequence[str],
+    ) -> list[object]:
+        """Each image's result, in order; each image travels as an item of its own, so they
+        may be split over batches. The first image that fails fails them all (the others
+        are cancelled, and leave the queue): a client error names the image."""
+        if len(images) == 1:
+            return [await self._run(task, images[0], top_k, deadline, trace)]
+        runs = [
+            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace)) for data in images
+        ]
+        try:
+            await asyncio.wait(runs, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [
+                i
+                for i, run in enumerate(runs)
+                if run.done() and not run.cancelled() and run.exception()
+            ]
+            if failed:
+                index = failed[0]
+                error = runs[index].exception()
+                if isinstance(error, ClientError):
+                    name = names[index] if index < len(names) else ""
+                    which = f"image {index}" + (f" ({name!r})" if name else "")
+                    raise type(error)(f"{which}: {error.message}") from None
+                assert error is not None
+                raise error
+            return [run.result() for run in runs]
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+    async def embeddings(
+        self,
+        images: Sequence[bytes],
+        deadline: float,
+        trace: Trace | None = None,
+        names: Sequence[str] = (),
+    ) -> npt.NDArray[np.float32]:
+        """The embeddings of encoded images, ``[len(images), dim]`` float32 in order,
+        answered before ``deadline`` (monotonic)."""
+        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names)
+        return np.stack([np.asarray(result, dtype=np.float32) for result in results])
+
     async def embedding(
         self, data: bytes, deadline: float, trace: Trace | None = None
-    ) -> list[float]:
+    ) -> npt.NDArray[np.float32]:
         """The embedding of one encoded image, answered before ``deadline`` (monotonic)."""
-        result = await self._run(Task.EMBEDDING, data, 0, deadline, trace)
-        return result.tolist()  # type: ignore[attr-defined,no-any-return]
+        vector: npt.NDArray[np.float32] = (await self.embeddings([data], deadline, trace))[0]
+        return vector
+
+    async def top_k(
+        self,
+        images: Sequence[bytes],
+        k: int,
+        deadline: float,
+        trace: Trace | None = None,
+        names: Sequence[str] = (),
+    ) -> list[TopK]:
+        """The ``k`` most probable class indices of each encoded image, with their
+        probabilities, in order, before ``deadline``."""
+        self.require_classifier()
+        if not 1 <= k <= len(self.classes):
+            raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
+        results = await self._many(Task.TAG, images, k, deadline, trace, names)
+        assert all(isinstance(result, TopK) for result in results)
+        return results  # type: ignore[return-value]
+
+    async def tags(
+        self,
+        images: Sequence[bytes],
+        k: int,
+        deadline: float,
+        trace: Trace | None = None,
+        names: Sequence[str] = (),
+    ) -> list[list[Tag]]:
+        """The top-``k`` classes of each encoded image, in order, before ``deadline``."""
+        return [
+            [
+                Tag(self.classes[int(index)], float(prob))
+                for index, prob in zip(result.indices, result.probs, strict=True)
+            ]
+            for result in await self.top_k(images, k, deadline, trace, names)
+        ]
 
     async def tag(
         self, data: bytes, k: int, deadline: float, trace: Trace | None = None
     ) -> list[Tag]:
         """The top-``k`` classes of one encoded image, answered before ``deadline``."""
-        if not 1 <= k <= len(self.classes):
-            raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
-        result = await self._run(Task.TAG, data, k, deadline, trace)
-        assert isinstance(result, TopK)
-        return [
-            Tag(self.classes[int(index)], float(prob))
-            for index, prob in zip(result.indices, result.probs, strict=True)
-        ]
+        return (await self.tags([data], k, deadline, trace))[0]

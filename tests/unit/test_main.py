@@ -56,7 +56,8 @@ class FakeEngine:
         self.drain_timeout_s = drain_timeout_s
         self.transport = SimpleNamespace(describe=list, restart_count=0, ready=True)
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
-        self.predictor = object()
+        manifest = SimpleNamespace(model_id="fake@000000000000", arch="fake", weights="random")
+        self.predictor = SimpleNamespace(manifest=manifest)
         self.closed_while_serving: bool | None = None
         FakeEngine.instances.append(self)
 
@@ -89,3 +90,13 @@ def test_start_up_objects_are_frozen_while_serving_and_released_at_shutdown(
     assert engine.drain_timeout_s == 7  # admitted requests may finish at shutdown
     assert engine.frozen_at_exit == 0  # unfrozen before the engine stopped
     assert gc.get_freeze_count() == 0
+
+
+def test_the_api_docs_show_the_bearer_scheme_when_an_api_key_is_set() -> None:
+    with_key = create_app(Settings(api_key="s3cret")).openapi()
+    assert with_key["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert with_key["paths"]["/predict/tag"]["post"]["security"] == [{"bearer": []}]
+    assert with_key["paths"]["/v2/models/{name}/infer"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in with_key["paths"]["/readyz"]["get"]
+    without = create_app(Settings()).openapi()
+    assert "securitySchemes" not in without.get("components", {})

@@ -26,6 +26,8 @@ REFUSALS = [
     (errors.InvalidRequest, "bad_input"),
     (errors.InvalidParameter, "bad_input"),
     (errors.Unauthorized, "bad_input"),
+    (errors.NoClassifier, "bad_input"),
+    (errors.ModelNotFound, "bad_input"),
 ]
 
 

@@ -1,0 +1,213 @@
+"""The Open Inference Protocol (KServe v2) where it fits: health, model metadata and
+readiness for KServe, Seldon and Triton-style probes and clients, and a small ``infer``.
+
+Covered: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}``,
+``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer`` over JSON, with one input
+``image`` of datatype ``BYTES`` (each element an encoded image as base64: JSON has no
+bytes) and the outputs ``embedding`` (FP32 ``[n, dim]``) and, for models with a classifier,
+``top_k_probs`` (FP32 ``[n, k]``) and ``top_k_indices`` (INT64 ``[n, k]``; ``k`` from the
+request's ``parameters``, 5 by default). Not covered: the binary-data extension, model
+repository and statistics extensions, and the gRPC protocol. Errors keep this server's own
+JSON shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from app.dependencies import PredictorDep, SettingsDep, app_settings, require_api_key
+from app.errors import InvalidRequest, ModelNotFound
+from app.routers.common import batch_trace, request_deadline, unless_disconnected
+from app.schemas import ErrorResponse
+from app.services.predictor import Predictor
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
+
+INPUT = "image"
+OUTPUTS = ("embedding", "top_k_probs", "top_k_indices")
+
+
+class TensorSpec(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+class InferInput(BaseModel):
+    name: Literal["image"]
+    datatype: Literal["BYTES"]
+    shape: list[int] = Field(min_length=1, max_length=1)
+    data: list[str] = Field(min_length=1, description="each an encoded image, base64")
+
+
+class RequestedOutput(BaseModel):
+    name: Literal["embedding", "top_k_probs", "top_k_indices"]
+
+
+class InferRequest(BaseModel):
+    id: str | None = Field(None, max_length=128)
+    inputs: list[InferInput] = Field(min_length=1, max_length=1)
+    outputs: list[RequestedOutput] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class InferOutput(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[float] | list[int]
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[InferOutput]
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
+}
+
+
+def _served(predictor: Predictor, name: str) -> None:
+    if name != predictor.manifest.arch:
+        raise ModelNotFound(f"no model named {name!r} here; this server serves "
+                            f"{predictor.manifest.arch!r}")  # fmt: skip
+
+
+def _ready(request: Request) -> bool:
+    state = request.app.state
+    transport = getattr(state, "transport", None)
+    return transport is not None and transport.ready and not state.closing
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    """Server metadata: name, version and the protocol extensions supported (none)."""
+    return {"name": "microbatch-server", "version": "0.1.0", "extensions": []}
+
+
+@router.get("/health/live")
+async def live() -> dict[str, bool]:
+    """Liveness: 200 while the process is up."""
+    return {"live": True}
+
+
+@router.get("/health/ready", responses={503: {"description": "not ready"}})
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 while a model worker is ready and the server is not stopping."""
+    is_ready = _ready(request)
+    return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+
+@router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
+async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
+    """The served model: its version (the export's id), input and outputs."""
+    _served(predictor, name)
+    manifest = predictor.manifest
+    outputs = [TensorSpec(name="embedding", datatype="FP32", shape=[-1, manifest.embedding_dim])]
+    if manifest.has_classifier:
+        outputs += [
+            TensorSpec(name="top_k_probs", datatype="FP32", shape=[-1, -1]),
+            TensorSpec(name="top_k_indices", datatype="INT64", shape=[-1, -1]),
+        ]
+    return ModelMetadata(
+        name=manifest.arch,
+        versions=[manifest.model_id.rsplit("@", 1)[1]],
+        platform="pytorch_torchscript",
+        inputs=[TensorSpec(name=INPUT, datatype="BYTES", shape=[-1])],
+        outputs=outputs,
+    )
+
+
+@router.get("/models/{name}/ready", responses={**ERRORS, 503: {"description": "not ready"}})
+async def model_ready(name: str, request: Request, predictor: PredictorDep) -> JSONResponse:
+    """The model's readiness: as the server's."""
+    _served(predictor, name)
+    is_ready = _ready(request)
+    return JSONResponse({"name": name, "ready": is_ready}, status_code=200 if is_ready else 503)
+
+
+async def _authorized(request: Request) -> None:
+    require_api_key(request, app_settings(request))
+
+
+@router.post(
+    "/models/{name}/infer",
+    response_model=InferResponse,
+    responses=ERRORS,
+    dependencies=[Depends(_authorized)],
+)
+async def infer(
+    name: str,
+    body: InferRequest,
+    request: Request,
+    predictor: PredictorDep,
+    settings: SettingsDep,
+) -> InferResponse:
+    """Embed (and tag) base64-encoded images, as the Open Inference Protocol asks."""
+    _served(predictor, name)
+    (given,) = body.inputs
+    if given.shape != [len(given.data)]:
+        raise InvalidRequest(
+            f"input shape {given.shape} does not match its {len(given.data)} elements"
+        )
+    if len(given.data) > settings.max_images_per_request:
+        raise InvalidRequest(f"at most {settings.max_images_per_request} images per request")
+    images = [_image(index, text) for index, text in enumerate(given.data)]
+    wanted = [output.name for output in body.outputs] if body.outputs else ["embedding"]
+    deadline = request_deadline(request, settings.mb_request_timeout)
+    outputs: list[InferOutput] = []
+    with batch_trace(request) as trace:
+        if "embedding" in wanted:
+            vectors = await unless_disconnected(
+                request, predictor.embeddings(images, deadline, trace)
+            )
+            outputs.append(_output("embedding", "FP32", vectors))
+        if {"top_k_probs", "top_k_indices"} & set(wanted):
+            k = _k(body.parameters)
+            top = await unless_disconnected(request, predictor.top_k(images, k, deadline, trace))
+            if "top_k_probs" in wanted:
+                outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
+            if "top_k_indices" in wanted:
+                indices = np.stack([t.indices for t in top])
+                outputs.append(_output("top_k_indices", "INT64", indices))
+    version = predictor.manifest.model_id.rsplit("@", 1)[1]
+    return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
+
+
+def _image(index: int, text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"input element {index} is not base64") from None
+
+
+def _k(parameters: dict[str, Any] | None) -> int:
+    k = (parameters or {}).get("k", 5)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1000:
+        raise InvalidRequest("parameters.k must be an integer from 1 to 1000")
+    return k
+
+
+def _output(name: str, datatype: str, array: npt.NDArray[Any]) -> InferOutput:
+    return InferOutput(
+        name=name, datatype=datatype, shape=list(array.shape), data=array.reshape(-1).tolist()
+    )
