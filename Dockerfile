@@ -3,7 +3,7 @@
 # BASE_IMAGE may point at another Python 3.11 image (e.g. one built on an NVIDIA CUDA base);
 # PIP_EXTRA_ARGS can point pip at a CPU-only torch index to make the image much smaller.
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS server
 
 ARG PIP_EXTRA_ARGS=""
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -33,3 +33,13 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ[\"PORT\"]}/readyz', timeout=2)"
 CMD ["python", "-m", "app"]
+
+# `--target loadtest`: the same image plus locust, installed here, at build time, so the
+# compose file's locust service runs offline (its locustfile is mounted from tests/load).
+FROM server AS loadtest
+USER root
+RUN pip install locust==2.47.0 scikit-image==0.26.0 -c constraints.txt
+USER app
+
+# The default target: the server.
+FROM server

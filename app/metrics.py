@@ -20,8 +20,19 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -35,7 +46,7 @@ class _LiveState(Collector):
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self._read = read
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
         state = self._read()
         depth = GaugeMetricFamily("microbatch_queue_depth", "Requests waiting for a batch.")
         depth.add_metric([], state.get("queue_depth", 0))
@@ -55,11 +66,30 @@ class _LiveState(Collector):
         for device, (n_alive, n_ready) in sorted(by_device.items()):
             alive.add_metric([device], n_alive)
             ready.add_metric([device], n_ready)
+        memory = GaugeMetricFamily(
+            "microbatch_worker_memory_bytes",
+            "Resident memory of each model worker.",
+            labels=["worker", "device"],
+        )
+        for worker in state.get("workers", []):
+            if worker.get("rss_bytes") is not None:
+                name = str(worker.get("name") or worker["index"])
+                memory.add_metric([name, worker["device"]], worker["rss_bytes"])
         restarts = CounterMetricFamily(
             "microbatch_worker_restarts", "Workers restarted after dying or hanging."
         )
         restarts.add_metric([], state.get("restarts", 0))
-        yield from (depth, in_flight, alive, ready, restarts)
+        yield from (depth, in_flight, alive, ready, memory, restarts)
+        manifest = state.get("model")
+        if manifest is not None:  # which export this server answers with
+            info = InfoMetricFamily(
+                "microbatch_model", "The model served.", labels=["model_id", "arch", "weights"]
+            )
+            info.add_metric(
+                [],
+                {"model_id": manifest.model_id, "arch": manifest.arch, "weights": manifest.weights},
+            )
+            yield info
 
 
 class Metrics:
@@ -71,7 +101,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.remote_workers = remote_workers
         self.multiprocess_dir = multiprocess_dir
-        self._live: list[Collector] = []
+        # CPU, memory and open files of the process that answers the scrape.
+        self._live: list[Collector] = [ProcessCollector(registry=None)]
         self._workers: list[dict[str, Any]] = []
         r = self.registry
         self.requests = Counter(

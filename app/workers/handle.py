@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from app.errors import InferenceError, WorkerDied, WorkerStartError
@@ -28,6 +30,19 @@ from app.workers.messages import (
 from app.workers.process import worker_main
 
 log = logging.getLogger("app.workers.pool")
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """A process's resident memory (Linux's /proc), or None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * PAGE_BYTES
 
 
 async def wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
@@ -136,6 +151,7 @@ class WorkerHandle:
             "batch_size": self.batch_size,
             "batches": self.batches,
             "items": self.items,
+            "rss_bytes": rss_bytes(self.process.pid) if self.alive else None,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------

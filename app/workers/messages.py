@@ -28,6 +28,8 @@ class WorkerConfig:
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
     decode_on_device: bool = False  # JPEGs are decoded on the worker's device
     max_pixels: int = 40_000_000  # the largest image a worker decodes
+    log_level: str = "info"
+    log_format: str = "text"  # "json": each record (a traceback too) one JSON line
 
 
 @dataclass(frozen=True)

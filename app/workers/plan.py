@@ -109,4 +109,6 @@ def worker_config(settings: Settings, plan: WorkerPlan) -> WorkerConfig:
         decode_threads=plan.decode.worker_threads,
         decode_on_device=plan.decode.on_device,
         max_pixels=settings.max_image_pixels,
+        log_level=settings.log_level,
+        log_format=settings.log_format,
     )

@@ -48,6 +48,12 @@ class PoolStats:
         self.threads[threads] = self.threads.get(threads, 0) + 1
 
 
+def _retrieve(future: asyncio.Future[BatchDone]) -> None:
+    """Read a reply nobody awaits, so that a failure in it is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
+
+
 def buffer_bytes(config: WorkerConfig, image_shape: tuple[int, int, int]) -> int:
     """A worker's shared buffer: a full batch of pixels, or of typical encoded uploads when
     the workers decode."""
@@ -229,6 +235,9 @@ class WorkerPool:
         # its death) may hand it back.
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.batch_timeout_s)
+        except asyncio.CancelledError:  # every caller left: the reply still frees the worker
+            future.add_done_callback(_retrieve)
+            raise
         except TimeoutError:
             log.error(
                 "worker %d spent over MB_BATCH_TIMEOUT=%g s on a batch of %d: killing it",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from app.logs import configure_logging
 from app.workers.allocator import retain_freed_memory
 from app.workers.batches import read_images
 from app.workers.buffer import InputBuffer
@@ -86,6 +87,7 @@ def prepare(config: WorkerConfig, device_name: str, threads: int) -> PreparedWor
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a pool's worker process."""
+    configure_logging(spec.config.log_level, spec.config.log_format)
     try:
         prepared = prepare(spec.config, spec.device, spec.threads)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)

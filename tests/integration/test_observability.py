@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 from pathlib import Path
 
+import httpx
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.observability import JsonFormatter
+from app.logs import JsonFormatter
 from tests.conftest import distinct_images, running_app
 
 pytestmark = pytest.mark.slow
@@ -112,3 +115,56 @@ def test_settings_accept_log_format(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setenv("LOG_FORMAT", "xml")
     with pytest.raises(SettingsError, match="LOG_FORMAT"):
         load_settings()
+
+
+async def test_json_logs_cover_the_worker_processes(poison_store: Path) -> None:
+    """With LOG_FORMAT=json every line the server and its workers write is one JSON object,
+    a worker's traceback included (the poison model raises in the worker)."""
+    from tests.models import POISON_RGB
+    from tests.server import ServerProcess
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), POISON_RGB).save(buffer, format="PNG")
+    with ServerProcess(
+        MODEL_STORE=str(poison_store), LOG_FORMAT="json", LOG_LEVEL="info", MB_WORKER_NUM="1"
+    ) as server:
+        response = httpx.post(
+            f"{server.base_url}/predict/embedding",
+            files={"image": ("p.png", buffer.getvalue())},
+            timeout=30,
+        )
+        server.stop()
+    assert response.status_code == 500
+    lines = [line for line in server.output.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    worker = [r for r in records if r["logger"] == "app.worker" and "poison image" in r["message"]]
+    assert worker, "the worker's traceback is missing"
+    assert "Traceback" in worker[0]["message"]
+
+
+def test_json_logs_cover_the_batch_job(tiny_store: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.server import REPO
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.png").write_bytes(distinct_images(1)[0])
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "MODEL_STORE": str(tiny_store),
+        "CUDA_DEVICES": "cpu",
+        "MB_WORKER_NUM": "1",
+        "LOG_FORMAT": "json",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "app.batch", str(photos), "--task", "embedding",
+         "--out", str(tmp_path / "out.jsonl"), "--no-progress"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
+    assert any(r["logger"].startswith("app") for r in records)
+    (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert json.loads(line)["model_id"].startswith("tiny-test@")

@@ -45,12 +45,31 @@ def test_compose_locust_service_runs_the_repo_locustfile() -> None:
     compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
     locust = compose["services"]["locust"]
     assert locust["profiles"] == ["loadtest"]
-    assert "http://server:8000" in locust["command"][0]
+    assert locust["command"][:5] == [
+        "locust",
+        "-f",
+        "tests/load/locustfile.py",
+        "--host",
+        "http://server:8000",
+    ]
+    # Offline: locust comes with the image, built from the Dockerfile's loadtest stage.
+    assert locust["build"]["target"] == "loadtest" and "entrypoint" not in locust
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "AS loadtest" in dockerfile and "pip install locust" in dockerfile
+    assert dockerfile.rstrip().splitlines()[-1] == "FROM server"  # the default target
     mounted = {v.split(":")[0] for v in locust["volumes"]}
     for source in mounted:
         assert (REPO / "docker" / source).resolve().exists(), source
-    assert "tests/load/locustfile.py" in locust["command"][0]
     assert (REPO / "tests" / "load" / "locustfile.py").is_file()
+
+
+def test_compose_passes_the_operator_settings_through() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    for name in ("server", "server-gpu"):
+        environment = compose["services"][name]["environment"]
+        assert {"API_KEY", "LOG_FORMAT", "MB_DECODE"} <= set(environment), name
+    text = (REPO / "docker" / "docker-compose.yml").read_text()
+    assert ":/srv/app/model_store" in text  # how to mount your own model store
 
 
 def test_root_compose_file_includes_the_docker_one() -> None:
