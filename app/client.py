@@ -1,0 +1,447 @@
+"""A small Python client for this server: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+It needs only httpx, numpy and the standard library, never the rest of ``app``, so it can be
+copied into another project as a single file. Against ``make run``, from the repository root::
+
+    from pathlib import Path
+
+    from app.client import Client
+
+    with Client("http://127.0.0.1:8000") as client:
+        vector = client.embed("docs/cat.jpg")                  # float32 array, shape (1280,)
+        rows = client.embed(["docs/cat.jpg", Path("docs/cat.jpg").read_bytes()])  # (2, 1280)
+        print(client.tag("docs/cat.jpg", k=3)[0])              # Tag(name='Egyptian cat', prob=0.41)
+        print(client.model_id)                                 # the export that answered
+
+``AsyncClient`` has the same methods, awaited, and ``async with`` / ``aclose()``.
+
+An image is ``bytes``, a path (``str`` or ``os.PathLike``) or a binary file object; a list
+or tuple of them is sent as one request (up to the server's ``MAX_IMAGES_PER_REQUEST``) and
+answered in the same order.
+
+Every call sends ``X-Request-ID`` (a new uuid4 hex, or ``request_id=``; kept across its
+retries, so the server's log lines of one call share it) and ``X-Request-Timeout:
+timeout_s``; the HTTP timeout is ``timeout_s`` plus a few seconds, so the server's own 504
+arrives first. The client remembers the ``X-Model-Id`` of the last answer in ``model_id``.
+
+Errors:
+
+    Exception
+    ├── ServerReplyError       any non-2xx answer, after the 503 retries below: ``status``,
+    │                          ``type`` and ``message`` from the server's JSON error body,
+    │                          ``retry_after_s`` (503s), ``request_id``
+    ├── ValueError             a 2xx answer this client cannot read (say, a wrong shape header),
+    │                          or no images / a bad constructor argument
+    ├── TypeError              a file object opened in text mode passed as an image
+    └── httpx.HTTPError        connection refused, reset or timed out: raised as httpx raises
+                               it, never retried here (the request may or may not have run)
+
+A 503 that carries ``Retry-After`` (``queue_full``, ``worker_died``, ``not_ready``,
+``broker_unavailable``) is retried after that many seconds, at most ``retries`` times, and
+not at all when it asks for more than ``max_retry_wait_s``. No other status is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import IO, Any, Generic, Self, TypeAlias, TypeVar, overload
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["AsyncClient", "Client", "Image", "ServerReplyError", "Tag"]
+
+Image: TypeAlias = bytes | str | os.PathLike[str] | IO[bytes]
+Images: TypeAlias = list[Image] | tuple[Image, ...]
+Embedding: TypeAlias = npt.NDArray[np.float32]
+T = TypeVar("T")
+
+SHAPE_HEADER = "X-Embedding-Shape"
+# Room for the upload and the server's own timeout answer (504) to arrive before ours fires.
+HTTP_TIMEOUT_MARGIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class Tag:
+    """One class name and its probability."""
+
+    name: str
+    prob: float
+
+
+class ServerReplyError(Exception):
+    """The server answered with a non-2xx status (after any 503 retries).
+
+    ``type`` is the server's stable error name (``invalid_image``, ``queue_full``, ...; see
+    the README's error table), ``retry_after_s`` its ``Retry-After`` when it sent one."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        retry_after_s: float | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(f"{status} {type}: {message}")
+        self.status = status
+        self.type = type
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.request_id = request_id
+
+
+# -- the core: requests and answers, no I/O ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    """One API call, ready to send as often as retries need (the images are bytes by now)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    parse: Callable[[httpx.Response], T]
+    files: list[tuple[str, tuple[str, bytes]]] | None = None
+    data: dict[str, str] | None = None
+    answered: frozenset[int] = frozenset({200})  # the statuses `parse` reads
+
+    def request_args(self) -> dict[str, Any]:
+        return {"headers": self.headers, "files": self.files, "data": self.data}
+
+
+def _read_image(image: Image, index: int) -> tuple[str, bytes]:
+    """(file name, bytes) of one image argument."""
+    if isinstance(image, bytes | bytearray | memoryview):
+        return f"image{index}", bytes(image)
+    if isinstance(image, str | os.PathLike):
+        with open(image, "rb") as file:
+            return os.path.basename(os.fspath(image)), file.read()
+    data = image.read()
+    if not isinstance(data, bytes):
+        raise TypeError("a file object passed as an image must be opened in binary mode ('rb')")
+    name = getattr(image, "name", None)
+    return (os.path.basename(name) if isinstance(name, str) else f"image{index}"), data
+
+
+def _image_files(images: Image | Images) -> tuple[list[tuple[str, tuple[str, bytes]]], bool]:
+    """The multipart ``image`` fields, and whether several were asked for (a list answer)."""
+    several = isinstance(images, list | tuple)
+    batch: Sequence[Image] = images if isinstance(images, list | tuple) else [images]
+    if not batch:
+        raise ValueError("no images given")
+    return [("image", _read_image(image, i)) for i, image in enumerate(batch)], several
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds or an HTTP date), None if absent or unreadable."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def _reply_error(response: httpx.Response) -> ServerReplyError:
+    kind, message = "http_error", response.text[:500]
+    try:
+        error = response.json()["error"]
+        kind, message = str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        pass  # not this server's JSON error shape (a proxy's page, say): keep the raw text
+    return ServerReplyError(
+        response.status_code,
+        kind,
+        message,
+        _retry_after_s(response),
+        request_id=response.headers.get("X-Request-ID"),
+    )
+
+
+def _embeddings(several: bool) -> Callable[[httpx.Response], Embedding]:
+    def parse(response: httpx.Response) -> Embedding:
+        header = response.headers.get(SHAPE_HEADER)
+        if header is None:
+            raise ValueError(f"the embedding answer has no {SHAPE_HEADER} header")
+        try:
+            shape = tuple(int(part) for part in header.split(","))
+        except ValueError:
+            raise ValueError(f"unreadable {SHAPE_HEADER}: {header!r}") from None
+        if len(shape) != (2 if several else 1) or math.prod(shape) * 4 != len(response.content):
+            raise ValueError(
+                f"{SHAPE_HEADER} {header!r} does not fit a {len(response.content)}-byte answer "
+                f"to {'several images' if several else 'one image'}"
+            )
+        # astype copies: frombuffer's array is a read-only view of the response body.
+        return np.frombuffer(response.content, dtype="<f4").reshape(shape).astype(np.float32)
+
+    return parse
+
+
+def _tags(several: bool) -> Callable[[httpx.Response], list[Tag] | list[list[Tag]]]:
+    def one(answer: list[dict[str, Any]]) -> list[Tag]:
+        return [Tag(str(t["name"]), float(t["prob"])) for t in answer]
+
+    def parse(response: httpx.Response) -> list[Tag] | list[list[Tag]]:
+        answer = response.json()
+        return [one(item) for item in answer] if several else one(answer)
+
+    return parse
+
+
+def _json(response: httpx.Response) -> Any:
+    return response.json()
+
+
+def _is_ready(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+_READYZ_ANSWERS = frozenset({200, 503})  # a 503 from /readyz is an answer: not ready
+
+
+class _Core:
+    """Everything both clients share: settings, building calls, reading answers, retries."""
+
+    def __init__(
+        self, api_key: str | None, timeout_s: float, retries: int, max_retry_wait_s: float
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"retries must be 0 or more, got {retries}")
+        if not max_retry_wait_s >= 0:
+            raise ValueError(f"max_retry_wait_s must be 0 or more, got {max_retry_wait_s}")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_retry_wait_s = max_retry_wait_s
+        self.http_timeout = httpx.Timeout(timeout_s + HTTP_TIMEOUT_MARGIN_S)
+        self.model_id: str | None = None
+
+    def _headers(self, request_id: str | None, accept: str = "application/json") -> dict[str, str]:
+        headers = {
+            "Accept": accept,
+            "X-Request-ID": request_id or uuid.uuid4().hex,
+            "X-Request-Timeout": f"{self.timeout_s:g}",
+        }
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def embed(self, images: Image | Images, request_id: str | None) -> _Call[Embedding]:
+        files, several = _image_files(images)
+        headers = self._headers(request_id, accept="application/octet-stream")
+        return _Call("POST", "/predict/embedding", headers, _embeddings(several), files)
+
+    def tag(
+        self, images: Image | Images, k: int, request_id: str | None
+    ) -> _Call[list[Tag] | list[list[Tag]]]:
+        files, several = _image_files(images)
+        headers = self._headers(request_id)
+        return _Call("POST", "/predict/tag", headers, _tags(several), files, {"k": str(k)})
+
+    def info(self, request_id: str | None) -> _Call[dict[str, Any]]:
+        return _Call("GET", "/info", self._headers(request_id), _json)
+
+    def ready(self, request_id: str | None) -> _Call[bool]:
+        headers = self._headers(request_id)
+        return _Call("GET", "/readyz", headers, _is_ready, answered=_READYZ_ANSWERS)
+
+    def tags(self, request_id: str | None) -> _Call[list[str]]:
+        return _Call("GET", "/tags", self._headers(request_id), _json)
+
+    def retry_delay(self, call: _Call[Any], response: httpx.Response, attempt: int) -> float | None:
+        """None when ``response`` is the call's answer; else the seconds to wait before the
+        next attempt. Raises ``ServerReplyError`` when the answer is an error to give up on."""
+        self.model_id = response.headers.get("X-Model-Id", self.model_id)
+        if response.status_code in call.answered:
+            return None
+        error = _reply_error(response)
+        wait = error.retry_after_s
+        if (
+            response.status_code == 503
+            and wait is not None
+            and wait <= self.max_retry_wait_s
+            and attempt < self.retries
+        ):
+            return wait
+        raise error
+
+
+# -- the two transports -----------------------------------------------------------------------
+
+
+class Client:
+    """Blocking client. ``with Client("http://127.0.0.1:8000") as c: c.embed("cat.jpg")``.
+
+    ``transport`` (an ``httpx.BaseTransport``) replaces the network, e.g. for tests."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        max_retry_wait_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s)
+        self._http = httpx.Client(
+            base_url=base_url, timeout=self._core.http_timeout, transport=transport
+        )
+
+    @property
+    def model_id(self) -> str | None:
+        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
+        return self._core.model_id
+
+    def _send(self, call: _Call[T]) -> T:
+        attempt = 0
+        while True:
+            response = self._http.request(call.method, call.path, **call.request_args())
+            wait = self._core.retry_delay(call, response, attempt)
+            if wait is None:
+                return call.parse(response)
+            time.sleep(wait)
+            attempt += 1
+
+    def embed(self, images: Image | Images, *, request_id: str | None = None) -> Embedding:
+        """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
+        return self._send(self._core.embed(images, request_id))
+
+    @overload
+    def tag(
+        self, images: Images, k: int = 5, *, request_id: str | None = None
+    ) -> list[list[Tag]]: ...
+
+    @overload
+    def tag(self, images: Image, k: int = 5, *, request_id: str | None = None) -> list[Tag]: ...
+
+    def tag(
+        self, images: Image | Images, k: int = 5, *, request_id: str | None = None
+    ) -> list[Tag] | list[list[Tag]]:
+        """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
+        return self._send(self._core.tag(images, k, request_id))
+
+    def info(self, *, request_id: str | None = None) -> dict[str, Any]:
+        """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
+        return self._send(self._core.info(request_id))
+
+    def ready(self, *, request_id: str | None = None) -> bool:
+        """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
+        return self._send(self._core.ready(request_id))
+
+    def tags(self, *, request_id: str | None = None) -> list[str]:
+        """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
+        return self._send(self._core.tags(request_id))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Asyncio client, the same methods as ``Client``, awaited.
+    ``async with AsyncClient(url) as c: await c.embed(["a.jpg", "b.jpg"])``.
+
+    ``transport`` (an ``httpx.AsyncBaseTransport``) replaces the network, e.g. for tests."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        max_retry_wait_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=self._core.http_timeout, transport=transport
+        )
+
+    @property
+    def model_id(self) -> str | None:
+        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
+        return self._core.model_id
+
+    async def _send(self, call: _Call[T]) -> T:
+        attempt = 0
+        while True:
+            response = await self._http.request(call.method, call.path, **call.request_args())
+            wait = self._core.retry_delay(call, response, attempt)
+            if wait is None:
+                return call.parse(response)
+            await asyncio.sleep(wait)
+            attempt += 1
+
+    async def embed(self, images: Image | Images, *, request_id: str | None = None) -> Embedding:
+        """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
+        return await self._send(self._core.embed(images, request_id))
+
+    @overload
+    async def tag(
+        self, images: Images, k: int = 5, *, request_id: str | None = None
+    ) -> list[list[Tag]]: ...
+
+    @overload
+    async def tag(
+        self, images: Image, k: int = 5, *, request_id: str | None = None
+    ) -> list[Tag]: ...
+
+    async def tag(
+        self, images: Image | Images, k: int = 5, *, request_id: str | None = None
+    ) -> list[Tag] | list[list[Tag]]:
+        """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
+        return await self._send(self._core.tag(images, k, request_id))
+
+    async def info(self, *, request_id: str | None = None) -> dict[str, Any]:
+        """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
+        return await self._send(self._core.info(request_id))
+
+    async def ready(self, *, request_id: str | None = None) -> bool:
+        """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
+        return await self._send(self._core.ready(request_id))
+
+    async def tags(self, *, request_id: str | None = None) -> list[str]:
+        """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
+        return await self._send(self._core.tags(request_id))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
