@@ -290,7 +290,18 @@ class _Core:
 # -- the two transports -----------------------------------------------------------------------
 
 
-class Client:
+class _ClientBase:
+    """What both clients share beyond ``_Core``: which export answered last."""
+
+    _core: _Core
+
+    @property
+    def model_id(self) -> str | None:
+        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
+        return self._core.model_id
+
+
+class Client(_ClientBase):
     """Blocking client. ``with Client("http://127.0.0.1:8000") as c: c.embed("cat.jpg")``.
 
     ``transport`` (an ``httpx.BaseTransport``) replaces the network, e.g. for tests."""
@@ -309,11 +320,6 @@ class Client:
         self._http = httpx.Client(
             base_url=base_url, timeout=self._core.http_timeout, transport=transport
         )
-
-    @property
-    def model_id(self) -> str | None:
-        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
-        return self._core.model_id
 
     def _send(self, call: _Call[T]) -> T:
         attempt = 0
@@ -367,7 +373,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """Asyncio client, the same methods as ``Client``, awaited.
     ``async with AsyncClient(url) as c: await c.embed(["a.jpg", "b.jpg"])``.
 
@@ -387,11 +393,6 @@ class AsyncClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=self._core.http_timeout, transport=transport
         )
-
-    @property
-    def model_id(self) -> str | None:
-        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
-        return self._core.model_id
 
     async def _send(self, call: _Call[T]) -> T:
         attempt = 0

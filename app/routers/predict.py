@@ -126,13 +126,7 @@ async def embedding(request: Request) -> Response:
     predictor, upload, deadline = await _admit(request)
     with batch_trace(request) as trace:
         vectors = await unless_disconnected(
-            request,
-            predictor.embeddings(
-                [image.data for image in upload.images],
-                deadline,
-                trace,
-                names=[image.filename for image in upload.images],
-            ),
+            request, predictor.embeddings(upload.data, deadline, trace, names=upload.names)
         )
     if _wants_binary(request):
         shape = vectors.shape if upload.several else vectors.shape[1:]
@@ -157,14 +151,7 @@ async def tag(request: Request) -> JSONResponse:
     top_k = _k(upload.fields.get("k"), request.query_params.get("k"))
     with batch_trace(request) as trace:
         answers = await unless_disconnected(
-            request,
-            predictor.tags(
-                [image.data for image in upload.images],
-                top_k,
-                deadline,
-                trace,
-                names=[image.filename for image in upload.images],
-            ),
+            request, predictor.tags(upload.data, top_k, deadline, trace, names=upload.names)
         )
     shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]
     return JSONResponse(shaped if upload.several else shaped[0])

@@ -55,6 +55,14 @@ class Upload:
     fields: dict[str, str] = field(default_factory=dict)
     several: bool = False  # the form repeated the image field: the answer is a list
 
+    @property
+    def data(self) -> list[bytes]:
+        return [image.data for image in self.images]
+
+    @property
+    def names(self) -> list[str]:
+        return [image.filename for image in self.images]
+
 
 async def read_upload(request: Request, max_bytes: int, max_images: int = 1) -> Upload:
     """The uploaded image(s) (413 as soon as the body passes ``max_bytes``, or the form holds
