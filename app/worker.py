@@ -57,6 +57,7 @@ class ConsumerSpec:
     max_deliveries: int
     batch_timeout_s: float
     max_image_bytes: int
+    model_id: str  # the export in the store, as the front ends must serve it too
     restarts: int = 0
 
 
@@ -90,6 +91,7 @@ def consumer_main(spec: ConsumerSpec) -> None:
         spec.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
     )
     description = {
+        "model_id": spec.model_id,
         "host": spec.host,
         "index": spec.index,
         "pid": os.getpid(),
@@ -99,7 +101,7 @@ def consumer_main(spec: ConsumerSpec) -> None:
     }
     consumer = Consumer(
         client,
-        Keys(spec.prefix),
+        Keys(spec.prefix, spec.model_id.rsplit("@", 1)[1]),
         spec.name,
         prepared,
         description=description,
@@ -208,7 +210,7 @@ class Supervisor:
                 self._start(self.specs[index])
 
 
-def specs_from_settings(settings: Settings, host: str) -> list[ConsumerSpec]:
+def specs_from_settings(settings: Settings, host: str, model_id: str) -> list[ConsumerSpec]:
     """One spec per planned worker. The workers always decode in broker mode (the uploads
     cross the broker encoded); ``MB_DECODE=device`` decodes JPEGs on the device."""
     assert settings.mb_broker is not None
@@ -229,6 +231,7 @@ def specs_from_settings(settings: Settings, host: str) -> list[ConsumerSpec]:
             max_deliveries=settings.mb_max_deliveries,
             batch_timeout_s=settings.mb_batch_timeout,
             max_image_bytes=settings.max_upload_bytes,
+            model_id=model_id,
         )
         for index, device in enumerate(plan.devices)
     ]
@@ -254,12 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     try:
-        read_manifest(settings.model_store, verify=True)  # fail here, once, not per worker
-        specs = specs_from_settings(settings, _host_name(settings))
+        manifest = read_manifest(settings.model_store, verify=True)  # fail here, once
+        specs = specs_from_settings(settings, _host_name(settings), manifest.model_id)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log.info("starting %d worker(s) on %s", len(specs), ", ".join(s.device for s in specs))
+    log.info(
+        "starting %d worker(s) of %s on %s",
+        len(specs),
+        manifest.model_id,
+        ", ".join(s.device for s in specs),
+    )
     return Supervisor(specs).run()
 
 

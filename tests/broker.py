@@ -163,16 +163,21 @@ class Workers(ChildProcess):
         return self.start()
 
 
+def stream_key(store: Path, task: str) -> str:
+    """The stream the workers of ``store``'s export read ``task`` requests from."""
+    from app.manifest import read_manifest
+
+    return f"{PREFIX}:{{q}}:{read_manifest(store).model_id.rsplit('@', 1)[1]}:{task}"
+
+
 def stream_state(redis_server: RedisServer) -> dict[str, tuple[int, int]]:
-    """Each task stream's (length, entries pending in the consumer group)."""
+    """Each task's (entries, entries pending in the consumer group), over every export."""
     client = redis_server.client()
     state = {}
     for task in ("tag", "embedding"):
-        stream = f"{PREFIX}:{{q}}:{task}"
-        length = client.xlen(stream)
-        pending = 0
-        if client.exists(stream):
-            groups = client.xinfo_groups(stream)
-            pending = sum(int(group["pending"]) for group in groups)
+        length = pending = 0
+        for stream in client.scan_iter(f"{PREFIX}:{{q}}:*:{task}"):
+            length += client.xlen(stream)
+            pending += sum(int(group["pending"]) for group in client.xinfo_groups(stream))
         state[task] = (length, pending)
     return state

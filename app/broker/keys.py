@@ -12,18 +12,21 @@ GROUP = "workers"  # the consumer group every worker joins, on every task's stre
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one prefix.
+    """Key names under one prefix, the streams also under the served export's digest.
 
-    >>> Keys("mb").stream(Task.TAG), Keys("mb").replies("fe1")
-    ('mb:{q}:tag', 'mb:replies:fe1')
+    >>> keys = Keys("mb", "89e9be0d4f64")
+    >>> keys.stream(Task.TAG), keys.replies("fe1")
+    ('mb:{q}:89e9be0d4f64:tag', 'mb:replies:fe1')
     """
 
     prefix: str
+    model: str  # the first 12 hex of the export's manifest sha256 (its model id)
 
     def stream(self, task: Task) -> str:
-        """One stream per task, so a batch never mixes endpoints. The ``{q}`` hash tag keeps
-        both streams in one slot (the admission script reads them together)."""
-        return f"{self.prefix}:{{q}}:{task.value}"
+        """One stream per task, so a batch never mixes endpoints, and per export, so front
+        ends and workers of two exports never meet (their vectors never mix). The ``{q}``
+        hash tag keeps the streams in one slot (the admission script reads them together)."""
+        return f"{self.prefix}:{{q}}:{self.model}:{task.value}"
 
     @property
     def streams(self) -> tuple[str, ...]:

@@ -367,9 +367,12 @@ class BrokerTransport:
         workers = []
         for raw in infos:
             try:
-                workers.append(decode_worker_info(raw).model_dump(mode="json"))
+                info = decode_worker_info(raw)
             except MalformedMessage as exc:
                 log.error("broker: ignored a worker's heartbeat: %s", str(exc)[:300])
+                continue
+            if info.model_id.rsplit("@", 1)[-1] == self.keys.model:  # serves this export
+                workers.append(info.model_dump(mode="json"))
         self._workers = sorted(workers, key=lambda w: str(w["name"]))
         self._update_rate(time.monotonic(), sum(int(w.get("items", 0)) for w in workers))
         if self._on_workers is not None:

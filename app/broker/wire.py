@@ -235,6 +235,7 @@ class WorkerInfo(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str = Field(pattern=_TOKEN.pattern)
+    model_id: str = Field(max_length=300)  # the export it serves
     host: str = Field(max_length=128)
     index: int = Field(ge=0)
     pid: int = Field(ge=0)

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from bench.loadgen import Response, closed_loop, multipart_request
-from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_state
+from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, stream_state
 from tests.checks import Expectation, mixed_jobs
 from tests.conftest import distinct_images
 from tests.models import POISON_RGB, export_slow
@@ -163,7 +163,7 @@ async def test_forged_entries_and_replies_are_dropped_and_nothing_crashes(
 ) -> None:
     redis_server, workers, fronts = cluster
     client = redis_server.client()
-    stream = f"{PREFIX}:{{q}}:tag"
+    stream = stream_key(tiny_store, "tag")
     good_header = {"v": 1, "id": "forged-1", "fe": "nobody", "task": "tag", "k": 3, "ttl_ms": 9000}
     forged = [
         {"h": pickle.dumps({"v": 1, "id": "x"}), "img": b"x"},  # pickled bytes
@@ -418,7 +418,8 @@ async def test_a_request_past_its_deadline_is_never_run(tiny_store: Path) -> Non
                 )
                 # One no front end takes back: 1 ms to live.
                 fields = encode_request("x-1", "nobody", Task.EMBEDDING, 0, 1, images[1])
-                redis_server.client().xadd(f"{PREFIX}:{{q}}:embedding", fields)  # type: ignore[arg-type]
+                stream = stream_key(tiny_store, "embedding")
+                redis_server.client().xadd(stream, fields)  # type: ignore[arg-type]
             finally:
                 os.kill(worker["pid"], signal.SIGCONT)
             # The paused worker may have had the late entry delivered while it blocked on
@@ -444,14 +445,14 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
     with RedisServer() as redis_server:
         client = redis_server.client()
         info = {  # a worker that seems alive, and never reads
-            "name": "ghost:0", "host": "ghost", "index": 0, "pid": 1, "device": "cpu",
+            "name": "ghost:0", "model_id": "ghost@000000000000", "host": "ghost", "index": 0, "pid": 1, "device": "cpu",
             "threads": 1, "batch_size": 8, "ready": True, "alive": True, "running": 0,
             "restarts": 0, "batches": 0, "items": 0, "mixed_batches": 0, "expired": 0,
             "malformed": 0, "reclaimed": 0, "given_up": 0,
         }  # fmt: skip
         client.zadd(f"{PREFIX}:{{w}}:workers", {"ghost:0": 99999999999999})
         client.hset(f"{PREFIX}:{{w}}:worker-info", "ghost:0", _json.dumps(info))
-        transport = BrokerTransport(redis_server.url, Keys(PREFIX), max_queue=16)
+        transport = BrokerTransport(redis_server.url, Keys(PREFIX, "0" * 12), max_queue=16)
         await transport.start()
         try:
             assert transport.ready
@@ -459,9 +460,10 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
             waiting = asyncio.create_task(
                 transport.run_batch(BatchKey(Task.EMBEDDING, encoded=True), [item])
             )
-            await wait_for(lambda: client.xlen(f"{PREFIX}:{{q}}:embedding") == 1, what="added")
+            stream = f"{PREFIX}:{{q}}:{'0' * 12}:embedding"
+            await wait_for(lambda: client.xlen(stream) == 1, what="added")
             waiting.cancel()
-            await wait_for(lambda: client.xlen(f"{PREFIX}:{{q}}:embedding") == 0, what="deleted")
+            await wait_for(lambda: client.xlen(stream) == 0, what="deleted")
         finally:
             await transport.aclose()
 
@@ -618,3 +620,58 @@ async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path
     assert [
         pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
     ] == []
+
+
+async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) -> None:
+    """MB_MAX_QUEUE counts what waits in Redis, whichever front end added it: with the only
+    worker paused, two front ends can add 4 entries in all, and the rest get 503 queue_full
+    with Retry-After at once."""
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1) as workers:
+        fronts = [front_end(redis_server, tiny_store, MB_MAX_QUEUE="4") for _ in range(2)]
+        with fronts[0], fronts[1]:
+            (worker,) = workers.live().values()
+            os.kill(worker["pid"], signal.SIGSTOP)
+            try:
+                images = distinct_images(10)
+                requests = [
+                    asyncio.create_task(post(fronts[i % 2].base_url, "/predict/embedding", image))
+                    for i, image in enumerate(images[:4])
+                ]
+                await wait_for(lambda: stream_state(redis_server)["embedding"][0] == 4, what="4")
+                started = time.monotonic()
+                refused = [
+                    await post(fronts[i % 2].base_url, "/predict/embedding", image)
+                    for i, image in enumerate(images[4:])
+                ]
+                took = time.monotonic() - started
+            finally:
+                os.kill(worker["pid"], signal.SIGCONT)
+            answered = await asyncio.gather(*requests)
+    assert [r.status_code for r in refused] == [503] * 6
+    assert {r.json()["error"]["type"] for r in refused} == {"queue_full"}
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert took < 2.0
+    assert [r.status_code for r in answered] == [200] * 4
+
+
+async def test_front_ends_never_reach_workers_of_another_export(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    """Vectors of two exports never mix: a front end counts, and sends to, only the workers
+    serving its own export (their streams are the export's own)."""
+    other = export_slow(tmp_path / "other", rounds=1)
+    with RedisServer() as redis_server, Workers(redis_server, other, count=1):
+        front = front_end(redis_server, tiny_store)
+        with pytest.raises(AssertionError, match="never became ready"):
+            front.start(ready_timeout_s=4)
+        try:
+            status, body = front.readiness()
+            answer = httpx.post(
+                f"{front.base_url}/predict/embedding",
+                files={"image": ("a.png", distinct_images(1)[0])},
+                timeout=10,
+            )
+        finally:
+            front.stop()
+    assert status == 503 and body["workers"] == []
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "worker_died"

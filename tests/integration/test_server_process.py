@@ -64,3 +64,21 @@ def test_bad_configuration_fails_at_start_with_a_clear_message(
     )
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
+
+
+def test_the_compose_files_defaults_start_the_server(tiny_store: Path) -> None:
+    """What `docker compose up` passes (each ${NAME:-default} unset, so its default; an
+    empty ${NAME:-} as the empty string) is a configuration the server starts with."""
+    import re
+
+    import yaml
+
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    for service in ("server", "server-gpu"):
+        env = {}
+        for key, expression in compose["services"][service]["environment"].items():
+            match = re.fullmatch(r"\$\{(\w+):-(.*)\}", str(expression))
+            env[key] = match.group(2) if match else str(expression)
+        env["CUDA_DEVICES"] = "cpu"  # no GPU here; "auto" would also fall back to the CPU
+        with ServerProcess(**env, MODEL_STORE=str(tiny_store)) as server:
+            assert server.readiness()[0] == 200, service
