@@ -17,14 +17,16 @@ arrive, and every malformed body still gets its own 4xx.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+from starlette.requests import ClientDisconnect
 
-from app.errors import ClientError, InvalidRequest, PayloadTooLarge
+from app.errors import ClientDisconnected, ClientError, InvalidRequest, PayloadTooLarge
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
@@ -83,11 +85,21 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     if length.isdigit() and int(length) > max_bytes:
         raise PayloadTooLarge(f"upload is {length} bytes; at most {max_bytes} allowed")
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in _chunks(request):
         body += chunk
         if len(body) > max_bytes:
             raise PayloadTooLarge(f"upload is over {max_bytes} bytes")
     return bytes(body)
+
+
+async def _chunks(request: Request) -> AsyncIterator[bytes]:
+    """The body as it arrives; a client that leaves mid-upload ends in ``ClientDisconnected``
+    (499), like one that leaves while waiting for its answer."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection during the upload") from None
 
 
 class _Form:
@@ -171,11 +183,11 @@ class _Form:
 
 async def _read_form(request: Request, boundary: bytes, max_bytes: int, max_images: int) -> Upload:
     form = _Form(max_bytes, max_images)
-    parser = MultipartParser(boundary, form.callbacks())
     try:
-        async for chunk in request.stream():
+        parser = MultipartParser(boundary, form.callbacks())  # refuses a boundary too long
+        async for chunk in _chunks(request):
             parser.write(chunk)
-    except MultipartParseError as exc:
+    except FormParserError as exc:
         raise ClientError(f"malformed multipart body: {exc}") from None
     if parser.state != MultipartState.END:
         raise ClientError("malformed multipart body: it ends before its closing boundary")
