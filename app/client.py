@@ -3,42 +3,24 @@
 It needs only httpx, numpy and the standard library, never the rest of ``app``, so it can be
 copied into another project as a single file. Against ``make run``, from the repository root::
 
-    from pathlib import Path
-
     from app.client import Client
 
     with Client("http://127.0.0.1:8000") as client:
-        vector = client.embed("docs/cat.jpg")                  # float32 array, shape (1280,)
-        rows = client.embed(["docs/cat.jpg", Path("docs/cat.jpg").read_bytes()])  # (2, 1280)
-        print(client.tag("docs/cat.jpg", k=3)[0])              # Tag(name='Egyptian cat', prob=0.41)
-        print(client.model_id)                                 # the export that answered
+        vector = client.embed("docs/cat.jpg")                   # float32 array, shape (1280,)
+        rows = client.embed(["docs/cat.jpg", "docs/cat.jpg"])   # (2, 1280), one request
+        print(client.tag("docs/cat.jpg", k=3)[0], client.model_id)
 
-``AsyncClient`` has the same methods, awaited, and ``async with`` / ``aclose()``.
+An image is ``bytes``, a path or a binary file object; a list or tuple of them is one request
+(up to the server's ``MAX_IMAGES_PER_REQUEST``), answered in order. Every call sends
+``X-Request-ID`` (kept across its retries) and ``X-Request-Timeout: timeout_s``; ``model_id``
+is the ``X-Model-Id`` of the last answer.
 
-An image is ``bytes``, a path (``str`` or ``os.PathLike``) or a binary file object; a list
-or tuple of them is sent as one request (up to the server's ``MAX_IMAGES_PER_REQUEST``) and
-answered in the same order.
-
-Every call sends ``X-Request-ID`` (a new uuid4 hex, or ``request_id=``; kept across its
-retries, so the server's log lines of one call share it) and ``X-Request-Timeout:
-timeout_s``; the HTTP timeout is ``timeout_s`` plus a few seconds, so the server's own 504
-arrives first. The client remembers the ``X-Model-Id`` of the last answer in ``model_id``.
-
-Errors:
-
-    Exception
-    ├── ServerReplyError       any non-2xx answer, after the 503 retries below: ``status``,
-    │                          ``type`` and ``message`` from the server's JSON error body,
-    │                          ``retry_after_s`` (503s), ``request_id``
-    ├── ValueError             a 2xx answer this client cannot read (say, a wrong shape header),
-    │                          or no images / a bad constructor argument
-    ├── TypeError              a file object opened in text mode passed as an image
-    └── httpx.HTTPError        connection refused, reset or timed out: raised as httpx raises
-                               it, never retried here (the request may or may not have run)
-
-A 503 that carries ``Retry-After`` (``queue_full``, ``worker_died``, ``not_ready``,
-``broker_unavailable``) is retried after that many seconds, at most ``retries`` times, and
-not at all when it asks for more than ``max_retry_wait_s``. No other status is retried.
+Errors: ``ServerReplyError`` for any non-2xx answer (``status``, ``type``, ``message`` from the
+server's error body, ``retry_after_s``, ``request_id``), after retrying a 503 that carries
+``Retry-After`` (at most ``retries`` times, and only if it asks for at most
+``max_retry_wait_s``); ``ValueError`` for a 2xx answer it cannot read or a bad argument;
+``TypeError`` for a file opened in text mode; httpx's errors for a connection that fails
+(never retried: the request may or may not have run).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ thread tells Redis every second that this worker lives and what it has run.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,16 +26,18 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
 from redis.exceptions import RedisError, ResponseError
 
+from app.broker.health import Heartbeat, TroubleLog
 from app.broker.keys import GROUP, Keys
-from app.broker.transport import HEARTBEAT_S, REPLY_TTL_S, STALE_S, _text
+from app.broker.orphans import Entry, EntryId, OrphanClaims
+from app.broker.readahead import ReadAhead
+from app.broker.stats import ConsumerStats
+from app.broker.transport import HEARTBEAT_S, REPLY_TTL_S, _text
 from app.broker.wire import (
-    MAX_TTL_MS,
     MalformedMessage,
     Request,
     decode_request,
@@ -46,7 +47,6 @@ from app.broker.wire import (
 )
 from app.errors import InferenceError, ServerError
 from app.jobs import Task, TopK
-from app.metrics import LATENCY_BUCKETS
 from app.workers.batches import results
 from app.workers.handle import rss_bytes
 from app.workers.messages import BatchDone
@@ -54,67 +54,15 @@ from app.workers.process import PreparedWorker
 
 log = logging.getLogger("app.worker")
 
-PAGE = 100  # pending entries looked at per round trip
 RECLAIM_S = 1.0  # how often a worker looks for entries a dead or hung worker left pending
 RETRY_S = 0.5  # after Redis failed us
-FORGET_S = 600.0  # heartbeats and idle consumers older than this are cleaned up
-# Sets this worker's heartbeat on Redis's clock and its description, in one step.
-HEARTBEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return now
-"""
-EntryId = bytes | str  # as Redis returns it, or as we pass it back
-Entry = tuple[EntryId, dict[bytes, bytes]]
-
-
-def _histogram() -> list[float]:
-    """Counts per ``LATENCY_BUCKETS`` bucket (not cumulative), then +Inf, then the sum."""
-    return [0.0] * (len(LATENCY_BUCKETS) + 2)
-
-
-def _observe(histogram: list[float], value: float) -> None:
-    index = next((i for i, le in enumerate(LATENCY_BUCKETS) if value <= le), len(LATENCY_BUCKETS))
-    histogram[index] += 1
-    histogram[-1] += value
-
-
-@dataclass
-class ConsumerStats:
-    """What a worker has run, sent with every heartbeat (front ends turn it into metrics)."""
-
-    batches: int = 0
-    items: int = 0
-    mixed_batches: int = 0  # batches holding items from more than one front end
-    expired: int = 0  # dropped unrun: their deadline had passed
-    malformed: int = 0  # dropped unrun: not our format
-    reclaimed: int = 0  # taken over from a worker that died or hung
-    given_up: int = 0  # answered 500 after MB_MAX_DELIVERIES deliveries
-    sizes: dict[str, dict[int, int]] = field(default_factory=dict)  # task -> size -> batches
-    model_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
-    wait_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
-
-    def record(
-        self, task: str, size: int, frontends: int, model_s: float, waits: list[float]
-    ) -> None:
-        self.batches += 1
-        self.items += size
-        self.mixed_batches += frontends > 1
-        sizes = self.sizes.setdefault(task, {})
-        sizes[size] = sizes.get(size, 0) + 1
-        _observe(self.model_s.setdefault(task, _histogram()), model_s)
-        histogram = self.wait_s.setdefault(task, _histogram())
-        for wait in waits:
-            _observe(histogram, wait)
 
 
 # One read: each stream's name and the entries read from it.
 Fetched = list[tuple[str, list[Entry]]]
 
 
-class Consumer:
+class Consumer(OrphanClaims):
     """One worker process's consumer: ``run(stop)`` until ``stop`` is set.
 
     >>> # consumer = Consumer(redis.Redis.from_url(url), Keys("mb"), "host-1:0", prepared,
@@ -145,24 +93,14 @@ class Consumer:
         self.batch_timeout_s = batch_timeout_s
         self.stats = ConsumerStats()
         self._tasks = {keys.stream(task): task for task in Task}
-        self._heartbeat = client.register_script(HEARTBEAT)
-        # The fetcher reads only while this slot is empty, and puts its read here: one read
-        # ahead at most (at most one batch per task), never a backlog held out of others' reach.
-        self._cond = threading.Condition()
-        self._slot: Fetched | None = None
-        self._busy_since: float | None = None  # while a batch computes (not while it answers)
-        self._compute_s = 0.0  # EWMA of a batch's time here, and of a read's
-        self._fetch_s = 0.0
+        self._heartbeat = Heartbeat(client, keys, name)
+        self._trouble = TroubleLog(name)
+        # One read ahead at most (at most one batch per task), timed to the compute.
+        self._ahead: ReadAhead[Fetched] = ReadAhead()
         self._last_cleanup = 0.0
-        # Redis's clock = this host's monotonic clock + this offset, renewed by every
-        # heartbeat (which returns Redis's TIME): deadlines are judged on Redis's clock
-        # with no round trip per batch, and never against this host's wall clock.
-        self._offset_ms = 0.0
         self._stop = threading.Event()  # SIGTERM: finish, then stop
         self._stop_fetching = threading.Event()
         self._done = threading.Event()  # heartbeats go on until the last answer is out
-        self._redis_down = False  # to log an outage once, not every second
-        self._logged: dict[str, float] = {}  # error message -> when last logged
         self._running = 0  # items in the batch being run now (for /info)
 
     # -- the main loop -----------------------------------------------------------------------
@@ -181,34 +119,21 @@ class Consumer:
             if time.monotonic() >= next_reclaim:
                 self._recover(own=False)
                 next_reclaim = time.monotonic() + RECLAIM_S
-            fetched = self._take(timeout_s=RECLAIM_S)
+            fetched = self._ahead.take(timeout_s=RECLAIM_S)
             if fetched is not None:
                 self._run_read(fetched)
         self._stop_fetching.set()
         fetch.join()  # its last read, if any, lands in the slot
-        fetched = self._take(timeout_s=0)
+        fetched = self._ahead.take(timeout_s=0)
         if fetched is not None:
             self._run_read(fetched)
         self._done.set()
         beat.join(timeout=5)
         self._leave()
 
-    def _take(self, timeout_s: float) -> Fetched | None:
-        with self._cond:
-            if self._slot is None and timeout_s > 0:
-                self._cond.wait(timeout_s)
-            fetched, self._slot = self._slot, None
-            self._cond.notify_all()  # the fetcher may read again
-            return fetched
-
     def _run_read(self, fetched: Fetched) -> None:
         for stream, entries in fetched:
             self._process(stream, entries, self._redis_now_ms())
-
-    def _set_busy(self, busy: bool) -> None:
-        with self._cond:
-            self._busy_since = time.monotonic() if busy else None
-            self._cond.notify_all()
 
     def _leave(self) -> None:
         """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
@@ -220,29 +145,11 @@ class Consumer:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _may_read(self) -> bool:
-        """The slot is empty, and the batch computing (if any) is expected to end within
-        a read's time: a read now arrives as the model frees up, with what piled up."""
-        if self._slot is not None:
-            return False
-        if self._busy_since is None:
-            return True
-        return self._busy_since + self._compute_s - self._fetch_s <= time.monotonic()
-
     def _fetch(self) -> None:
         """The fetcher thread: read the next batch (everything waiting, up to the batch
-        size per task) when ``_may_read``; the read blocks until an entry exists."""
+        size per task) when ``ReadAhead`` says; the read blocks until an entry exists."""
         streams: dict[Any, Any] = {stream: ">" for stream in self._tasks}
-        while not self._stop_fetching.is_set():
-            with self._cond:
-                while not self._may_read() and not self._stop_fetching.is_set():
-                    lead = 0.5
-                    if self._slot is None and self._busy_since is not None:
-                        lead = self._busy_since + self._compute_s - self._fetch_s
-                        lead = max(0.001, lead - time.monotonic())
-                    self._cond.wait(lead)
-            if self._stop_fetching.is_set():
-                return
+        while self._ahead.wait_turn(self._stop_fetching):
             started = time.perf_counter()
             try:
                 read = self.client.xreadgroup(
@@ -259,14 +166,9 @@ class Consumer:
                 self._unreachable(exc)
                 time.sleep(RETRY_S)
                 continue
-            if not read:
-                continue
-            fetch_s = time.perf_counter() - started
-            with self._cond:
-                if self._busy_since is not None:  # a read that waited says nothing of reads
-                    self._fetch_s = _ewma(self._fetch_s, fetch_s)
-                self._slot = [(_text(stream), entries) for stream, entries in cast(list[Any], read)]
-                self._cond.notify_all()
+            if read:
+                fetched = [(_text(stream), entries) for stream, entries in cast(list[Any], read)]
+                self._ahead.put(fetched, time.perf_counter() - started)
 
     def _ensure_groups(self) -> None:
         """Create the consumer group on every stream (and the streams), from their start so
@@ -313,13 +215,11 @@ class Consumer:
         if runnable:
             started = time.perf_counter()
             self._running = len(runnable)
-            self._set_busy(True)
             try:
-                replies = self._compute(task, runnable)
+                with self._ahead.computing():
+                    replies = self._compute(task, runnable)
             finally:
-                self._set_busy(False)
                 self._running = 0
-                self._compute_s = _ewma(self._compute_s, time.perf_counter() - started)
             waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
             frontends = len({request.frontend for _, request in runnable})
             self.stats.record(
@@ -390,114 +290,13 @@ class Consumer:
                 return
             time.sleep(RETRY_S)
 
-    # -- what others left behind -------------------------------------------------------------
-
-    def _recover(self, *, own: bool) -> None:
-        """Claim and run, one at a time, the entries left pending by this worker's last life
-        (``own``), by workers that stopped sending heartbeats, or stuck here (an answer Redis
-        refused) for twice ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken:
-        a hung worker ends its own life (see ``_beat``) and stops its heartbeats."""
-        try:
-            self._recover_once(own=own)
-        except ResponseError as exc:
-            self._error(f"could not look for orphaned entries: {exc}")
-        except (RedisError, OSError) as exc:
-            self._unreachable(exc)
-
-    def _recover_once(self, *, own: bool) -> None:
-        stop = self._stop
-        seconds, micros = self.client.time()
-        now_ms = seconds * 1000 + micros // 1000
-        live = {
-            _text(name)
-            for name in self.client.zrangebyscore(
-                self.keys.heartbeats, now_ms - int(1000 * STALE_S), "+inf"
-            )
-        }
-        stuck_ms = int(2000 * self.batch_timeout_s)
-        # Entries a dead worker holds have been idle at least since its last heartbeat.
-        idle_ms = 0 if own else int(1000 * min(STALE_S, self.batch_timeout_s))
-        for stream in self._tasks:
-            start = "-"
-            while not stop.is_set():
-                pending = self.client.xpending_range(
-                    stream,
-                    GROUP,
-                    start,
-                    "+",
-                    PAGE,
-                    consumername=self.name if own else None,
-                    idle=idle_ms,
-                )
-                for entry in pending:
-                    if stop.is_set():
-                        return
-                    consumer = _text(entry["consumer"])
-                    idle = int(entry["time_since_delivered"])
-                    if consumer == self.name:
-                        orphaned = own or idle >= stuck_ms
-                    else:
-                        orphaned = consumer not in live
-                    if orphaned:
-                        self._take_over(
-                            stream, _text(entry["message_id"]), idle, int(entry["times_delivered"])
-                        )
-                if len(pending) < PAGE:
-                    break
-                start = "(" + _text(pending[-1]["message_id"])
-        if not own and time.monotonic() - self._last_cleanup > FORGET_S:
-            self._last_cleanup = time.monotonic()
-            self._forget_the_long_gone(now_ms)
-
-    def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
-        claimed = self.client.xclaim(stream, GROUP, self.name, idle_ms, [entry_id])
-        if not claimed or not claimed[0][1]:
-            return  # another worker claimed it first, or it is gone
-        self.stats.reclaimed += 1
-        fields: dict[bytes, bytes] = claimed[0][1]  # type: ignore[assignment]
-        if delivered + 1 > self.max_deliveries:
-            self.stats.given_up += 1
-            log.error(
-                "worker %s: entry %s was delivered %d times without an answer; answering 500",
-                self.name,
-                _text(entry_id),
-                delivered,
-            )
-            try:
-                request = decode_request(fields, self.max_image_bytes)
-            except Exception:  # malformed: never run, never answered
-                self._answer(stream, [], [entry_id])
-                return
-            error = InferenceError(f"the model failed on this image {delivered} times")
-            self._answer(stream, [(entry_id, request, encode_error(request.id, 1, error))], [])
-            return
-        self._process(stream, [(entry_id, fields)], self._redis_now_ms())
-
-    def _forget_the_long_gone(self, now_ms: int) -> None:
-        """Bounded memory: heartbeats not renewed for ``FORGET_S``, and consumers with
-        nothing pending idle that long (never one with pending entries: deleting it would
-        throw them away)."""
-        cutoff = now_ms - int(1000 * FORGET_S)
-        gone = self.client.zrangebyscore(self.keys.heartbeats, "-inf", cutoff)
-        if gone:
-            self.client.zrem(self.keys.heartbeats, *gone)
-            self.client.hdel(self.keys.worker_info, *gone)
-        for stream in self._tasks:
-            for consumer in self.client.xinfo_consumers(stream, GROUP):
-                if consumer["pending"] == 0 and consumer["idle"] > 1000 * FORGET_S:
-                    self.client.xgroup_delconsumer(stream, GROUP, consumer["name"])
-            # Whatever left every pending list without an answer (a consumer deleted in
-            # the moment it was handed an entry, say) is past any deadline by now.
-            self.client.xtrim(stream, minid=now_ms - MAX_TTL_MS - int(1000 * FORGET_S))
-
     # -- heartbeats --------------------------------------------------------------------------
 
     def _beat(self) -> None:
         """The heartbeat thread: until the last answer is out (not merely until SIGTERM:
         a worker finishing its batch must not look dead, or others would redo it)."""
         while not self._done.wait(HEARTBEAT_S):
-            busy_since = self._busy_since
-            if busy_since is not None and time.monotonic() - busy_since > self.batch_timeout_s:
+            if self._ahead.busy_for > self.batch_timeout_s:
                 # Hung: die, so the supervisor restarts this worker and others claim its
                 # entries (as the in-process pool kills a worker past MB_BATCH_TIMEOUT).
                 log.error("worker %s spent over MB_BATCH_TIMEOUT on a batch: exiting", self.name)
@@ -505,7 +304,7 @@ class Consumer:
             self._send_heartbeat()
 
     def _redis_now_ms(self) -> int:
-        return int(1000 * time.monotonic() + self._offset_ms)
+        return self._heartbeat.redis_now_ms()
 
     def _send_heartbeat(self) -> None:
         info = {
@@ -516,34 +315,20 @@ class Consumer:
             "alive": True,
             "running": self._running,
             "rss_bytes": rss_bytes(os.getpid()),
-            **{key: value for key, value in vars(self.stats).items()},
+            **vars(self.stats),
         }
         try:
-            before = time.monotonic()
-            now_ms = self._heartbeat(
-                keys=[self.keys.heartbeats, self.keys.worker_info],
-                args=[self.name, json.dumps(info, separators=(",", ":"))],
-            )
-            self._offset_ms = float(now_ms) - 500 * (before + time.monotonic())
-            if self._redis_down:
-                log.info("worker %s: Redis is back", self.name)
-            self._redis_down = False
+            self._heartbeat.send(info)
         except (RedisError, OSError) as exc:
             self._unreachable(exc)
+        else:
+            self._trouble.reachable()
 
     def _unreachable(self, exc: BaseException) -> None:
-        if not self._redis_down:
-            log.warning("worker %s: Redis unreachable (%s); retrying", self.name, exc)
-        self._redis_down = True
+        self._trouble.unreachable(exc)
 
     def _error(self, message: str) -> None:
-        """Log an error, the same one at most once a minute (no spam from a loop)."""
-        now = time.monotonic()
-        if now - self._logged.get(message, -60.0) >= 60.0:
-            self._logged[message] = now
-            if len(self._logged) > 1000:
-                self._logged.clear()
-            log.error("worker %s: %s", self.name, message)
+        self._trouble.error(message)
 
 
 def _thread(target: Callable[[], None], name: str) -> threading.Thread:
@@ -570,7 +355,3 @@ def _encode(request: Request, batch_size: int, answer: object) -> bytes:
             request.id, batch_size, {"indices": answer.indices, "probs": answer.probs}
         )
     return encode_result(request.id, batch_size, {"embedding": answer})  # type: ignore[dict-item]
-
-
-def _ewma(average: float, value: float) -> float:
-    return value if average == 0 else 0.8 * average + 0.2 * value

@@ -82,7 +82,7 @@ async def test_refusals_starlette_and_fastapi_make_count_as_bad_input() -> None:
 
 def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     """Batches form in the workers: their heartbeats' counts, summed, are the histograms."""
-    from app.broker.consumer import ConsumerStats
+    from app.broker.stats import ConsumerStats
 
     first, second = ConsumerStats(), ConsumerStats()
     first.record("tag", 3, 2, 0.02, [0.001, 0.002, 0.2])

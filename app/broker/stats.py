@@ -1,0 +1,48 @@
+"""What a broker worker has run, as its heartbeat reports it (front ends sum the heartbeats
+of the workers alive into ``/metrics``: ``app.metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.metrics import LATENCY_BUCKETS
+
+
+def _histogram() -> list[float]:
+    """Counts per ``LATENCY_BUCKETS`` bucket (not cumulative), then +Inf, then the sum."""
+    return [0.0] * (len(LATENCY_BUCKETS) + 2)
+
+
+def _observe(histogram: list[float], value: float) -> None:
+    index = next((i for i, le in enumerate(LATENCY_BUCKETS) if value <= le), len(LATENCY_BUCKETS))
+    histogram[index] += 1
+    histogram[-1] += value
+
+
+@dataclass
+class ConsumerStats:
+    """What a worker has run, sent with every heartbeat (front ends turn it into metrics)."""
+
+    batches: int = 0
+    items: int = 0
+    mixed_batches: int = 0  # batches holding items from more than one front end
+    expired: int = 0  # dropped unrun: their deadline had passed
+    malformed: int = 0  # dropped unrun: not our format
+    reclaimed: int = 0  # taken over from a worker that died or hung
+    given_up: int = 0  # answered 500 after MB_MAX_DELIVERIES deliveries
+    sizes: dict[str, dict[int, int]] = field(default_factory=dict)  # task -> size -> batches
+    model_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
+    wait_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
+
+    def record(
+        self, task: str, size: int, frontends: int, model_s: float, waits: list[float]
+    ) -> None:
+        self.batches += 1
+        self.items += size
+        self.mixed_batches += frontends > 1
+        sizes = self.sizes.setdefault(task, {})
+        sizes[size] = sizes.get(size, 0) + 1
+        _observe(self.model_s.setdefault(task, _histogram()), model_s)
+        histogram = self.wait_s.setdefault(task, _histogram())
+        for wait in waits:
+            _observe(histogram, wait)
