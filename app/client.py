@@ -11,9 +11,9 @@ copied into another project as a single file. Against ``make run``, from the rep
         print(client.tag("docs/cat.jpg", k=3)[0], client.model_id)
 
 An image is ``bytes``, a path or a binary file object; a list or tuple of them is one request
-(up to the server's ``MAX_IMAGES_PER_REQUEST``), answered in order. Every call sends
-``X-Request-ID`` (kept across its retries) and ``X-Request-Timeout: timeout_s``; ``model_id``
-is the ``X-Model-Id`` of the last answer.
+(up to the server's ``MAX_IMAGES_PER_REQUEST``), answered as a list in order, even a list of
+one. Every call sends ``X-Request-ID`` (kept across its retries) and ``X-Request-Timeout:
+timeout_s``; ``model_id`` is the ``X-Model-Id`` of the last answer.
 
 Errors: ``ServerReplyError`` for any non-2xx answer (``status``, ``type``, ``message`` from the
 server's error body, ``retry_after_s``, ``request_id``), after retrying a 503 that carries
@@ -118,12 +118,13 @@ def _read_image(image: Image, index: int) -> tuple[str, bytes]:
 
 
 def _image_files(images: Image | Images) -> tuple[list[tuple[str, tuple[str, bytes]]], bool]:
-    """The multipart ``image`` fields, and whether several were asked for (a list answer)."""
-    several = isinstance(images, list | tuple)
+    """The multipart ``image`` fields, and whether the caller wants a list back (it gave one,
+    even of one image, which the server answers as a single result)."""
+    wants_list = isinstance(images, list | tuple)
     batch: Sequence[Image] = images if isinstance(images, list | tuple) else [images]
     if not batch:
         raise ValueError("no images given")
-    return [("image", _read_image(image, i)) for i, image in enumerate(batch)], several
+    return [("image", _read_image(image, i)) for i, image in enumerate(batch)], wants_list
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
@@ -158,7 +159,9 @@ def _reply_error(response: httpx.Response) -> ServerReplyError:
     )
 
 
-def _embeddings(several: bool) -> Callable[[httpx.Response], Embedding]:
+def _embeddings(listed: bool, wants_list: bool) -> Callable[[httpx.Response], Embedding]:
+    """``listed``: the server answers several images (2-D); else one (1-D)."""
+
     def parse(response: httpx.Response) -> Embedding:
         header = response.headers.get(SHAPE_HEADER)
         if header is None:
@@ -167,24 +170,29 @@ def _embeddings(several: bool) -> Callable[[httpx.Response], Embedding]:
             shape = tuple(int(part) for part in header.split(","))
         except ValueError:
             raise ValueError(f"unreadable {SHAPE_HEADER}: {header!r}") from None
-        if len(shape) != (2 if several else 1) or math.prod(shape) * 4 != len(response.content):
+        if len(shape) != (2 if listed else 1) or math.prod(shape) * 4 != len(response.content):
             raise ValueError(
                 f"{SHAPE_HEADER} {header!r} does not fit a {len(response.content)}-byte answer "
-                f"to {'several images' if several else 'one image'}"
+                f"to {'several images' if listed else 'one image'}"
             )
         # astype copies: frombuffer's array is a read-only view of the response body.
-        return np.frombuffer(response.content, dtype="<f4").reshape(shape).astype(np.float32)
+        vectors = np.frombuffer(response.content, dtype="<f4").reshape(shape).astype(np.float32)
+        return vectors[None] if wants_list and not listed else vectors
 
     return parse
 
 
-def _tags(several: bool) -> Callable[[httpx.Response], list[Tag] | list[list[Tag]]]:
-    def one(answer: list[dict[str, Any]]) -> list[Tag]:
-        return [Tag(str(t["name"]), float(t["prob"])) for t in answer]
+def _tags(
+    listed: bool, wants_list: bool
+) -> Callable[[httpx.Response], list[Tag] | list[list[Tag]]]:
+    def one(tags: list[dict[str, Any]]) -> list[Tag]:
+        return [Tag(str(t["name"]), float(t["prob"])) for t in tags]
 
     def parse(response: httpx.Response) -> list[Tag] | list[list[Tag]]:
-        answer = response.json()
-        return [one(item) for item in answer] if several else one(answer)
+        body = response.json()
+        if listed:
+            return [one(item) for item in body]
+        return [one(body)] if wants_list else one(body)
 
     return parse
 
@@ -230,16 +238,17 @@ class _Core:
         return headers
 
     def embed(self, images: Image | Images, request_id: str | None) -> _Call[Embedding]:
-        files, several = _image_files(images)
+        files, wants_list = _image_files(images)
         headers = self._headers(request_id, accept="application/octet-stream")
-        return _Call("POST", "/predict/embedding", headers, _embeddings(several), files)
+        parse = _embeddings(len(files) > 1, wants_list)
+        return _Call("POST", "/predict/embedding", headers, parse, files)
 
     def tag(
         self, images: Image | Images, k: int, request_id: str | None
     ) -> _Call[list[Tag] | list[list[Tag]]]:
-        files, several = _image_files(images)
-        headers = self._headers(request_id)
-        return _Call("POST", "/predict/tag", headers, _tags(several), files, {"k": str(k)})
+        files, wants_list = _image_files(images)
+        parse = _tags(len(files) > 1, wants_list)
+        return _Call("POST", "/predict/tag", self._headers(request_id), parse, files, {"k": str(k)})
 
     def info(self, request_id: str | None) -> _Call[dict[str, Any]]:
         return _Call("GET", "/info", self._headers(request_id), _json)

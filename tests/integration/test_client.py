@@ -93,8 +93,12 @@ def test_a_path_and_a_file_object_are_images(
         with open(path, "rb") as file:
             from_file = client.embed(file)
         mixed = client.embed([path, io.BytesIO(data), data])
+        listed = client.embed([path])
+        tags = client.tag([path], k=2)
     expected = expected_for(data, tiny_store)
-    for vector in (from_path, from_pathlike, from_file, *mixed):
+    assert listed.shape == (1, expected.shape[0])
+    assert len(tags) == 1 and len(tags[0]) == 2
+    for vector in (from_path, from_pathlike, from_file, *mixed, *listed):
         np.testing.assert_allclose(vector, expected, atol=1e-5)
 
 

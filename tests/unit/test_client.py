@@ -77,6 +77,22 @@ def test_one_image_gives_a_vector_from_a_path_or_a_file_object(tmp_path: Path) -
             assert c.embed(image).shape == (4,)
 
 
+def test_a_list_of_one_image_gives_a_list_though_the_server_answers_one() -> None:
+    one = [{"name": "cat", "prob": 0.75}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert image_parts(request) == [b"pixels"]
+        if request.url.path == "/predict/tag":
+            return httpx.Response(200, json=one)
+        return vectors(np.arange(4, dtype=np.float32))  # one image: the server's 1-D answer
+
+    with client(handler) as c:
+        rows = c.embed([b"pixels"])
+        np.testing.assert_array_equal(rows, np.arange(4, dtype=np.float32)[None])
+        assert c.tag((b"pixels",)) == [[Tag("cat", 0.75)]]
+        assert c.tag(b"pixels") == [Tag("cat", 0.75)]
+
+
 def test_each_call_gets_a_fresh_request_id_without_one_given() -> None:
     seen: list[httpx.Request] = []
 
