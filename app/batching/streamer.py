@@ -51,9 +51,15 @@ class _Pending(Generic[T, R]):
     enqueued_at: float
     deadline: float | None
     trace: Trace | None = None
-    dispatched: bool = False
-    batch: list[_Pending[T, R]] | None = None  # once dispatched: its batch, and the task
-    task: asyncio.Task[None] | None = None  # running it
+    run: _Run | None = None  # once dispatched: its batch's run
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    """A dispatched batch: the task running it, and how many of its callers still wait."""
+
+    task: asyncio.Task[None]
+    waiting: int
 
 
 class Streamer(Generic[T, R]):
@@ -207,14 +213,16 @@ class Streamer(Generic[T, R]):
             # so its item is never computed. Once every caller of a dispatched batch has
             # gone, the batch is cancelled: a transport may still stop it (a broker drops
             # what no worker has read yet); the pool lets its worker finish.
-            if not item.dispatched:
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(item)
             if not future.done():
                 future.cancel()
-            batch = item.batch
-            if item.task is not None and batch and all(other.future.done() for other in batch):
-                item.task.cancel()  # a no-op once it has finished
+            run = item.run
+            if run is None:
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(item)
+            else:
+                run.waiting -= 1
+                if run.waiting == 0:
+                    run.task.cancel()  # a no-op once it has finished
 
     def _expire(self, item: _Pending[T, R], timeout: float) -> None:
         if not item.future.done():
@@ -278,7 +286,6 @@ class Streamer(Generic[T, R]):
                 self.stats.expired += 1
                 self._fail(item, DeadlineExceeded("deadline passed while queued"))
             else:
-                item.dispatched = True
                 batch.append(item)
         self._queue = kept
         return batch
@@ -295,8 +302,9 @@ class Streamer(Generic[T, R]):
             self._on_batch(batch[0].key, len(batch), waits)
         self._in_flight += 1
         task = asyncio.create_task(self._execute(batch))
+        run = _Run(task, len(batch))
         for item in batch:
-            item.batch, item.task = batch, task
+            item.run = run
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -404,3 +406,24 @@ async def test_a_batch_keeps_running_while_one_of_its_callers_waits() -> None:
         await blocker
         leaving.cancel()
         assert await staying == ("default", "b")
+
+
+async def test_answered_items_are_freed_without_waiting_for_the_garbage_collector() -> None:
+    """No reference cycle holds an answered request's upload (or its result) in memory."""
+
+    class Payload:
+        pass
+
+    async def ids(key: Hashable, items: Sequence[BatchItem[object]]) -> dict[int, object]:
+        return {item.id: item.id for item in items}
+
+    payloads = [Payload() for _ in range(16)]
+    alive = [weakref.ref(payload) for payload in payloads]
+    gc.disable()
+    try:
+        async with Streamer(ids, max_batch_size=8, max_latency_s=0.001) as streamer:
+            await asyncio.gather(*(streamer.submit(payload) for payload in payloads))
+            del payloads
+            assert [ref for ref in alive if ref() is not None] == []
+    finally:
+        gc.enable()
