@@ -41,7 +41,7 @@ def open_transport(
 
         broker = BrokerTransport(
             settings.mb_broker.get_secret_value(),
-            Keys(settings.mb_broker_prefix, manifest.model_id.rsplit("@", 1)[1]),
+            Keys(settings.mb_broker_prefix, manifest.version),
             max_queue=settings.mb_max_queue,
             on_workers=metrics.on_workers if metrics else None,
         )

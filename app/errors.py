@@ -183,6 +183,13 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
 )
 
 
+# The errors one image can meet while it is decoded, by class name: what a worker may report
+# back for an upload (it crosses a pipe or the broker by name; nothing else is rebuilt).
+IMAGE_ERRORS: dict[str, type[ServerError]] = {
+    cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
+}
+
+
 def http_status(error: ServerError) -> int:
     """The HTTP status that answers ``error``."""
     for kind, status in HTTP_STATUS:

@@ -63,10 +63,24 @@ class Manifest(BaseModel):
         return "classifier" in self.files
 
     @property
+    def version(self) -> str:
+        """The first 12 hex of the manifest's sha256: the same for every load of one export,
+        different for any other (its files' checksums are in the manifest)."""
+        return self.digest[:12]
+
+    @property
     def model_id(self) -> str:
-        """``<arch>@<first 12 hex of the manifest's sha256>``: the same for every load of
-        one export, different for any other (its files' checksums are in the manifest)."""
-        return f"{self.arch}@{self.digest[:12]}"
+        """``<arch>@<version>``: which export this is, in ``X-Model-Id`` and ``/info``."""
+        return f"{self.arch}@{self.version}"
+
+
+def model_version(model_id: str) -> str:
+    """The version part of a model id (``<arch>@<version>``), e.g. from a worker's heartbeat.
+
+    >>> model_version("efficientnet_lite0@89e9be0d4f64")
+    '89e9be0d4f64'
+    """
+    return model_id.rsplit("@", 1)[-1]
 
 
 def sha256_file(path: Path) -> str:

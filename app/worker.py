@@ -30,7 +30,7 @@ from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
-from app.manifest import read_manifest
+from app.manifest import model_version, read_manifest
 from app.settings import Settings, get_settings
 from app.workers.messages import WorkerConfig
 from app.workers.plan import plan_from_settings, worker_config
@@ -101,7 +101,7 @@ def consumer_main(spec: ConsumerSpec) -> None:
     }
     consumer = Consumer(
         client,
-        Keys(spec.prefix, spec.model_id.rsplit("@", 1)[1]),
+        Keys(spec.prefix, model_version(spec.model_id)),
         spec.name,
         prepared,
         description=description,

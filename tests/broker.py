@@ -167,7 +167,7 @@ def stream_key(store: Path, task: str) -> str:
     """The stream the workers of ``store``'s export read ``task`` requests from."""
     from app.manifest import read_manifest
 
-    return f"{PREFIX}:{{q}}:{read_manifest(store).model_id.rsplit('@', 1)[1]}:{task}"
+    return f"{PREFIX}:{{q}}:{read_manifest(store).version}:{task}"
 
 
 def stream_state(redis_server: RedisServer) -> dict[str, tuple[int, int]]:

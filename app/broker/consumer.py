@@ -32,11 +32,10 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from app.broker.health import Heartbeat, TroubleLog
-from app.broker.keys import GROUP, Keys
+from app.broker.keys import GROUP, HEARTBEAT_S, REPLY_TTL_S, Keys
 from app.broker.orphans import Entry, EntryId, OrphanClaims
 from app.broker.readahead import ReadAhead
 from app.broker.stats import ConsumerStats
-from app.broker.transport import HEARTBEAT_S, REPLY_TTL_S, _text
 from app.broker.wire import (
     MalformedMessage,
     Request,
@@ -44,12 +43,12 @@ from app.broker.wire import (
     encode_error,
     encode_result,
     entry_time_ms,
+    text,
 )
 from app.errors import InferenceError, ServerError
 from app.jobs import Task, TopK
 from app.workers.batches import results
 from app.workers.handle import rss_bytes
-from app.workers.messages import BatchDone
 from app.workers.process import PreparedWorker
 
 log = logging.getLogger("app.worker")
@@ -167,7 +166,7 @@ class Consumer(OrphanClaims):
                 time.sleep(RETRY_S)
                 continue
             if read:
-                fetched = [(_text(stream), entries) for stream, entries in cast(list[Any], read)]
+                fetched = [(text(stream), entries) for stream, entries in cast(list[Any], read)]
                 self._ahead.put(fetched, time.perf_counter() - started)
 
     def _ensure_groups(self) -> None:
@@ -202,7 +201,7 @@ class Consumer(OrphanClaims):
                     raise MalformedMessage(f"a {request.task} request in the {task} stream")
                 expired = entry_time_ms(entry_id) + request.ttl_ms <= now_ms
             except Exception as exc:  # MalformedMessage, or anything a forged entry causes
-                self._error(f"dropped malformed entry {_text(entry_id)[:40]}: {str(exc)[:200]}")
+                self._error(f"dropped malformed entry {text(entry_id)[:40]}: {str(exc)[:200]}")
                 self.stats.malformed += 1
                 dropped.append(entry_id)
                 continue
@@ -255,8 +254,8 @@ class Consumer(OrphanClaims):
         outputs = {}
         if len(pixels):
             outputs = self.prepared.runner.run(task, pixels, max(top_ks))
-        positions = tuple(range(len(requests)))
-        answers = results(task, top_ks, positions, BatchDone(0, positions, outputs, 0.0, errors))
+        positions = range(len(requests))
+        answers = results(task, top_ks, positions, outputs, errors)
         return [answers[position] for position in positions]
 
     def _answer(

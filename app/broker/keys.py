@@ -1,5 +1,5 @@
 """The Redis keys front ends and workers share, all under one prefix (``MB_BROKER_PREFIX``),
-so a Redis ACL user can be limited to ``~<prefix>:*``."""
+so a Redis ACL user can be limited to ``~<prefix>:*``, and the timings both sides rely on."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from app.jobs import Task
 
 GROUP = "workers"  # the consumer group every worker joins, on every task's stream
+# Workers heartbeat every HEARTBEAT_S; one silent for STALE_S counts as gone.
+HEARTBEAT_S = 1.0
+STALE_S = 3.0
+# A reply list nobody reads (its front end died) expires this long after its last reply.
+REPLY_TTL_S = 60
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,7 @@ class Keys:
     """
 
     prefix: str
-    model: str  # the first 12 hex of the export's manifest sha256 (its model id)
+    model: str  # the served export's version (``Manifest.version``)
 
     def stream(self, task: Task) -> str:
         """One stream per task, so a batch never mixes endpoints, and per export, so front

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app.broker.keys import GROUP, Keys
+from app.broker.keys import GROUP, STALE_S, Keys
 from app.broker.stats import ConsumerStats
-from app.broker.transport import STALE_S, _text
-from app.broker.wire import MAX_TTL_MS, Request, decode_request, encode_error
+from app.broker.wire import MAX_TTL_MS, Request, decode_request, encode_error, text
 from app.errors import InferenceError
 from app.jobs import Task
 
@@ -78,7 +77,7 @@ class OrphanClaims:
         seconds, micros = self.client.time()
         now_ms = seconds * 1000 + micros // 1000
         live = {
-            _text(name)
+            text(name)
             for name in self.client.zrangebyscore(
                 self.keys.heartbeats, now_ms - int(1000 * STALE_S), "+inf"
             )
@@ -101,7 +100,7 @@ class OrphanClaims:
                 for entry in pending:
                     if stop.is_set():
                         return
-                    consumer = _text(entry["consumer"])
+                    consumer = text(entry["consumer"])
                     idle = int(entry["time_since_delivered"])
                     if consumer == self.name:
                         orphaned = own or idle >= stuck_ms
@@ -109,11 +108,11 @@ class OrphanClaims:
                         orphaned = consumer not in live
                     if orphaned:
                         self._take_over(
-                            stream, _text(entry["message_id"]), idle, int(entry["times_delivered"])
+                            stream, text(entry["message_id"]), idle, int(entry["times_delivered"])
                         )
                 if len(pending) < PAGE:
                     break
-                start = "(" + _text(pending[-1]["message_id"])
+                start = "(" + text(pending[-1]["message_id"])
         if not own and time.monotonic() - self._last_cleanup > FORGET_S:
             self._last_cleanup = time.monotonic()
             self._forget_the_long_gone(now_ms)
@@ -129,7 +128,7 @@ class OrphanClaims:
             log.error(
                 "worker %s: entry %s was delivered %d times without an answer; answering 500",
                 self.name,
-                _text(entry_id),
+                text(entry_id),
                 delivered,
             )
             try:

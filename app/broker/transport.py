@@ -32,12 +32,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from app.batching import BatchItem
-from app.broker.keys import Keys
+from app.broker.keys import STALE_S, Keys
 from app.broker.wire import (
     MalformedMessage,
     decode_reply,
     decode_worker_info,
     encode_request,
+    text,
 )
 from app.errors import (
     BrokerUnavailable,
@@ -47,15 +48,11 @@ from app.errors import (
     WorkerDied,
 )
 from app.jobs import BatchKey, ImageJob, Task
+from app.manifest import model_version
 
 log = logging.getLogger(__name__)
 
-# Workers heartbeat every HEARTBEAT_S; one silent for STALE_S counts as gone.
-HEARTBEAT_S = 1.0
-STALE_S = 3.0
 MONITOR_S = 1.0
-# A reply list nobody reads (its front end died) expires this long after its last reply.
-REPLY_TTL_S = 60
 REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
 RECONNECT_S = 0.5
 NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
@@ -200,24 +197,22 @@ class BrokerTransport:
         stream = self.keys.stream(task)
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future  # before the entry exists: a fast reply finds it
+        added: Any = None  # the entry id (bytes), or the queue depth (int) when full
         try:
             added = await self._admit(
                 keys=list(self.keys.streams),
                 args=[list(Task).index(task) + 1, self.max_queue, fields["h"], fields["img"]],
             )
         except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
-            self._pending.pop(request_id, None)
             log.error("broker: Redis refused a request: %s", exc)
             return BrokerUnavailable("the broker (Redis) refused the request")
         except (RedisError, OSError) as exc:  # only this request failed to go out
-            self._pending.pop(request_id, None)
             self._unreachable(exc)
             return BrokerUnavailable("the broker (Redis) cannot be reached")
-        except BaseException:
-            self._pending.pop(request_id, None)
-            raise
+        finally:
+            if not isinstance(added, bytes):  # not added (an entry id is bytes): no reply comes
+                self._pending.pop(request_id, None)
         if isinstance(added, int):  # the streams held max_queue entries: not added
-            self._pending.pop(request_id, None)
             return QueueFull(
                 f"the shared queue is full ({added} waiting)",
                 retry_after_s=self._retry_after(added),
@@ -351,7 +346,7 @@ class BrokerTransport:
             )
             infos: list[Any] = []
             if names:
-                infos = await self._redis.hmget(self.keys.worker_info, [_text(n) for n in names])
+                infos = await self._redis.hmget(self.keys.worker_info, [text(n) for n in names])
         except (RedisError, OSError) as exc:
             self._unreachable(exc)
             return
@@ -371,7 +366,7 @@ class BrokerTransport:
             except MalformedMessage as exc:
                 log.error("broker: ignored a worker's heartbeat: %s", str(exc)[:300])
                 continue
-            if info.model_id.rsplit("@", 1)[-1] == self.keys.model:  # serves this export
+            if model_version(info.model_id) == self.keys.model:  # serves this export
                 workers.append(info.model_dump(mode="json"))
         self._workers = sorted(workers, key=lambda w: str(w["name"]))
         self._update_rate(time.monotonic(), sum(int(w.get("items", 0)) for w in workers))
@@ -385,8 +380,3 @@ class BrokerTransport:
                 rate = (items - before) / (now - then)
                 self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate
         self._last_items = (now, items)
-
-
-def _text(value: object) -> str:
-    """Redis's replies come as bytes (or str, or loosely typed): text, for names and ids."""
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -25,14 +25,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.errors import (
-    DeadlineExceeded,
-    InferenceError,
-    InvalidImage,
-    PayloadTooLarge,
-    ServerError,
-    UnsupportedImageFormat,
-)
+from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
 from app.jobs import Task, TopK
 
 WIRE_VERSION = 1
@@ -45,14 +38,8 @@ _TOKEN = re.compile(r"^[A-Za-z0-9:._-]{1,128}$")
 REPLY_ARRAYS: dict[str, str] = {"embedding": "<f4", "indices": "<i8", "probs": "<f4"}
 # The only errors a reply may name: rebuilt as these classes, anything else is refused.
 REPLY_ERRORS: dict[str, type[ServerError]] = {
-    cls.__name__: cls
-    for cls in (
-        InvalidImage,
-        UnsupportedImageFormat,
-        PayloadTooLarge,
-        InferenceError,
-        DeadlineExceeded,
-    )
+    **IMAGE_ERRORS,
+    **{cls.__name__: cls for cls in (InferenceError, DeadlineExceeded)},
 }
 
 
@@ -136,10 +123,14 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
     )
 
 
+def text(value: object) -> str:
+    """Redis's replies come as bytes (or str, or loosely typed): text, for names and ids."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def entry_time_ms(entry_id: bytes | str) -> int:
     """The Redis time (ms) at which a stream entry was added: its id's first part."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])
+    return int(text(entry_id).split("-", 1)[0])
 
 
 def _frame(header: dict[str, Any], payload: Sequence[bytes] = ()) -> bytes:

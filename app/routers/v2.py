@@ -130,7 +130,7 @@ async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
         ]
     return ModelMetadata(
         name=manifest.arch,
-        versions=[manifest.model_id.rsplit("@", 1)[1]],
+        versions=[manifest.version],
         platform="pytorch_torchscript",
         inputs=[TensorSpec(name=INPUT, datatype="BYTES", shape=[-1])],
         outputs=outputs,
@@ -189,7 +189,7 @@ async def infer(
             if "top_k_indices" in wanted:
                 indices = np.stack([t.indices for t in top])
                 outputs.append(_output("top_k_indices", "INT64", indices))
-    version = predictor.manifest.model_id.rsplit("@", 1)[1]
+    version = predictor.manifest.version
     return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
 
 

@@ -8,22 +8,16 @@ encoded uploads: the Streamer never mixes the two (``app.jobs.BatchKey``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from app.errors import (
-    InferenceError,
-    InvalidImage,
-    PayloadTooLarge,
-    ServerError,
-    UnsupportedImageFormat,
-)
+from app.errors import IMAGE_ERRORS, InferenceError, ServerError
 from app.jobs import Task, TopK
 from app.workers.buffer import Inline, InputBuffer, Spans
-from app.workers.messages import BatchDone, RunBatch
+from app.workers.messages import RunBatch
 
 if TYPE_CHECKING:
     import torch
@@ -32,10 +26,6 @@ if TYPE_CHECKING:
 
 # position in the batch -> (error class name, message), for uploads a worker could not decode
 Errors = dict[int, tuple[str, str]]
-# The errors a worker may report for one image, by class name; nothing else is rebuilt.
-IMAGE_ERRORS: dict[str, type[ServerError]] = {
-    cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
-}
 
 
 def write_images(
@@ -84,21 +74,25 @@ def image_error(name: str, message: str) -> ServerError:
 
 
 def results(
-    task: Task, top_ks: Sequence[int], ids: Sequence[int], reply: BatchDone
+    task: Task,
+    top_ks: Sequence[int],
+    ids: Sequence[int],
+    outputs: Mapping[str, npt.NDArray[Any]],
+    errors: Errors,
 ) -> dict[int, Any]:
-    """Each item's result from a worker's reply: ``ids[row]`` gets its row of the outputs
-    (its embedding, or its top ``top_ks[row]`` classes), or the error its upload met."""
-    computed = [row for row in range(len(ids)) if row not in reply.errors]
-    answers: dict[int, Any] = {ids[row]: image_error(*error) for row, error in reply.errors.items()}
+    """Each item's result from a worker's outputs: ``ids[row]`` gets its row of them (its
+    embedding, or its top ``top_ks[row]`` classes), or the error its upload met."""
+    computed = [row for row in range(len(ids)) if row not in errors]
+    answers: dict[int, Any] = {ids[row]: image_error(*error) for row, error in errors.items()}
     if not computed:
         return answers
     if task is Task.EMBEDDING:
-        embedding = reply.outputs["embedding"]
+        embedding = outputs["embedding"]
         if len(embedding) != len(computed):
             raise InferenceError(f"{len(embedding)} embeddings for {len(computed)} images")
         answers.update({ids[row]: embedding[out] for out, row in enumerate(computed)})
         return answers
-    indices, probs = reply.outputs["indices"], reply.outputs["probs"]
+    indices, probs = outputs["indices"], outputs["probs"]
     if len(indices) != len(computed) or len(probs) != len(computed):
         raise InferenceError(f"{len(indices)} tag rows for {len(computed)} images")
     for out, row in enumerate(computed):

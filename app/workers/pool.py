@@ -226,7 +226,7 @@ class WorkerPool:
             self._on_compute(key.task.value, len(items), reply.compute_s)
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
-        return results(key.task, top_ks, ids, reply)
+        return results(key.task, top_ks, ids, reply.outputs, reply.errors)
 
     async def _wait_reply(
         self, worker: WorkerHandle, future: asyncio.Future[BatchDone], size: int

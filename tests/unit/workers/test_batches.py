@@ -103,7 +103,7 @@ def test_each_item_gets_its_own_row_or_its_own_error() -> None:
     reply = BatchDone(
         1, (10, 11, 12), {"indices": indices, "probs": probs}, 0.1, {1: ("InvalidImage", "bad")}
     )
-    answers = results(Task.TAG, [3, 2, 1], (10, 11, 12), reply)
+    answers = results(Task.TAG, [3, 2, 1], (10, 11, 12), reply.outputs, reply.errors)
     assert isinstance(answers[11], InvalidImage)
     first, third = answers[10], answers[12]
     assert isinstance(first, TopK) and isinstance(third, TopK)
@@ -114,7 +114,7 @@ def test_each_item_gets_its_own_row_or_its_own_error() -> None:
 def test_embeddings_are_matched_to_the_items_that_computed() -> None:
     embedding = np.arange(6, dtype=np.float32).reshape(2, 3)
     reply = BatchDone(1, (5, 6, 7), {"embedding": embedding}, 0.1, {0: ("PayloadTooLarge", "big")})
-    answers = results(Task.EMBEDDING, [0, 0, 0], (5, 6, 7), reply)
+    answers = results(Task.EMBEDDING, [0, 0, 0], (5, 6, 7), reply.outputs, reply.errors)
     assert isinstance(answers[5], PayloadTooLarge)
     assert answers[6].tolist() == [0, 1, 2] and answers[7].tolist() == [3, 4, 5]
 
@@ -122,4 +122,4 @@ def test_embeddings_are_matched_to_the_items_that_computed() -> None:
 def test_a_reply_with_the_wrong_number_of_rows_fails_loudly() -> None:
     reply = BatchDone(1, (5, 6), {"embedding": np.zeros((1, 3), np.float32)})
     with pytest.raises(InferenceError, match="1 embeddings for 2 images"):
-        results(Task.EMBEDDING, [0, 0], (5, 6), reply)
+        results(Task.EMBEDDING, [0, 0], (5, 6), reply.outputs, reply.errors)
