@@ -28,6 +28,11 @@ class InputSpec(BaseModel):
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """One preprocessed image as uint8 pixels: (height, width, RGB)."""
+        return (self.crop_size, self.crop_size, 3)
+
 
 class FileEntry(BaseModel):
     path: str

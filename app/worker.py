@@ -32,12 +32,12 @@ from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
 from app.manifest import model_version, read_manifest
 from app.settings import Settings, get_settings
+from app.workers.backoff import RestartBackoff
 from app.workers.messages import WorkerConfig
 from app.workers.plan import plan_from_settings, worker_config
 
 log = logging.getLogger("app.worker")
 
-RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap
 STABLE_S = 60.0  # a worker that ran this long before it died restarts without delay growth
 STOP_TIMEOUT_S = 60.0  # a worker finishing its batch after SIGTERM gets this long
 
@@ -126,7 +126,7 @@ class Supervisor:
         self.specs = specs
         self.processes: dict[int, BaseProcess] = {}
         self.stopping = threading.Event()
-        self._failures: dict[int, int] = {}
+        self._backoff = RestartBackoff()
         self._due: dict[int, float] = {}  # index -> when to restart it
         self._started: dict[int, float] = {}  # index -> when its current life began
         self._signalled: set[int] = set()  # pids told to stop
@@ -183,11 +183,8 @@ class Supervisor:
         if self.stopping.is_set():
             return
         if time.monotonic() - self._started.get(index, 0.0) >= STABLE_S:
-            self._failures.pop(index, None)  # it served a while: start the backoff afresh
-        failures = self._failures.get(index, 0)
-        first, cap = RESTART_BACKOFF_S
-        delay = min(cap, first * 2**failures)
-        self._failures[index] = failures + 1
+            self._backoff.reset(index)  # it served a while: start the backoff afresh
+        delay = self._backoff.next_delay(index)
         log.error(
             "worker %s died (exit code %s); restarting it in %.1f s",
             self.specs[index].name,

@@ -22,6 +22,7 @@ from app.batching import BatchItem
 from app.errors import InferenceError, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
 from app.manifest import Manifest
+from app.workers.backoff import RestartBackoff
 from app.workers.batches import results, write_images
 from app.workers.handle import WorkerHandle
 from app.workers.lending import batch_threads
@@ -76,8 +77,6 @@ class WorkerPool:
     >>> # await pool.aclose()
     """
 
-    RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap
-
     def __init__(
         self,
         manifest: Manifest,
@@ -94,8 +93,7 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self._on_compute = on_compute  # (task, batch size, seconds in the worker) per batch
-        size = manifest.input.crop_size
-        self.image_shape = (size, size, 3)
+        self.image_shape = manifest.input.image_shape
         self._buffer_size = buffer_bytes(config, self.image_shape)
         self._workers: list[WorkerHandle] = []
         # Last in, first out: at low load the worker that just answered takes the next batch,
@@ -103,7 +101,7 @@ class WorkerPool:
         self._idle: asyncio.LifoQueue[WorkerHandle] = asyncio.LifoQueue()
         self._batch_ids = itertools.count()
         self._restarts: dict[int, asyncio.Task[None]] = {}
-        self._failures: dict[int, int] = {}
+        self._backoff = RestartBackoff()
         self._closing = False
         self._restart_count = 0
         self.stats = PoolStats()
@@ -258,7 +256,7 @@ class WorkerPool:
 
     def _on_idle(self, worker: WorkerHandle) -> None:
         if worker.batches:  # it has answered a batch: it works, reset its restart backoff
-            self._failures.pop(worker.index, None)
+            self._backoff.reset(worker.index)
         self._idle.put_nowait(worker)
 
     # -- supervision -------------------------------------------------------------------------
@@ -291,10 +289,7 @@ class WorkerPool:
         try:
             await dead.stop(0.0, f"model worker {index} died")
             while not self._closing:
-                failures = self._failures.get(index, 0)
-                first, cap = self.RESTART_BACKOFF_S
-                delay = min(cap, first * 2**failures)
-                self._failures[index] = failures + 1
+                delay = self._backoff.next_delay(index)
                 log.warning("restarting worker %d on %s in %.1f s", index, dead.device, delay)
                 await asyncio.sleep(delay)
                 worker = self._spawn(index)

@@ -35,8 +35,7 @@ class BatchRunner:
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
-        size = self.models.manifest.input.crop_size
-        return (size, size, 3)
+        return self.models.manifest.input.image_shape
 
     def to_input(self, pixels: Pixels) -> torch.Tensor:
         """uint8 [n, H, W, 3] -> normalised float32 [n, 3, H, W] (channels-last in memory)."""
