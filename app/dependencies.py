@@ -30,6 +30,12 @@ def serving_predictor(request: Request) -> Predictor:
     return predictor
 
 
+def is_ready(request: Request) -> bool:
+    """Whether this server takes requests: a model worker is ready and it is not stopping."""
+    transport = getattr(request.app.state, "transport", None)
+    return transport is not None and transport.ready and not request.app.state.closing
+
+
 def require_api_key(request: Request, settings: Settings) -> None:
     """401 unless ``API_KEY`` is unset or the request carries it as a bearer token."""
     expected = settings.api_key

@@ -108,6 +108,11 @@ class Engine:
         assert self._predictor is not None, "start the engine first"
         return self._predictor
 
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting: in this process's queue, and (broker mode) in the shared one."""
+        return self.streamer.queue_depth + self.transport.shared_queue_depth
+
     async def start(self) -> None:
         """Verify the store, start every worker (raises ``StartupError`` with a clear
         message if one cannot start), then the Streamer. Undoes what it started if any of

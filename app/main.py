@@ -122,8 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             state.model_id = engine.predictor.manifest.model_id  # X-Model-Id on every answer
             metrics.watch(
                 lambda: {
-                    "queue_depth": engine.streamer.queue_depth
-                    + engine.transport.shared_queue_depth,
+                    "queue_depth": engine.queue_depth,
                     "in_flight": engine.streamer.in_flight,
                     "workers": engine.transport.describe(),
                     "restarts": engine.transport.restart_count,

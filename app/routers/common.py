@@ -1,4 +1,5 @@
-"""Helpers shared by the prediction routes: deadlines, batch traces, client disconnects."""
+"""Helpers shared by the prediction routes (``/predict`` and ``/v2``): deadlines, batch
+traces, client disconnects, the bounds of ``k`` and the error answers they document."""
 
 from __future__ import annotations
 
@@ -6,16 +7,21 @@ import asyncio
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from app.batching import Trace
 from app.errors import ClientDisconnected, InvalidParameter
+from app.schemas import ErrorResponse
 
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+DEFAULT_K, MAX_K = 5, 1000  # labels a tag request returns: unless asked, and at most
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
+}
 
 
 def request_deadline(request: Request, default_timeout_s: float) -> float:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.dependencies import PredictorDep, SettingsDep
+from app.dependencies import PredictorDep, SettingsDep, is_ready
 from app.schemas import Health, Readiness, WorkerState
 
 router = APIRouter(tags=["meta"])
@@ -28,15 +28,12 @@ def _workers(request: Request) -> list[dict[str, Any]]:
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(request: Request) -> JSONResponse:
     """Readiness: 200 while a model worker is ready and the server is not stopping, else 503."""
-    state = request.app.state
-    transport, streamer = getattr(state, "transport", None), getattr(state, "streamer", None)
-    ready = transport is not None and transport.ready and not state.closing
+    engine = getattr(request.app.state, "engine", None)
+    ready = is_ready(request)
     body = Readiness(
         status="ready" if ready else "not_ready",
-        queue_depth=(streamer.queue_depth + transport.shared_queue_depth)
-        if streamer is not None and transport is not None
-        else 0,
-        in_flight=streamer.in_flight if streamer is not None else 0,
+        queue_depth=engine.queue_depth if engine is not None else 0,
+        in_flight=engine.streamer.in_flight if engine is not None else 0,
         workers=[WorkerState(**w) for w in _workers(request)],
     )
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

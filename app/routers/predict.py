@@ -9,18 +9,21 @@ from fastapi.responses import JSONResponse
 
 from app.dependencies import app_settings, require_api_key, serving_predictor
 from app.errors import InvalidRequest
-from app.routers.common import batch_trace, request_deadline, unless_disconnected
+from app.routers.common import (
+    DEFAULT_K,
+    ERRORS,
+    MAX_K,
+    batch_trace,
+    request_deadline,
+    unless_disconnected,
+)
 from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
-from app.schemas import ErrorResponse, TagOut
+from app.schemas import TagOut
 from app.services.predictor import Predictor
 
 router = APIRouter(prefix="/predict", tags=["predict"], route_class=DirectRoute)
 
-ERRORS: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
-}
-MAX_K = 1000
 K_HELP = "how many labels to return"
 SHAPE_HEADER = "X-Embedding-Shape"
 EMBEDDING_BYTES_HELP = (
@@ -48,7 +51,7 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "properties": {FILE_FIELD: images},
         "required": [FILE_FIELD],
     }
-    k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": 5}
+    k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": DEFAULT_K}
     if with_k:
         form["properties"]["k"] = {
             **k_schema,
@@ -78,7 +81,7 @@ def _k(form_value: str | None, query_value: str | None) -> int:
     """``k`` from the form field, else the query, else 5; 422 unless 1 <= k <= MAX_K."""
     value = form_value if form_value is not None else query_value
     if value is None:
-        return 5
+        return DEFAULT_K
     try:
         k = int(value)
     except ValueError:

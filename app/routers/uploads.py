@@ -55,7 +55,11 @@ class Upload:
 
     images: list[Image]
     fields: dict[str, str] = field(default_factory=dict)
-    several: bool = False  # the form repeated the image field: the answer is a list
+
+    @property
+    def several(self) -> bool:
+        """The form repeated the image field: the answer is a list."""
+        return len(self.images) > 1
 
     @property
     def data(self) -> list[bytes]:
@@ -197,4 +201,4 @@ async def _read_form(request: Request, boundary: bytes, max_bytes: int, max_imag
         raise InvalidRequest(f"{missing}unexpected file field(s) {names}; {HOW_TO_SEND}")
     if not form.images:
         raise InvalidRequest(f"the form field '{FILE_FIELD}' is missing; {HOW_TO_SEND}")
-    return Upload(form.images, form.fields, several=len(form.images) > 1)
+    return Upload(form.images, form.fields)

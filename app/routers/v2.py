@@ -23,10 +23,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from app.dependencies import PredictorDep, SettingsDep, app_settings, require_api_key
+from app.dependencies import (
+    PredictorDep,
+    SettingsDep,
+    app_settings,
+    is_ready,
+    require_api_key,
+)
 from app.errors import InvalidRequest, ModelNotFound
-from app.routers.common import batch_trace, request_deadline, unless_disconnected
-from app.schemas import ErrorResponse
+from app.routers.common import (
+    DEFAULT_K,
+    ERRORS,
+    MAX_K,
+    batch_trace,
+    request_deadline,
+    unless_disconnected,
+)
 from app.services.predictor import Predictor
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
@@ -81,21 +93,10 @@ class InferResponse(BaseModel):
     outputs: list[InferOutput]
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
-}
-
-
 def _served(predictor: Predictor, name: str) -> None:
     if name != predictor.manifest.arch:
         raise ModelNotFound(f"no model named {name!r} here; this server serves "
                             f"{predictor.manifest.arch!r}")  # fmt: skip
-
-
-def _ready(request: Request) -> bool:
-    state = request.app.state
-    transport = getattr(state, "transport", None)
-    return transport is not None and transport.ready and not state.closing
 
 
 @router.get("")
@@ -113,8 +114,8 @@ async def live() -> dict[str, bool]:
 @router.get("/health/ready", responses={503: {"description": "not ready"}})
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 while a model worker is ready and the server is not stopping."""
-    is_ready = _ready(request)
-    return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+    ready = is_ready(request)
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
 
 @router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
@@ -141,8 +142,8 @@ async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
 async def model_ready(name: str, request: Request, predictor: PredictorDep) -> JSONResponse:
     """The model's readiness: as the server's."""
     _served(predictor, name)
-    is_ready = _ready(request)
-    return JSONResponse({"name": name, "ready": is_ready}, status_code=200 if is_ready else 503)
+    ready = is_ready(request)
+    return JSONResponse({"name": name, "ready": ready}, status_code=200 if ready else 503)
 
 
 async def _authorized(request: Request) -> None:
@@ -176,19 +177,20 @@ async def infer(
     deadline = request_deadline(request, settings.mb_request_timeout)
     outputs: list[InferOutput] = []
     with batch_trace(request) as trace:
+        top = None
+        if {"top_k_probs", "top_k_indices"} & set(wanted):  # first: k is checked before any run
+            k = _k(body.parameters)
+            top = await unless_disconnected(request, predictor.top_k(images, k, deadline, trace))
         if "embedding" in wanted:
             vectors = await unless_disconnected(
                 request, predictor.embeddings(images, deadline, trace)
             )
             outputs.append(_output("embedding", "FP32", vectors))
-        if {"top_k_probs", "top_k_indices"} & set(wanted):
-            k = _k(body.parameters)
-            top = await unless_disconnected(request, predictor.top_k(images, k, deadline, trace))
-            if "top_k_probs" in wanted:
-                outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
-            if "top_k_indices" in wanted:
-                indices = np.stack([t.indices for t in top])
-                outputs.append(_output("top_k_indices", "INT64", indices))
+        if top is not None and "top_k_probs" in wanted:
+            outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
+        if top is not None and "top_k_indices" in wanted:
+            indices = np.stack([t.indices for t in top])
+            outputs.append(_output("top_k_indices", "INT64", indices))
     version = predictor.manifest.version
     return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
 
@@ -201,9 +203,9 @@ def _image(index: int, text: str) -> bytes:
 
 
 def _k(parameters: dict[str, Any] | None) -> int:
-    k = (parameters or {}).get("k", 5)
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1000:
-        raise InvalidRequest("parameters.k must be an integer from 1 to 1000")
+    k = (parameters or {}).get("k", DEFAULT_K)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise InvalidRequest(f"parameters.k must be an integer from 1 to {MAX_K}")
     return k
 
 

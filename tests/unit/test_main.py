@@ -56,6 +56,7 @@ class FakeEngine:
         self.drain_timeout_s = drain_timeout_s
         self.transport = SimpleNamespace(describe=list, restart_count=0, ready=True)
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
+        self.queue_depth = 0
         manifest = SimpleNamespace(model_id="fake@000000000000", arch="fake", weights="random")
         self.predictor = SimpleNamespace(manifest=manifest)
         self.closed_while_serving: bool | None = None
