@@ -30,7 +30,7 @@ from app.dependencies import (
     is_ready,
     require_api_key,
 )
-from app.errors import InvalidRequest, ModelNotFound
+from app.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from app.routers.common import (
     DEFAULT_K,
     ERRORS,
@@ -171,7 +171,7 @@ async def infer(
             f"input shape {given.shape} does not match its {len(given.data)} elements"
         )
     if len(given.data) > settings.max_images_per_request:
-        raise InvalidRequest(f"at most {settings.max_images_per_request} images per request")
+        raise PayloadTooLarge(f"at most {settings.max_images_per_request} images per request")
     images = [_image(index, text) for index, text in enumerate(given.data)]
     wanted = [output.name for output in body.outputs] if body.outputs else ["embedding"]
     deadline = request_deadline(request, settings.mb_request_timeout)

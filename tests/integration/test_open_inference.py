@@ -119,6 +119,7 @@ async def test_infer_answers_what_the_rest_routes_answer(
             "invalid_request",
         ),
         (_infer_body([b"not an image"]), 400, "invalid_image"),
+        (_infer_body([b"x"] * 65), 413, "payload_too_large"),  # MAX_IMAGES_PER_REQUEST is 64
     ],
 )
 async def test_bad_infer_requests_get_the_usual_error_shape(
