@@ -121,6 +121,7 @@ class _Form:
         self._name = ""
         self._filename = ""
         self._is_image = False
+        self._skip = False  # this part is a file not named image: refused at the end
         self._limit = 0
         self._size = 0  # the bytes of every image so far: together within max_bytes
         self._data = bytearray()
@@ -156,10 +157,11 @@ class _Form:
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
         self._filename = options.get(b"filename", b"").decode("utf-8", "replace")[:200]
         self._is_image = self._name == FILE_FIELD
+        self._skip = not self._is_image and b"filename" in options
         if self._is_image:
             if len(self.images) >= self.max_images:
                 raise PayloadTooLarge(f"at most {self.max_images} images per request")
-        elif b"filename" in options:
+        elif self._skip:
             self.other_files.append(self._name)
             if len(self.other_files) > MAX_TEXT_FIELDS:
                 raise ClientError(f"the form has more than {MAX_TEXT_FIELDS} other files")
@@ -169,7 +171,7 @@ class _Form:
             self._limit = MAX_TEXT_FIELD_BYTES
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
-        if not self._is_image and self._name in self.other_files:
+        if self._skip:
             return  # refused at the end; the body's own limit bounds it meanwhile
         self._data += data[start:end]
         if self._is_image and self._size + len(self._data) > self.max_bytes:
@@ -181,7 +183,7 @@ class _Form:
         if self._is_image:
             self.images.append(Image(bytes(self._data), self._filename))
             self._size += len(self._data)
-        elif self._name not in self.other_files:
+        elif not self._skip:
             self.fields[self._name] = self._data.decode("utf-8", "replace")
 
 
