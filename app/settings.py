@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -200,8 +200,13 @@ class Settings(BaseSettings):
         return parse_cuda_devices(self.cuda_devices)
 
 
-# Their values never appear in an error message (a Redis URL may hold a password).
-SECRET_SETTINGS = frozenset({"API_KEY", "MB_BROKER"})
+# Their values never appear in an error message (a Redis URL may hold a password): every
+# setting typed SecretStr, so a new secret is hidden without another list to keep.
+SECRET_SETTINGS = frozenset(
+    name.upper()
+    for name, info in Settings.model_fields.items()
+    if SecretStr in (info.annotation, *get_args(info.annotation))
+)
 
 
 def load_settings(**overrides: object) -> Settings:

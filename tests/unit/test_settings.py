@@ -130,3 +130,16 @@ def test_a_bad_broker_url_is_refused_without_echoing_it(monkeypatch: pytest.Monk
     with pytest.raises(SettingsError) as refused:
         load_settings()
     assert "MB_BROKER" in str(refused.value) and "s3cret" not in str(refused.value)
+
+
+def test_a_bad_secret_setting_is_named_but_its_value_never_shown(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MB_BROKER", "http://user:hunter2@10.0.0.5:6379/0")
+    monkeypatch.setenv("MB_BATCH_SIZE", "lots")
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    message = str(caught.value)
+    assert "MB_BROKER" in message and "hunter2" not in message
+    assert "'lots'" in message  # other settings still show what they got
