@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -14,6 +15,11 @@ from app.manifest import sha256_file
 # train.py: "state_dict"; others: "model", "model_state_dict").
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict")
 DATA_PARALLEL_PREFIX = "module."
+
+
+def hub_checkpoint(url: str) -> Path:
+    """Where torch.hub keeps the checkpoint downloaded from ``url`` (it may not be there)."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(url).path).name
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:

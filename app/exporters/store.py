@@ -57,9 +57,12 @@ def _eval(module: nn.Module) -> None:
         module.eval()
 
 
-def _trace(module: nn.Module, example: torch.Tensor, role: str) -> torch.jit.ScriptModule:
+def _trace(
+    module: nn.Module, example: torch.Tensor, role: str
+) -> tuple[torch.jit.ScriptModule, torch.Tensor]:
+    """``module`` as TorchScript, checked against itself, and its output on ``example``."""
     if isinstance(module, torch.jit.ScriptModule):  # already compiled (scripted by the caller)
-        return module
+        return module, run(module, example, f"the {role} model")
     try:
         with warnings.catch_warnings(), quiet_torchscript():
             # Shape arithmetic (e.g. TF "same" padding) is fixed at the exported input size.
@@ -68,8 +71,9 @@ def _trace(module: nn.Module, example: torch.Tensor, role: str) -> torch.jit.Scr
     except Exception as exc:
         raise ExportError(f"cannot trace the {role} model: {type(exc).__name__}: {exc}") from None
     # The server runs batches of every size: a trace that fixed the batch size fails here.
-    for x in (example, torch.rand(example.shape[0] + 1, *example.shape[1:])):
-        expected = run(module, x, f"the {role} model")
+    on_example = run(module, example, f"the {role} model")
+    bigger = torch.rand(example.shape[0] + 1, *example.shape[1:])
+    for x, expected in ((example, on_example), (bigger, run(module, bigger, f"the {role} model"))):
         with torch.no_grad():
             try:
                 got = traced(x)
@@ -80,7 +84,7 @@ def _trace(module: nn.Module, example: torch.Tensor, role: str) -> torch.jit.Scr
                 ) from None
         if got.shape != expected.shape or not torch.allclose(expected, got, atol=1e-4, rtol=1e-4):
             raise ExportError(f"traced {type(module).__name__} does not reproduce the eager model")
-    return traced
+    return traced, on_example
 
 
 def _save(module: torch.jit.ScriptModule, path: Path) -> FileEntry:
@@ -102,14 +106,13 @@ def export_split(
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     images = random_images(split.input)
-    with torch.no_grad():
-        features = split.embedding(images)
-    if features.shape != (2, split.embedding_dim):
+    embedding, features = _trace(split.embedding, images, "embedding")
+    if features.shape != (len(images), split.embedding_dim):
         raise ExportError(f"embedding output shape {tuple(features.shape)} is not (N, dim)")
-    files = {"embedding": _save(_trace(split.embedding, images, "embedding"), out / EMBEDDING_FILE)}
+    files = {"embedding": _save(embedding, out / EMBEDDING_FILE)}
     if split.classifier is not None and classes is not None:
-        traced = _trace(split.classifier, features, "classifier")
-        files["classifier"] = _save(traced, out / CLASSIFIER_FILE)
+        classifier, _ = _trace(split.classifier, features, "classifier")
+        files["classifier"] = _save(classifier, out / CLASSIFIER_FILE)
         (out / CLASSES_FILE).write_text("\n".join(classes) + "\n", encoding="utf-8")
         files["classes"] = FileEntry(path=CLASSES_FILE, sha256=sha256_file(out / CLASSES_FILE))
     else:  # files of an earlier export that the manifest would no longer vouch for

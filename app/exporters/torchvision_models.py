@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torchvision
@@ -27,7 +26,13 @@ from app.exporters.base import (
     embedding_only,
     input_spec,
 )
-from app.exporters.checkpoints import describe, head_outputs, load_state_dict, load_strict
+from app.exporters.checkpoints import (
+    describe,
+    head_outputs,
+    hub_checkpoint,
+    load_state_dict,
+    load_strict,
+)
 from app.manifest import InputSpec
 
 
@@ -58,7 +63,7 @@ def _create(name: str, **kwargs: Any) -> nn.Module:
 
 
 def _pretrained(name: str, default: Any, request: BuildRequest) -> nn.Module:
-    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(default.url).path).name
+    cached = hub_checkpoint(default.url)
     if not cached.is_file():
         raise ExportError(
             f"torchvision's pretrained weights for {name} ({default}) are not in torch.hub's "
