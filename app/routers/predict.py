@@ -8,23 +8,24 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from app.dependencies import app_settings, require_api_key, serving_predictor
-from app.errors import InvalidRequest
 from app.routers.common import (
-    DEFAULT_K,
     ERRORS,
     MAX_K,
     batch_trace,
+    parse_k,
     request_deadline,
     unless_disconnected,
 )
 from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
-from app.services.predictor import Predictor
+from app.services.predictor import DEFAULT_K, Predictor
 
 router = APIRouter(prefix="/predict", tags=["predict"], route_class=DirectRoute)
 
-K_HELP = "how many labels to return"
+K_HELP = (
+    f"how many labels to return (default {DEFAULT_K}, or the class count of a model with fewer)"
+)
 SHAPE_HEADER = "X-Embedding-Shape"
 EMBEDDING_BYTES_HELP = (
     "with Accept: application/octet-stream: the embeddings as raw little-endian float32, "
@@ -51,7 +52,7 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "properties": {FILE_FIELD: images},
         "required": [FILE_FIELD],
     }
-    k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": DEFAULT_K}
+    k_schema = {"type": "integer", "minimum": 1, "maximum": MAX_K}
     if with_k:
         form["properties"]["k"] = {
             **k_schema,
@@ -75,20 +76,6 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
             },
         },
     }
-
-
-def _k(form_value: str | None, query_value: str | None) -> int:
-    """``k`` from the form field, else the query, else 5; 422 unless 1 <= k <= MAX_K."""
-    value = form_value if form_value is not None else query_value
-    if value is None:
-        return DEFAULT_K
-    try:
-        k = int(value)
-    except ValueError:
-        raise InvalidRequest(f"k must be an integer, got {value[:20]!r}") from None
-    if not 1 <= k <= MAX_K:
-        raise InvalidRequest(f"k must be between 1 and {MAX_K}, got {k}")
-    return k
 
 
 async def _admit(request: Request) -> tuple[Predictor, Upload, float]:
@@ -151,7 +138,8 @@ async def tag(request: Request) -> JSONResponse:
     """Tag images: the top-k class names with their probabilities, most probable first (a
     list of such lists for several images, in order)."""
     predictor, upload, deadline = await _admit(request)
-    top_k = _k(upload.fields.get("k"), request.query_params.get("k"))
+    form_k = upload.fields.get("k")
+    top_k = parse_k(form_k if form_k is not None else request.query_params.get("k"))
     with batch_trace(request) as trace:
         answers = await unless_disconnected(
             request, predictor.tags(upload.data, top_k, deadline, trace, names=upload.names)

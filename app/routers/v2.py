@@ -6,9 +6,9 @@ Covered: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{n
 ``image`` of datatype ``BYTES`` (each element an encoded image as base64: JSON has no
 bytes) and the outputs ``embedding`` (FP32 ``[n, dim]``) and, for models with a classifier,
 ``top_k_probs`` (FP32 ``[n, k]``) and ``top_k_indices`` (INT64 ``[n, k]``; ``k`` from the
-request's ``parameters``, 5 by default). Not covered: the binary-data extension, model
-repository and statistics extensions, and the gRPC protocol. Errors keep this server's own
-JSON shape.
+request's ``parameters``: 5 by default, or every class of a model with fewer). Not covered:
+the binary-data extension, model repository and statistics extensions, and the gRPC
+protocol. Errors keep this server's own JSON shape.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from app.dependencies import (
 )
 from app.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from app.routers.common import (
-    DEFAULT_K,
     ERRORS,
-    MAX_K,
     batch_trace,
+    parse_k,
     request_deadline,
     unless_disconnected,
 )
@@ -179,7 +178,7 @@ async def infer(
     with batch_trace(request) as trace:
         top = None
         if {"top_k_probs", "top_k_indices"} & set(wanted):  # first: k is checked before any run
-            k = _k(body.parameters)
+            k = parse_k((body.parameters or {}).get("k"), "parameters.k")
             top = await unless_disconnected(request, predictor.top_k(images, k, deadline, trace))
         if "embedding" in wanted:
             vectors = await unless_disconnected(
@@ -200,13 +199,6 @@ def _image(index: int, text: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"input element {index} is not base64") from None
-
-
-def _k(parameters: dict[str, Any] | None) -> int:
-    k = (parameters or {}).get("k", DEFAULT_K)
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-        raise InvalidRequest(f"parameters.k must be an integer from 1 to {MAX_K}")
-    return k
 
 
 def _output(name: str, datatype: str, array: npt.NDArray[Any]) -> InferOutput:

@@ -19,6 +19,8 @@ from app.images import preprocess
 from app.jobs import BatchKey, ImageJob, Task, TopK
 from app.manifest import Manifest
 
+DEFAULT_K = 5  # labels a tag request gets unless it asks, or every class of a smaller model
+
 
 @dataclass(frozen=True)
 class Tag:
@@ -144,19 +146,27 @@ class Predictor:
         vector: npt.NDArray[np.float32] = (await self.embeddings([data], deadline, trace))[0]
         return vector
 
+    def labels_to_return(self, k: int | None) -> int:
+        """``k`` checked against the model's classes; ``None`` means the default, which is
+        ``DEFAULT_K`` or every class of a model with fewer."""
+        self.require_classifier()
+        if k is None:
+            return min(DEFAULT_K, len(self.classes))
+        if not 1 <= k <= len(self.classes):
+            raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
+        return k
+
     async def top_k(
         self,
         images: Sequence[bytes],
-        k: int,
+        k: int | None,
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
     ) -> list[TopK]:
-        """The ``k`` most probable class indices of each encoded image, with their
-        probabilities, in order, before ``deadline``."""
-        self.require_classifier()
-        if not 1 <= k <= len(self.classes):
-            raise InvalidParameter(f"k must be between 1 and {len(self.classes)}, got {k}")
+        """The ``k`` (``None``: the default) most probable class indices of each encoded
+        image, with their probabilities, in order, before ``deadline``."""
+        k = self.labels_to_return(k)
         results = await self._many(Task.TAG, images, k, deadline, trace, names)
         assert all(isinstance(result, TopK) for result in results)
         return results  # type: ignore[return-value]
@@ -164,7 +174,7 @@ class Predictor:
     async def tags(
         self,
         images: Sequence[bytes],
-        k: int,
+        k: int | None,
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
@@ -179,7 +189,7 @@ class Predictor:
         ]
 
     async def tag(
-        self, data: bytes, k: int, deadline: float, trace: Trace | None = None
+        self, data: bytes, k: int | None, deadline: float, trace: Trace | None = None
     ) -> list[Tag]:
         """The top-``k`` classes of one encoded image, answered before ``deadline``."""
         return (await self.tags([data], k, deadline, trace))[0]

@@ -3,6 +3,7 @@ model other than the default), and an embedding-only one."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -44,11 +45,29 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
         too_many = await client.post(
             "/predict/tag", files={"image": ("a.png", distinct_images(1)[0])}, data={"k": "4"}
         )
+        # Without k: the default (5) cut to the model's 3 classes, in both APIs.
+        default = await client.post(
+            "/predict/tag", files={"image": ("a.png", distinct_images(1)[0])}
+        )
+        image = base64.b64encode(distinct_images(1)[0]).decode()
+        infer = await client.post(
+            "/v2/models/timm:test_resnet/infer",
+            json={
+                "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [image]}],
+                "outputs": [{"name": "top_k_indices"}],
+            },
+        )
         info = (await client.get("/info")).json()
     assert answer.status_code == 200
     assert sorted(tag["name"] for tag in answer.json()) == ["persian", "siamese", "tabby"]
     assert sum(tag["prob"] for tag in answer.json()) == pytest.approx(1.0, abs=1e-5)
     assert too_many.status_code == 422 and too_many.json()["error"]["type"] == "invalid_parameter"
+    assert "between 1 and 3, got 4" in too_many.json()["error"]["message"]
+    assert default.status_code == 200, default.text
+    assert sorted(tag["name"] for tag in default.json()) == ["persian", "siamese", "tabby"]
+    assert infer.status_code == 200, infer.text
+    (indices,) = infer.json()["outputs"]
+    assert indices["shape"] == [1, 3] and sorted(indices["data"]) == [0, 1, 2]
     assert info["model_id"] == read_manifest(store).model_id
     assert info["model"]["arch"] == "timm:test_resnet"
 
