@@ -13,7 +13,7 @@ FRONT_ENDS ?= 2
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
-.PHONY: run run-cluster test lint bench bench-quick loadtest model install install-dev redis-server clean
+.PHONY: run run-cluster test check-install lint bench bench-quick loadtest model install install-dev redis-server clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -23,9 +23,14 @@ run-cluster: install redis-server $(MODEL_STORE)/manifest.json  ## broker mode o
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
 
 test: install-dev redis-server  ## whole test suite (CPU only) plus lint
-	$(PY) -m ruff check app tests bench
+	$(PY) -m ruff check app tests bench .ci
 	$(PY) -m mypy
 	$(PY) -m pytest
+
+# What users install, proven: a venv from requirements.txt alone (as the Docker image has) imports
+# every module, answers through `make run-cluster` and through each compose service's command.
+check-install: install-dev redis-server  ## the runtime-only install, end to end (about 5 min)
+	$(PY) .ci/runtime_check.py
 
 bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (9-10 min)
 	$(PY) -m bench --plot docs/performance.png --json docs/bench.json
@@ -37,8 +42,8 @@ loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, a
 	PY=$(PY) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) tests/load/run_loadtest.sh
 
 lint: install-dev
-	$(PY) -m ruff check app tests bench
-	$(PY) -m ruff format --check app tests bench
+	$(PY) -m ruff check app tests bench .ci
+	$(PY) -m ruff format --check app tests bench .ci
 	$(PY) -m mypy
 
 model: $(MODEL_STORE)/manifest.json  ## export the default model if it is missing
@@ -73,4 +78,4 @@ $(VENV)/.installed-dev: requirements-dev.txt requirements.txt constraints.txt | 
 	touch $(VENV)/.installed $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-runtime .pytest_cache .mypy_cache .ruff_cache
