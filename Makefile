@@ -19,7 +19,7 @@ run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
 
 run-cluster: install redis-server $(MODEL_STORE)/manifest.json  ## broker mode on one machine: redis + front ends + workers
-	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app.cluster \
+	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app.broker.cluster \
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
 
 test: install-dev redis-server  ## whole test suite (CPU only) plus lint

@@ -111,7 +111,7 @@ class Settings(BaseSettings):
         description=(
             "Broker mode: a Redis URL (redis://host:port/db, rediss:// for TLS, a password as "
             "redis://:secret@host). Front ends then start no model workers; `python -m "
-            "app.worker` runs them, on any host."
+            "app.broker.worker` runs them, on any host."
         ),
     )
     mb_broker_prefix: str = Field(

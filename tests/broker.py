@@ -1,5 +1,5 @@
 """Broker mode for real: a redis-server of the test's own on 127.0.0.1, model workers
-(``python -m app.worker``) and front ends as separate processes."""
+(``python -m app.broker.worker``) and front ends as separate processes."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def broker_env(redis_url: str, store: Path, **env: str) -> dict[str, str]:
 
 
 class Workers(ChildProcess):
-    """``python -m app.worker`` (or another script, for fault injection) with its env;
+    """``python -m app.broker.worker`` (or another script, for fault injection) with its env;
     started and waited for until ``count`` workers heartbeat through Redis."""
 
     name = "workers"
@@ -115,7 +115,7 @@ class Workers(ChildProcess):
     ) -> None:
         self.redis = redis_server
         self.count = count
-        self.command = command or [sys.executable, "-m", "app.worker"]
+        self.command = command or [sys.executable, "-m", "app.broker.worker"]
         self.env = {
             **os.environ,
             **broker_env(redis_server.url, store, MB_WORKER_NUM=str(count), MB_WORKER_THREADS="1"),

@@ -1,4 +1,4 @@
-"""``python tests/poison_worker.py``: ``python -m app.worker`` whose model kills its process
+"""``python tests/poison_worker.py``: ``python -m app.broker.worker`` whose model kills its process
 whenever a batch holds a pure magenta image (a poison input that crashes the worker, not one
 that merely raises). Fault injection lives in tests, never in the app.
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from app import worker
+from app.broker import worker
 from app.workers import runner
 
 _run = runner.BatchRunner.run

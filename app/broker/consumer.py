@@ -47,9 +47,9 @@ from app.broker.wire import (
 )
 from app.errors import InferenceError, ServerError
 from app.jobs import Task, TopK
-from app.workers.batches import results
 from app.workers.handle import rss_bytes
 from app.workers.process import PreparedWorker
+from app.workers.transfer import results
 
 log = logging.getLogger("app.worker")
 

@@ -1,5 +1,5 @@
 """How long to wait before restarting a worker that died: the in-process pool and the broker
-workers' supervisor (``python -m app.worker``) follow the same rule."""
+workers' supervisor (``python -m app.broker.worker``) follow the same rule."""
 
 from __future__ import annotations
 

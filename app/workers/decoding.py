@@ -31,7 +31,7 @@ from PIL import Image
 from app.errors import ServerError
 from app.images import Header, center_crop_box, preprocess, read_header
 from app.manifest import InputSpec
-from app.workers.batches import Errors
+from app.workers.transfer import Errors
 
 log = logging.getLogger("app.worker")
 

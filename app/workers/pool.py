@@ -23,11 +23,11 @@ from app.errors import InferenceError, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
 from app.manifest import Manifest
 from app.workers.backoff import RestartBackoff
-from app.workers.batches import results, write_images
 from app.workers.handle import WorkerHandle
 from app.workers.lending import batch_threads
 from app.workers.messages import BatchDone, RunBatch, WorkerConfig
 from app.workers.plan import WorkerPlan
+from app.workers.transfer import results, write_images
 
 log = logging.getLogger(__name__)
 

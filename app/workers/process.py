@@ -2,7 +2,7 @@
 
 ``worker_main`` is the entry point of the pool's worker processes (started with ``spawn`` by
 ``app.workers.pool``; they talk over one socket, see ``app.workers.channel``, and receive
-images through their shared buffer, see ``app.workers.batches``). ``prepare`` is the part
+images through their shared buffer, see ``app.workers.transfer``). ``prepare`` is the part
 any worker process runs first, whatever feeds it batches.
 """
 
@@ -21,7 +21,6 @@ import torch
 
 from app.logs import configure_logging
 from app.workers.allocator import retain_freed_memory
-from app.workers.batches import read_images
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder
 from app.workers.messages import (
@@ -36,6 +35,7 @@ from app.workers.messages import (
 )
 from app.workers.models import LoadOptions, load_models
 from app.workers.runner import BatchRunner, choose_batch_size
+from app.workers.transfer import read_images
 
 log = logging.getLogger("app.worker")
 

@@ -553,7 +553,7 @@ def test_the_worker_command_refuses_to_start_without_a_broker(tiny_store: Path) 
 
     env = {k: v for k, v in os.environ.items() if k != "MB_BROKER"}
     done = subprocess.run(
-        [sys.executable, "-m", "app.worker"],
+        [sys.executable, "-m", "app.broker.worker"],
         cwd=REPO,
         env={**env, "MODEL_STORE": str(tiny_store)},
         capture_output=True,
@@ -586,7 +586,7 @@ async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path
         "MB_BROKER_PREFIX": PREFIX,
         "LOG_LEVEL": "warning",
     }
-    command = [sys.executable, "-m", "app.cluster", "--redis-port", str(redis_port)]
+    command = [sys.executable, "-m", "app.broker.cluster", "--redis-port", str(redis_port)]
     process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"

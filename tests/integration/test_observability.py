@@ -159,7 +159,7 @@ def test_json_logs_cover_the_batch_job(tiny_store: Path, tmp_path: Path) -> None
         "LOG_FORMAT": "json",
     }
     done = subprocess.run(
-        [sys.executable, "-m", "app.batch", str(photos), "--task", "embedding",
+        [sys.executable, "-m", "app.bulk", str(photos), "--task", "embedding",
          "--out", str(tmp_path / "out.jsonl"), "--no-progress"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

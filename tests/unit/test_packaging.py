@@ -120,7 +120,7 @@ def test_compose_cluster_profile_runs_broker_mode() -> None:
     assert frontend["environment"]["MB_BROKER"].startswith("redis://redis:")
     assert "app.gunicorn_worker.Worker" in frontend["command"][-1]
     assert "-w 2" in frontend["command"][-1]
-    assert worker["command"] == ["python", "-m", "app.worker"]
+    assert worker["command"] == ["python", "-m", "app.broker.worker"]
     assert worker["deploy"]["replicas"] == 2
     assert "ports" not in worker  # workers only talk to Redis
 

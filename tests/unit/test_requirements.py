@@ -44,7 +44,10 @@ def imported_modules(package: Path) -> dict[str, str]:
             else:
                 continue
             for name in names:
-                found.setdefault(name.split(".")[0], path.name if package != REPO / "app" else str(path.relative_to(REPO)))
+                found.setdefault(
+                    name.split(".")[0],
+                    path.name if package != REPO / "app" else str(path.relative_to(REPO)),
+                )
     return found
 
 

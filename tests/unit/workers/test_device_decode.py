@@ -15,10 +15,10 @@ from skimage import data
 from app.images import ORIENTATION_TAG, _resize_center_crop, preprocess, read_header
 from app.jobs import Task
 from app.manifest import InputSpec
-from app.workers.batches import read_images
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder, resize_center_crop, upright
 from app.workers.messages import RunBatch
+from app.workers.transfer import read_images
 from tests.unit.test_images import encode
 
 SPEC = InputSpec(

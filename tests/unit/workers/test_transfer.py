@@ -10,10 +10,10 @@ import pytest
 
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.jobs import Task, TopK
-from app.workers.batches import image_error, read_images, results, write_images
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder
 from app.workers.messages import BatchDone, RunBatch
+from app.workers.transfer import image_error, read_images, results, write_images
 from tests.unit.test_images import SPEC, encode, gradient
 
 SHAPE = (32, 32, 3)

@@ -1,7 +1,7 @@
 """Push a folder of images through the same workers and preprocessing as the server.
 
-    python -m app.batch photos/ --task tag --out tags.jsonl
-    python -m app.batch photos/ --task embedding --out vectors.jsonl --resume
+    python -m app.bulk photos/ --task tag --out tags.jsonl
+    python -m app.bulk photos/ --task embedding --out vectors.jsonl --resume
 
 One reader walks the folder and feeds the Streamer (decoding in a thread pool), the workers on
 every configured device do the rest, and each result becomes one JSON line:
@@ -31,7 +31,7 @@ from app.errors import ServerError, StartupError
 from app.logs import configure_logging
 from app.settings import load_settings
 
-log = logging.getLogger("app.batch")
+log = logging.getLogger("app.bulk")
 
 
 def list_files(root: Path) -> list[Path]:
@@ -154,7 +154,7 @@ async def _feed(
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m app.batch",
+        prog="python -m app.bulk",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""python -m app.batch: every file answered once, bad files reported, crash-safe resume."""
+"""python -m app.bulk: every file answered once, bad files reported, crash-safe resume."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.batch import iter_results, list_files, main
+from app.bulk import iter_results, list_files, main
 from app.images import preprocess
 from app.manifest import read_manifest
 from tests.conftest import distinct_images

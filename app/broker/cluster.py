@@ -1,10 +1,11 @@
-"""``python -m app.cluster``: broker mode on one machine, in one command (``make run-cluster``).
+"""``python -m app.broker.cluster``: broker mode on one machine, in one command
+(``make run-cluster``).
 
-    python -m app.cluster --front-ends 2 --workers 2          # redis-server on 6379 too
-    MB_BROKER=redis://10.0.0.5:6379/0 python -m app.cluster   # a Redis that runs elsewhere
+    python -m app.broker.cluster --front-ends 2 --workers 2          # redis-server on 6379 too
+    MB_BROKER=redis://10.0.0.5:6379/0 python -m app.broker.cluster   # a Redis that runs elsewhere
 
 Starts a throwaway ``redis-server`` on 127.0.0.1 (unless ``MB_BROKER`` names one), the model
-workers (``python -m app.worker``, ``--workers`` processes) and the front ends (gunicorn with
+workers (``python -m app.broker.worker``, ``--workers`` processes) and the front ends (gunicorn with
 ``app.gunicorn_worker.Worker``, ``--front-ends`` processes on ``HOST``:``PORT``, sharing one
 ``/metrics`` through a fresh ``PROMETHEUS_MULTIPROC_DIR``). Every other setting comes from
 the environment, as usual. Ctrl-C or SIGTERM stops the front ends, then the workers (each
@@ -30,7 +31,7 @@ from app.settings import get_settings
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m app.cluster",
+        prog="python -m app.broker.cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             env["MB_BROKER"] = f"redis://127.0.0.1:{args.redis_port}/0"
         env["MB_WORKER_NUM"] = str(args.workers)
         started.append(
-            subprocess.Popen([sys.executable, "-m", "app.worker"], env=env, start_new_session=True)
+            subprocess.Popen(
+                [sys.executable, "-m", "app.broker.worker"], env=env, start_new_session=True
+            )
         )
         metrics = scratch / "metrics"
         metrics.mkdir()

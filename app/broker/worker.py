@@ -1,0 +1,272 @@
+"""``python -m app.broker.worker``: model workers for broker mode, on this host.
+
+    MB_BROKER=redis://10.0.0.5:6379/0 CUDA_DEVICES=0,1 MB_WORKER_NUM=4 python -m app.broker.worker
+
+Starts one worker process per device slot, as the server's own pool would (``MB_WORKER_NUM``
+spread over ``CUDA_DEVICES``, ``MB_WORKER_THREADS``, ``MB_BATCH_SIZE`` including ``auto``,
+``MB_DTYPE``, ``MB_DECODE=device``). Each verifies the model store, loads the models and
+serves the task streams at ``MB_BROKER`` (``app.broker.consumer``). Worker ``i`` of this
+host is named ``<MB_WORKER_NAME or host name>:<i>`` in every life, so a restarted worker
+picks up the entries its last life left pending. A worker that dies is restarted with
+backoff; on SIGTERM or Ctrl-C each finishes the batch it runs and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from app.errors import ModelStoreError, SettingsError, StartupError
+from app.logs import configure_logging
+from app.manifest import model_version, read_manifest
+from app.settings import Settings, get_settings
+from app.workers.backoff import RestartBackoff
+from app.workers.messages import WorkerConfig
+from app.workers.plan import plan_from_settings, worker_config
+
+log = logging.getLogger("app.worker")
+
+STABLE_S = 60.0  # a worker that ran this long before it died restarts without delay growth
+STOP_TIMEOUT_S = 60.0  # a worker finishing its batch after SIGTERM gets this long
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """Everything one broker worker process needs, picklable for ``spawn``."""
+
+    index: int
+    name: str
+    host: str
+    device: str
+    threads: int
+    config: WorkerConfig
+    url: str
+    prefix: str
+    max_deliveries: int
+    batch_timeout_s: float
+    max_image_bytes: int
+    model_id: str  # the export in the store, as the front ends must serve it too
+    restarts: int = 0
+
+
+def consumer_main(spec: ConsumerSpec) -> None:
+    """Entry point of one broker worker process."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from app.broker.consumer import Consumer
+    from app.broker.keys import Keys
+    from app.workers.process import prepare
+
+    configure_logging(spec.config.log_level, spec.config.log_format)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
+    try:
+        prepared = prepare(spec.config, spec.device, spec.threads)
+    except Exception as exc:
+        log.error(
+            "worker %s on %s failed to start: %s: %s",
+            spec.name,
+            spec.device,
+            type(exc).__name__,
+            exc,
+        )
+        sys.exit(2)
+    # The consumer retries on its own (and says so in the log); the client does not.
+    client = redis.Redis.from_url(
+        spec.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
+    )
+    description = {
+        "model_id": spec.model_id,
+        "host": spec.host,
+        "index": spec.index,
+        "pid": os.getpid(),
+        "device": spec.device,
+        "threads": spec.threads,
+        "restarts": spec.restarts,
+    }
+    consumer = Consumer(
+        client,
+        Keys(spec.prefix, model_version(spec.model_id)),
+        spec.name,
+        prepared,
+        description=description,
+        max_image_bytes=spec.max_image_bytes,
+        max_deliveries=spec.max_deliveries,
+        batch_timeout_s=spec.batch_timeout_s,
+    )
+    log.info(
+        "worker %s on %s ready (batch size %d, %d threads)",
+        spec.name,
+        spec.device,
+        prepared.batch_size,
+        spec.threads,
+    )
+    consumer.run(stop)
+
+
+class Supervisor:
+    """Keeps one process per spec running until told to stop."""
+
+    def __init__(self, specs: list[ConsumerSpec]) -> None:
+        self.specs = specs
+        self.processes: dict[int, BaseProcess] = {}
+        self.stopping = threading.Event()
+        self._backoff = RestartBackoff()
+        self._due: dict[int, float] = {}  # index -> when to restart it
+        self._started: dict[int, float] = {}  # index -> when its current life began
+        self._signalled: set[int] = set()  # pids told to stop
+
+    def _start(self, spec: ConsumerSpec) -> None:
+        process = mp.get_context("spawn").Process(
+            target=consumer_main, args=(spec,), name=f"model-worker-{spec.index}"
+        )
+        process.start()
+        self.processes[spec.index] = process
+        self._started[spec.index] = time.monotonic()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.stopping.is_set():
+            log.info("stopping the workers (each finishes its batch)")
+            self.stopping.set()
+        self._tell_to_stop()
+
+    def _tell_to_stop(self) -> None:
+        """SIGTERM to every worker not told yet (one may have started after the signal)."""
+        for process in self.processes.values():
+            pid = process.pid
+            if pid is not None and pid not in self._signalled and process.is_alive():
+                self._signalled.add(pid)
+                os.kill(pid, signal.SIGTERM)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for spec in self.specs:
+            if not self.stopping.is_set():
+                self._start(spec)
+        deadline: float | None = None
+        while True:
+            if self.stopping.is_set():
+                self._tell_to_stop()
+                if deadline is None:
+                    deadline = time.monotonic() + STOP_TIMEOUT_S
+            alive = {p.sentinel: i for i, p in self.processes.items() if p.exitcode is None}
+            if self.stopping.is_set() and not alive:
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                for index in alive.values():
+                    log.warning("worker %d did not stop in time; killing it", index)
+                    self.processes[index].kill()
+                deadline = time.monotonic() + 5
+            for sentinel in wait(list(alive), timeout=0.2):
+                self._exited(alive[sentinel])  # type: ignore[index]
+            self._restart_due()
+
+    def _exited(self, index: int) -> None:
+        process = self.processes[index]
+        process.join(timeout=1)
+        if self.stopping.is_set():
+            return
+        if time.monotonic() - self._started.get(index, 0.0) >= STABLE_S:
+            self._backoff.reset(index)  # it served a while: start the backoff afresh
+        delay = self._backoff.next_delay(index)
+        log.error(
+            "worker %s died (exit code %s); restarting it in %.1f s",
+            self.specs[index].name,
+            process.exitcode,
+            delay,
+        )
+        self._due[index] = time.monotonic() + delay
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for index, when in list(self._due.items()):
+            if self.stopping.is_set():
+                self._due.clear()
+                return
+            if now >= when:
+                del self._due[index]
+                spec = self.specs[index]
+                restarts = spec.restarts + 1
+                self.specs[index] = ConsumerSpec(**{**vars(spec), "restarts": restarts})
+                self._start(self.specs[index])
+
+
+def specs_from_settings(settings: Settings, host: str, model_id: str) -> list[ConsumerSpec]:
+    """One spec per planned worker. The workers always decode in broker mode (the uploads
+    cross the broker encoded); ``MB_DECODE=device`` decodes JPEGs on the device."""
+    assert settings.mb_broker is not None
+    plan = plan_from_settings(
+        settings, decode="device" if settings.mb_decode == "device" else "worker"
+    )
+    config = worker_config(settings, plan)
+    return [
+        ConsumerSpec(
+            index=index,
+            name=f"{host}:{index}",
+            host=host,
+            device=device,
+            threads=plan.torch_threads,
+            config=config,
+            url=settings.mb_broker.get_secret_value(),
+            prefix=settings.mb_broker_prefix,
+            max_deliveries=settings.mb_max_deliveries,
+            batch_timeout_s=settings.mb_batch_timeout,
+            max_image_bytes=settings.max_upload_bytes,
+            model_id=model_id,
+        )
+        for index, device in enumerate(plan.devices)
+    ]
+
+
+def _host_name(settings: Settings) -> str:
+    return settings.mb_worker_name or re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m app.broker.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
+    try:
+        settings = get_settings()
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if settings.mb_broker is None:
+        print("error: set MB_BROKER to the Redis URL the front ends use", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        manifest = read_manifest(settings.model_store, verify=True)  # fail here, once
+        specs = specs_from_settings(settings, _host_name(settings), manifest.model_id)
+    except (ModelStoreError, StartupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "starting %d worker(s) of %s on %s",
+        len(specs),
+        manifest.model_id,
+        ", ".join(s.device for s in specs),
+    )
+    return Supervisor(specs).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
