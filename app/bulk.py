@@ -29,6 +29,7 @@ from tqdm import tqdm
 from app.engine import Engine
 from app.errors import ServerError, StartupError
 from app.logs import configure_logging
+from app.plan import plan_serving
 from app.settings import load_settings
 
 log = logging.getLogger("app.bulk")
@@ -84,16 +85,16 @@ class ResultWriter:
 
 
 async def run(
-    root: Path, task: str, out: Path, *, top_k: int, resume: bool, progress: bool = True
+    root: Path, task: str, out: Path, *, top_k: int | None, resume: bool, progress: bool = True
 ) -> dict[str, int]:
-    settings = load_settings(mb_request_timeout=3600.0)
+    plan = plan_serving(load_settings(mb_request_timeout=3600.0))
     files, todo = await asyncio.to_thread(_plan, root, out, resume)
     counts = {"ok": 0, "error": 0, "skipped": len(files) - len(todo)}
     writer = ResultWriter(out)
     bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
     started = time.perf_counter()
     try:
-        async with Engine(settings) as engine:
+        async with Engine(plan) as engine:
             await _feed(engine, root, task, todo, top_k, writer, bar, counts)
     finally:
         bar.close()
@@ -109,27 +110,25 @@ async def _feed(
     root: Path,
     task: str,
     todo: list[Path],
-    top_k: int,
+    top_k: int | None,
     writer: ResultWriter,
     bar: Any,  # tqdm
     counts: dict[str, int],
 ) -> None:
     """Submit every file, a bounded window at a time, and write each answer as it comes.
     Raises (and leaves nothing running) if writing fails."""
-    settings = engine.settings
+    limits = engine.plan.limits
     model_id = engine.predictor.manifest.model_id  # on every line: never mix two exports
     # Enough in flight to keep every worker busy with full batches, not so much that the
     # queue bound or memory is at risk.
     transport = engine.transport
-    window = asyncio.Semaphore(
-        min(settings.mb_max_queue, 4 * transport.batch_size * transport.capacity)
-    )
+    window = asyncio.Semaphore(min(limits.max_queue, 4 * transport.batch_size * transport.capacity))
 
     async def one(path: Path) -> None:
         entry: dict[str, Any] = {"path": str(path.relative_to(root)), "model_id": model_id}
         try:
             data = await asyncio.to_thread(path.read_bytes)
-            deadline = time.monotonic() + settings.mb_request_timeout
+            deadline = time.monotonic() + limits.request_timeout_s
             if task == "tag":
                 tags = await engine.predictor.tag(data, top_k, deadline)
                 entry["result"] = [{"name": t.name, "prob": t.prob} for t in tags]
@@ -161,7 +160,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("input_dir", type=Path)
     parser.add_argument("--task", choices=["tag", "embedding"], required=True)
     parser.add_argument("--out", type=Path, required=True, help="JSON lines file to write")
-    parser.add_argument("-k", "--top-k", type=int, default=5, help="labels per image (tag)")
+    parser.add_argument(
+        "-k", "--top-k", type=int, help="labels per image (tag; default 5, or every class if fewer)"
+    )
     parser.add_argument("--resume", action="store_true", help="skip paths already in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--no-progress", action="store_true")

@@ -40,12 +40,14 @@ The two 422s differ in whose rule the request breaks:
     ClientError          bad_input
     ClientDisconnected   client_disconnected
     QueueFull            queue_full
+    NotReady             not_ready
     WorkerDied           worker_died
     BrokerUnavailable    broker_unavailable
     DeadlineExceeded     timeout
 
-Errors without one (``NotReady``, ``InferenceError``, ``BatchContractError``) are not
-refusals and are not counted there.
+Errors without one (``InferenceError``, ``BatchContractError``) are failures, not
+refusals, and are not counted there. Every refusal is answered and counted at one place,
+``app.routers.errors.refusal``.
 
 Startup problems are not request errors and have their own branch:
 
@@ -138,6 +140,7 @@ class QueueFull(Unavailable):
 
 class NotReady(Unavailable):
     code = "not_ready"
+    reject_reason = "not_ready"
 
 
 class WorkerDied(Unavailable):

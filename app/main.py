@@ -1,4 +1,5 @@
-"""The ASGI application: ``create_app(settings)`` wires settings, the engine and the routes.
+"""The ASGI application: ``create_app(settings)`` wires the settings, their serving plan
+(``app.plan``), the engine and the routes.
 
 Nothing happens at import. Serve it with ``python -m app``, or any ASGI server that can call
 a factory: ``uvicorn --factory app.main:create_app``, or gunicorn with
@@ -22,11 +23,14 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from app.batching import Transport
 from app.engine import Engine
-from app.errors import SettingsError
+from app.errors import SettingsError, StartupError
+from app.jobs import ImageJob
 from app.logs import configure_logging
-from app.metrics import Metrics
+from app.metrics import LiveState, Metrics
 from app.observability import RequestLog
+from app.plan import plan_serving
 from app.routers import meta, predict, v2
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.settings import Settings, get_settings
@@ -71,31 +75,32 @@ def _freeze_startup_objects() -> Callable[[], None]:
     return gc.unfreeze
 
 
-def _document_bearer_auth(app: FastAPI) -> None:
-    """Show in the OpenAPI docs that the prediction routes want ``Authorization: Bearer``
-    (their handlers check it themselves; see ``app.dependencies.require_api_key``)."""
+def _without_security(app: FastAPI) -> None:
+    """With ``API_KEY`` unset no route wants a key: drop the bearer scheme that the routes
+    declaring ``REQUIRES_API_KEY`` put in the OpenAPI docs."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
-            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
-            schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "API_KEY"}
-            for path, operations in schema["paths"].items():
-                if path.startswith(predict.router.prefix) or path.endswith("/infer"):
-                    for operation in operations.values():
-                        operation["security"] = [{"bearer": []}]
+            schema.get("components", {}).pop("securitySchemes", None)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.pop("security", None)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, transport: Transport[ImageJob] | None = None
+) -> FastAPI:
     """Build the application from ``settings`` (default: the environment). Nothing starts
-    until the ASGI lifespan runs. Exits with status 2 and a message naming each bad setting
-    when the environment is invalid (an ASGI server calling the factory has no better way
-    to report it)."""
+    until the ASGI lifespan runs. ``transport`` replaces the one the settings ask for (model
+    workers here, or the broker): an ``app.testing.FakeTransport``, say. Exits with status 2
+    and a message naming each bad setting when the environment is invalid (an ASGI server
+    calling the factory has no better way to report it)."""
     if settings is None:
         try:
             settings = get_settings()
@@ -103,31 +108,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
     configure_logging(settings.log_level, settings.log_format)
+    try:
+        plan = plan_serving(settings)
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     metrics = Metrics(
-        remote_workers=settings.mb_broker is not None,
-        multiprocess_dir=settings.prometheus_multiproc_dir,
+        remote_workers=plan.remote_workers, multiprocess_dir=settings.prometheus_multiproc_dir
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        drain_s = settings.mb_request_timeout  # admitted requests may finish at shutdown
-        async with Engine(settings, metrics, drain_timeout_s=drain_s) as engine:
+        drain_s = plan.limits.request_timeout_s  # admitted requests may finish at shutdown
+        async with Engine(plan, metrics, transport=transport, drain_timeout_s=drain_s) as engine:
             state = app.state
-            state.engine, state.transport, state.streamer = (
-                engine,
-                engine.transport,
-                engine.streamer,
-            )
+            state.engine = engine
             state.predictor = engine.predictor
             state.model_id = engine.predictor.manifest.model_id  # X-Model-Id on every answer
             metrics.watch(
-                lambda: {
-                    "queue_depth": engine.queue_depth,
-                    "in_flight": engine.streamer.in_flight,
-                    "workers": engine.transport.describe(),
-                    "restarts": engine.transport.restart_count,
-                    "model": engine.predictor.manifest,
-                }
+                lambda: LiveState(
+                    queue_depth=engine.queue_depth,
+                    in_flight=engine.streamer.in_flight,
+                    workers=engine.transport.worker_status(),
+                    model=engine.predictor.manifest,
+                )
             )
             restore_signals = _flag_closing_on_signals(app)
             unfreeze = _freeze_startup_objects()
@@ -145,18 +149,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.plan = plan
     app.state.metrics = metrics
     app.state.closing = False
     install_error_handlers(app, metrics)
     # Enforced while the body streams in (and from Content-Length before reading): an
     # oversized upload is never read whole. The exact file-size check is in the route.
     app.add_middleware(
-        BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
+        BodySizeLimit,
+        max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES,
+        metrics=metrics,
     )
     app.include_router(predict.router)
     app.include_router(meta.router)
     app.include_router(v2.router)
-    if settings.api_key is not None:
-        _document_bearer_auth(app)
+    if settings.api_key is None:
+        _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     return app

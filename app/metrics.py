@@ -17,8 +17,9 @@ Two modes change where some figures come from:
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,22 +37,58 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from app.batching import WorkerStatus
 from app.errors import ServerError
+from app.jobs import Task
+from app.manifest import Manifest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+@dataclass(frozen=True)
+class LiveState:
+    """What the gauges show, read at every scrape (``Metrics.watch``)."""
+
+    queue_depth: int = 0
+    in_flight: int = 0
+    workers: Sequence[WorkerStatus] = ()
+    model: Manifest | None = None
+
+
+class WorkerReport(Protocol):
+    """Broker mode: what a worker's heartbeat says it has run (``app.broker.wire.WorkerInfo``):
+    by task, batches by size, and the model-time and queue-wait histograms."""
+
+    @property
+    def sizes(self) -> Mapping[Task, Mapping[int, int]]: ...
+    @property
+    def model_s(self) -> Mapping[Task, Sequence[float]]: ...
+    @property
+    def wait_s(self) -> Mapping[Task, Sequence[float]]: ...
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One batch a model worker of this process ran (``WorkerPool``'s ``on_run``)."""
+
+    task: str
+    size: int
+    compute_s: float  # in the worker: decode (if any) and model
+    threads: int  # the torch threads it ran on (its own plus any lent)
+    worker: int = field(default=0)  # the worker's index
+
+
 class _LiveState(Collector):
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], LiveState]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
         state = self._read()
         depth = GaugeMetricFamily("microbatch_queue_depth", "Requests waiting for a batch.")
-        depth.add_metric([], state.get("queue_depth", 0))
+        depth.add_metric([], state.queue_depth)
         in_flight = GaugeMetricFamily("microbatch_batches_in_flight", "Batches running now.")
-        in_flight.add_metric([], state.get("in_flight", 0))
+        in_flight.add_metric([], state.in_flight)
         alive = GaugeMetricFamily(
             "microbatch_workers_alive", "Worker processes alive, by device.", labels=["device"]
         )
@@ -59,10 +96,10 @@ class _LiveState(Collector):
             "microbatch_workers_ready", "Workers loaded and serving, by device.", labels=["device"]
         )
         by_device: dict[str, list[int]] = {}
-        for worker in state.get("workers", []):
-            counts = by_device.setdefault(worker["device"], [0, 0])
-            counts[0] += int(worker["alive"])
-            counts[1] += int(worker["alive"] and worker["ready"])
+        for worker in state.workers:
+            counts = by_device.setdefault(worker.device, [0, 0])
+            counts[0] += int(worker.alive)
+            counts[1] += int(worker.alive and worker.ready)
         for device, (n_alive, n_ready) in sorted(by_device.items()):
             alive.add_metric([device], n_alive)
             ready.add_metric([device], n_ready)
@@ -71,16 +108,16 @@ class _LiveState(Collector):
             "Resident memory of each model worker.",
             labels=["worker", "device"],
         )
-        for worker in state.get("workers", []):
-            if worker.get("rss_bytes") is not None:
-                name = str(worker.get("name") or worker["index"])
-                memory.add_metric([name, worker["device"]], worker["rss_bytes"])
+        for worker in state.workers:
+            if worker.rss_bytes is not None:
+                name = worker.name or str(worker.index)
+                memory.add_metric([name, worker.device], worker.rss_bytes)
         restarts = CounterMetricFamily(
             "microbatch_worker_restarts", "Workers restarted after dying or hanging."
         )
-        restarts.add_metric([], state.get("restarts", 0))
+        restarts.add_metric([], sum(worker.restarts for worker in state.workers))
         yield from (depth, in_flight, alive, ready, memory, restarts)
-        manifest = state.get("model")
+        manifest = state.model
         if manifest is not None:  # which export this server answers with
             info = InfoMetricFamily(
                 "microbatch_model", "The model served.", labels=["model_id", "arch", "weights"]
@@ -103,7 +140,7 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir
         # CPU, memory and open files of the process that answers the scrape.
         self._live: list[Collector] = [ProcessCollector(registry=None)]
-        self._workers: list[dict[str, Any]] = []
+        self._workers: Sequence[WorkerReport] = ()
         r = self.registry
         self.requests = Counter(
             "microbatch_http_requests",
@@ -146,11 +183,11 @@ class Metrics:
             "microbatch_rejected", "Requests refused, by reason.", ["reason"], registry=r
         )
 
-    def watch(self, read_state: Callable[[], dict[str, Any]]) -> None:
+    def watch(self, read_state: Callable[[], LiveState]) -> None:
         """Export gauges read from ``read_state()`` at every scrape."""
         self._live.append(_LiveState(read_state))
 
-    def on_workers(self, workers: list[dict[str, Any]]) -> None:
+    def on_workers(self, workers: Sequence[WorkerReport]) -> None:
         """Broker mode: the heartbeats of the workers alive, with what each has run."""
         self._workers = workers
 
@@ -161,8 +198,8 @@ class Metrics:
         for wait in waits:
             histogram.observe(wait)
 
-    def on_compute(self, task: str, size: int, seconds: float) -> None:
-        self.model_time.labels(task).observe(seconds)
+    def on_run(self, run: BatchRun) -> None:
+        self.model_time.labels(run.task).observe(run.compute_s)
 
     def on_error(self, error: ServerError | type[ServerError]) -> None:
         """Count a refusal under its ``reject_reason`` (see ``app.errors``); other errors are
@@ -211,14 +248,14 @@ class _WorkerReported(Collector):
     """Broker mode: the batches the workers ran, from their heartbeats (see
     ``app.broker.consumer.ConsumerStats``), summed over the workers alive."""
 
-    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, read: Callable[[], Sequence[WorkerReport]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         workers = self._read()
-        sizes: dict[str, dict[int, int]] = {}
+        sizes: dict[Task, dict[int, int]] = {}
         for worker in workers:
-            for task, counts in (worker.get("sizes") or {}).items():
+            for task, counts in worker.sizes.items():
                 merged = sizes.setdefault(task, {})
                 for size, count in counts.items():
                     merged[int(size)] = merged.get(int(size), 0) + int(count)
@@ -233,30 +270,35 @@ class _WorkerReported(Collector):
         yield _histogram_family(
             "microbatch_batch_size", "Images per model call, by task.", buckets, sums
         )
-        for key, name, documentation in (
-            (
-                "wait_s",
-                "microbatch_queue_wait_seconds",
-                "Time an item waited for its batch, by task.",
-            ),
-            (
-                "model_s",
-                "microbatch_model_seconds",
-                "Worker time per batch (decode + model), by task.",
-            ),
-        ):
-            totals: dict[str, list[float]] = {}
-            for worker in workers:
-                for task, counts in (worker.get(key) or {}).items():
-                    if len(counts) == len(LATENCY_BUCKETS) + 2:
-                        total = totals.setdefault(task, [0.0] * len(counts))
-                        totals[task] = [a + float(b) for a, b in zip(total, counts, strict=True)]
-            buckets, sums = {}, {}
-            for task, counts in totals.items():
-                running, cumulative = 0.0, []
-                bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
-                for bound, count in zip(bounds, counts[:-1], strict=True):
-                    running += count
-                    cumulative.append((bound, running))
-                buckets[task], sums[task] = cumulative, counts[-1]
-            yield _histogram_family(name, documentation, buckets, sums)
+        yield _latency_family(
+            [worker.wait_s for worker in workers],
+            "microbatch_queue_wait_seconds",
+            "Time an item waited for its batch, by task.",
+        )
+        yield _latency_family(
+            [worker.model_s for worker in workers],
+            "microbatch_model_seconds",
+            "Worker time per batch (decode + model), by task.",
+        )
+
+
+def _latency_family(
+    reports: Sequence[Mapping[Task, Sequence[float]]], name: str, documentation: str
+) -> HistogramMetricFamily:
+    """The workers' latency histograms (bucket counts, then the sum), added up by task."""
+    totals: dict[Task, list[float]] = {}
+    for report in reports:
+        for task, counts in report.items():
+            if len(counts) == len(LATENCY_BUCKETS) + 2:
+                total = totals.setdefault(task, [0.0] * len(counts))
+                totals[task] = [a + float(b) for a, b in zip(total, counts, strict=True)]
+    buckets: dict[str, list[tuple[str, float]]] = {}
+    sums: dict[str, float] = {}
+    bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
+    for task, counts in totals.items():
+        running, cumulative = 0.0, []
+        for bound, count in zip(bounds, counts[:-1], strict=True):
+            running += count
+            cumulative.append((bound, running))
+        buckets[task], sums[task] = cumulative, counts[-1]
+    return _histogram_family(name, documentation, buckets, sums)

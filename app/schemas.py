@@ -36,6 +36,7 @@ class WorkerState(BaseModel):
     batches: int = Field(description="model calls this worker has run")
     items: int = Field(description="images this worker has been given")
     rss_bytes: int | None = Field(None, description="its resident memory")
+    restarts: int = Field(0, description="times its slot was restarted after dying or hanging")
 
 
 class Readiness(BaseModel):

@@ -14,9 +14,41 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
-from app.workers.devices import parse_cuda_devices
 
 KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
+
+AUTO = None  # sentinel returned by parse_cuda_devices: "every visible CUDA device"
+
+
+def parse_cuda_devices(text: str | None) -> list[int] | None:
+    """Parse ``CUDA_DEVICES``.
+
+    ``None`` or ``"auto"`` -> ``None`` (all visible CUDA devices, CPU when there are none);
+    ``""`` or ``"cpu"`` -> ``[]`` (CPU only); ``"0,2"`` -> ``[0, 2]``. GPU 0 is a device like
+    any other. Raises ``ValueError`` for negatives, non-integers and duplicates.
+
+    >>> parse_cuda_devices("0, 1")
+    [0, 1]
+    """
+    if text is None:
+        return AUTO
+    cleaned = text.strip().lower()
+    if cleaned == "auto":
+        return AUTO
+    if cleaned in ("", "cpu", "none"):
+        return []
+    ids: list[int] = []
+    for part in cleaned.split(","):
+        token = part.strip()
+        if not token.isdigit():
+            raise ValueError(
+                f"expected comma-separated GPU indices like '0,1', 'cpu' or 'auto', got {text!r}"
+            )
+        index = int(token)
+        if index in ids:
+            raise ValueError(f"GPU {index} is listed twice in {text!r}")
+        ids.append(index)
+    return ids
 
 
 class Settings(BaseSettings):
@@ -89,7 +121,12 @@ class Settings(BaseSettings):
     )
     model_store: Path = Field(Path("model_store"), description="Exported model directory.")
     max_upload_bytes: int = Field(
-        10 * 1024 * 1024, ge=1, description="Largest accepted upload, in bytes (413 beyond)."
+        10 * 1024 * 1024,
+        ge=1,
+        description=(
+            "Most bytes of image in one request, all its images together (413 beyond); a "
+            "multipart body may be 64 KiB larger, for its envelope and form fields."
+        ),
     )
     max_images_per_request: int = Field(
         64,

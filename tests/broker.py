@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from app.broker.wire import text
 from tests.server import REPO, ChildProcess, free_port
 
 PREFIX = "mbtest"
@@ -144,6 +145,19 @@ class Workers(ChildProcess):
             time.sleep(0.1)
         return self
 
+    def now_ms(self) -> int:
+        """Redis's clock, which stamps the heartbeats."""
+        seconds, micros = self.redis.client().time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def beat_since(self, since_ms: int) -> bool:
+        """Whether each of the ``count`` workers has sent a heartbeat stamped after
+        ``since_ms``: it then holds every batch the worker had answered by that moment (a
+        worker counts a batch before it sends the replies)."""
+        client = self.redis.client()
+        beats = client.zrangebyscore(f"{PREFIX}:{{w}}:workers", since_ms + 1, self.now_ms() + 1)
+        return len(beats) >= self.count
+
     def live(self) -> dict[str, dict[str, Any]]:
         """The workers with a fresh heartbeat, by name, as Redis has them."""
         import json
@@ -154,9 +168,9 @@ class Workers(ChildProcess):
         names = client.zrangebyscore(f"{PREFIX}:{{w}}:workers", now_ms - 3000, "+inf")
         if not names:
             return {}
-        infos = client.hmget(f"{PREFIX}:{{w}}:worker-info", names)
+        infos = client.hmget(f"{PREFIX}:{{w}}:worker-info", [text(n) for n in names])
         return {
-            name.decode(): json.loads(info) for name, info in zip(names, infos, strict=True) if info
+            text(name): json.loads(info) for name, info in zip(names, infos, strict=True) if info
         }
 
     def __enter__(self) -> Workers:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from app.batching import Transport
 from app.images import preprocess
+from app.jobs import ImageJob
 from app.manifest import read_manifest
+from app.settings import Settings
 from tests.models import export_poison, export_slow, export_tiny, tiny_expected_embedding
 
 
@@ -65,29 +67,34 @@ def distinct_images(count: int, size: int = 48) -> list[bytes]:
 def cat_jpeg() -> bytes:
     from skimage import data
 
-    return jpeg(data.chelsea())
+    return jpeg(data.chelsea())  # type: ignore[no-untyped-call]  # skimage.data is unannotated
 
 
 @pytest.fixture(scope="session")
 def coffee_jpeg() -> bytes:
     from skimage import data
 
-    return jpeg(data.coffee())
+    return jpeg(data.coffee())  # type: ignore[no-untyped-call]  # skimage.data is unannotated
 
 
 @asynccontextmanager
-async def running_app(**settings: object) -> AsyncIterator[tuple[object, object]]:
-    """Start the real app (real worker processes) in-process; yield (app, httpx client)."""
+async def running_app(
+    transport: Callable[[Settings], Transport[ImageJob]] | None = None, **settings: object
+) -> AsyncIterator[tuple[Any, Any]]:
+    """Start the real app (real worker processes) in-process; yield (app, httpx client).
+    ``transport(settings)``, when given, builds the app's transport: a ``Watched(...).wrap``
+    sees (and may hold) the batches of the transport the settings ask for."""
     import httpx
 
     from app.main import create_app
     from app.settings import load_settings
 
-    app = create_app(load_settings(**settings))
+    config = load_settings(**settings)
+    app = create_app(config, transport=transport(config) if transport is not None else None)
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
+        client_transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(
-            transport=transport, base_url="http://test", timeout=60
+            transport=client_transport, base_url="http://test", timeout=60
         ) as client:
             yield app, client
 
@@ -102,43 +109,3 @@ async def embed(client: Any, data: bytes) -> list[float]:
 def expected_for(data: bytes, store: Path) -> np.ndarray:
     """What a tiny (or slow) test model's embedding of ``data`` must be."""
     return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
-
-
-class BatchGate:
-    """Holds every batch an app's Streamer dispatches until ``open()``: the only worker looks
-    busy, so later requests pile up in the queue, where a test can count them.
-
-    >>> # with BatchGate(app.state.streamer) as gate:
-    >>> #     first = asyncio.create_task(...); await gate.wait_entered()
-    >>> #     ...; await gate.wait_queued(16); gate.open()
-    """
-
-    def __init__(self, streamer: Any) -> None:
-        self.streamer = streamer
-        self._real = streamer._batch_fn
-        self._gate = asyncio.Event()
-        self._entered = asyncio.Event()
-
-    async def _held(self, key: Any, items: Any) -> Any:
-        self._entered.set()
-        await self._gate.wait()
-        return await self._real(key, items)
-
-    def __enter__(self) -> BatchGate:
-        self.streamer._batch_fn = self._held
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._gate.set()
-        self.streamer._batch_fn = self._real
-
-    async def wait_entered(self) -> None:
-        await asyncio.wait_for(self._entered.wait(), 10)
-
-    async def wait_queued(self, count: int) -> None:
-        async with asyncio.timeout(20):
-            while self.streamer.queue_depth < count:
-                await asyncio.sleep(0.005)
-
-    def open(self) -> None:
-        self._gate.set()

@@ -33,12 +33,15 @@ class TinyEmbedding(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(x).flatten(1)
+        pooled: torch.Tensor = self.pool(x)
+        return pooled.flatten(1)
 
 
 class SlowEmbedding(TinyEmbedding):
     """TinyEmbedding plus a fixed amount of matrix work per call (not per image), so a batch
     takes a predictable while regardless of its size; the output is unchanged."""
+
+    weight: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, rounds: int) -> None:
         super().__init__()
@@ -50,7 +53,8 @@ class SlowEmbedding(TinyEmbedding):
         state = self.weight + 0.0 * x.mean()
         for _ in range(self.rounds):
             state = torch.tanh(state @ self.weight)
-        return self.pool(x).flatten(1) + 0.0 * state.mean()
+        pooled: torch.Tensor = self.pool(x)
+        return pooled.flatten(1) + 0.0 * state.mean()
 
 
 class PoisonEmbedding(nn.Module):
@@ -65,13 +69,15 @@ class PoisonEmbedding(nn.Module):
         magenta = (means[:, 0] > 0.99) & (means[:, 1] < 0.01) & (means[:, 2] > 0.99)
         if bool(magenta.any()):
             raise RuntimeError("poison image")
-        return self.pool(x).flatten(1)
+        pooled: torch.Tensor = self.pool(x)
+        return pooled.flatten(1)
 
 
 def tiny_expected_embedding(pixels: np.ndarray) -> np.ndarray:
     """What TinyEmbedding returns for one preprocessed uint8 [32, 32, 3] image."""
     x = pixels.astype(np.float32) / 255.0
-    return x.reshape(4, 8, 4, 8, 3).mean(axis=(1, 3)).transpose(2, 0, 1).reshape(-1)
+    embedding: np.ndarray = x.reshape(4, 8, 4, 8, 3).mean(axis=(1, 3)).transpose(2, 0, 1)
+    return embedding.reshape(-1)
 
 
 def export_test_model(out: Path, embedding: nn.Module, arch: str = "tiny-test") -> Path:

@@ -1,15 +1,15 @@
 """Micro-batching core: asyncio and the standard library only (no web framework, no torch)."""
 
-from app.batching.observe import BatchObserver, StreamerStats, Trace
+from app.batching.observe import BatchObserver, Trace
 from app.batching.streamer import Streamer
-from app.batching.transport import BatchFn, BatchItem, Transport
+from app.batching.transport import BatchFn, BatchItem, Transport, WorkerStatus
 
 __all__ = [
     "BatchFn",
     "BatchItem",
     "BatchObserver",
     "Streamer",
-    "StreamerStats",
     "Trace",
     "Transport",
+    "WorkerStatus",
 ]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from app.batching.observe import BatchObserver, StreamerStats, Trace
+from app.batching.observe import BatchObserver, Trace
 from app.batching.transport import BatchFn, BatchItem
 from app.errors import (
     BatchContractError,
@@ -110,7 +110,6 @@ class Streamer(Generic[T, R]):
         self._dispatcher: asyncio.Task[None] | None = None
         self._closing = False
         self._item_time_s: float | None = None  # EWMA of batch seconds per item, for Retry-After
-        self.stats = StreamerStats()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -164,7 +163,6 @@ class Streamer(Generic[T, R]):
         if self._closing or self._dispatcher is None:
             raise NotReady("server is not accepting work")
         if len(self._queue) >= self.max_queue_size:
-            self.stats.rejected_queue_full += 1
             raise QueueFull(
                 f"queue is full ({self.max_queue_size} waiting)", retry_after_s=self.retry_after_s()
             )
@@ -199,7 +197,6 @@ class Streamer(Generic[T, R]):
             trace,
         )
         self._queue.append(item)
-        self.stats.submitted += 1
         self._wake.set()
         timer = None
         if timeout is not None:
@@ -226,7 +223,6 @@ class Streamer(Generic[T, R]):
 
     def _expire(self, item: _Pending[T, R], timeout: float) -> None:
         if not item.future.done():
-            self.stats.expired += 1
             item.future.set_exception(DeadlineExceeded(f"no result within {timeout:g} s"))
 
     def retry_after_s(self) -> float:
@@ -283,7 +279,6 @@ class Streamer(Generic[T, R]):
             elif item.future.done():
                 continue
             elif item.deadline is not None and item.deadline <= now:
-                self.stats.expired += 1
                 self._fail(item, DeadlineExceeded("deadline passed while queued"))
             else:
                 batch.append(item)
@@ -295,9 +290,9 @@ class Streamer(Generic[T, R]):
             return
         now = self._clock()
         waits = [now - item.enqueued_at for item in batch]
-        for item, wait in zip(batch, waits, strict=True):
+        for item in batch:
             if item.trace is not None:
-                item.trace.batch_size, item.trace.queue_wait_s = len(batch), wait
+                item.trace.batch_size = len(batch)
         if self._on_batch is not None:
             self._on_batch(batch[0].key, len(batch), waits)
         self._in_flight += 1
@@ -310,7 +305,6 @@ class Streamer(Generic[T, R]):
 
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
         key = batch[0].key
-        self.stats.record_batch(key, len(batch))
         started = self._clock()
         try:
             try:
@@ -326,7 +320,6 @@ class Streamer(Generic[T, R]):
                     key,
                     exc,
                 )
-                self.stats.retried_batches += 1
                 for item in batch:
                     if not item.future.done():
                         await self._run_guarded(key, [item])

@@ -2,10 +2,12 @@
 
 The Streamer hands each batch to one async function, ``run_batch(key, items)``; everything
 else it and the rest of the server need from the machinery behind it (how many batches may
-run at once, how big a batch may be, whether anything can serve, what to show in ``/info``)
-is the ``Transport`` protocol below. ``app.workers.pool.WorkerPool`` fills it with model
-worker processes on this machine; another transport (a broker shared by many front ends)
-fills it without any change to the routers, the services or the Streamer.
+run at once, how big a batch may be, whether anything can serve, the state of each model
+worker for ``/readyz``, ``/info`` and the metrics) is the ``Transport`` protocol below.
+``app.workers.pool.WorkerPool`` fills it with model worker processes on this machine,
+``app.broker.transport.BrokerTransport`` with the workers behind a Redis broker, and
+``app.testing.FakeTransport`` with a function, for tests; ``Engine`` and ``create_app`` take
+any of them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,25 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One model worker as a transport reports it (``/readyz``, ``/info``, the metrics)."""
+
+    index: int
+    device: str
+    threads: int
+    pid: int | None
+    ready: bool  # loaded and serving
+    alive: bool
+    batch_size: int  # the largest batch it takes (with MB_BATCH_SIZE=auto, its choice)
+    batches: int  # model calls it has run
+    items: int  # images it has been given
+    rss_bytes: int | None = None  # its resident memory
+    restarts: int = 0  # times this worker slot was restarted after dying or hanging
+    name: str | None = None  # broker mode: "<host>:<index>"
+    host: str | None = None  # broker mode: the worker's host
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +62,7 @@ class Transport(Protocol[T]):
     >>> # await transport.start()
     >>> # streamer = Streamer(transport.run_batch, max_batch_size=transport.batch_size,
     >>> #                     max_concurrent_batches=transport.capacity, ...)
-    >>> # ... transport.ready, transport.describe() for /readyz and /info ...
+    >>> # ... transport.ready, transport.worker_status() for /readyz and /info ...
     >>> # await transport.aclose()
     """
 
@@ -67,12 +88,8 @@ class Transport(Protocol[T]):
         """Whether a batch sent now can be served (readiness)."""
 
     @property
-    def restart_count(self) -> int:
-        """Workers restarted after dying or hanging, since start."""
-
-    @property
     def shared_queue_depth(self) -> int:
         """Requests waiting beyond this process (a broker's shared queue); 0 if none."""
 
-    def describe(self) -> list[dict[str, Any]]:
-        """One entry per model worker, in the shape of ``app.schemas.WorkerState``."""
+    def worker_status(self) -> list[WorkerStatus]:
+        """One entry per model worker."""

@@ -31,10 +31,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.batching import BatchItem
+from app.batching import BatchItem, WorkerStatus
 from app.broker.keys import STALE_S, Keys
 from app.broker.wire import (
     MalformedMessage,
+    WorkerInfo,
     decode_reply,
     decode_worker_info,
     encode_request,
@@ -80,7 +81,7 @@ class BrokerTransport:
         keys: Keys,
         *,
         max_queue: int,
-        on_workers: Callable[[list[dict[str, Any]]], None] | None = None,
+        on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
     ) -> None:
         self.keys = keys
         self.max_queue = max_queue
@@ -96,7 +97,7 @@ class BrokerTransport:
         self._background: set[asyncio.Task[None]] = set()
         self._connected = False
         self._run_id: str | None = None
-        self._workers: list[dict[str, Any]] = []
+        self._workers: list[WorkerInfo] = []
         self._queue_depth = 0
         self._rate = 0.0  # images/s the workers answered, lately (for Retry-After)
         self._last_items: tuple[float, int] | None = None
@@ -118,20 +119,20 @@ class BrokerTransport:
         return self._connected and bool(self._workers)
 
     @property
-    def restart_count(self) -> int:
-        return sum(int(worker.get("restarts", 0)) for worker in self._workers)
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    @property
     def shared_queue_depth(self) -> int:
         """Entries in the shared streams at the last look (waiting or being computed)."""
         return self._queue_depth
 
-    def describe(self) -> list[dict[str, Any]]:
-        return list(self._workers)
+    def worker_status(self) -> list[WorkerStatus]:
+        """The workers that sent a heartbeat lately, as they describe themselves."""
+        return [
+            WorkerStatus(
+                index=w.index, device=w.device, threads=w.threads, pid=w.pid, ready=w.ready,
+                alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
+                rss_bytes=w.rss_bytes, restarts=w.restarts, name=w.name, host=w.host,
+            )
+            for w in self._workers
+        ]  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -367,9 +368,9 @@ class BrokerTransport:
                 log.error("broker: ignored a worker's heartbeat: %s", str(exc)[:300])
                 continue
             if model_version(info.model_id) == self.keys.model:  # serves this export
-                workers.append(info.model_dump(mode="json"))
-        self._workers = sorted(workers, key=lambda w: str(w["name"]))
-        self._update_rate(time.monotonic(), sum(int(w.get("items", 0)) for w in workers))
+                workers.append(info)
+        self._workers = sorted(workers, key=lambda w: w.name)
+        self._update_rate(time.monotonic(), sum(w.items for w in workers))
         if self._on_workers is not None:
             self._on_workers(self._workers)
 

@@ -4,11 +4,13 @@
 
 Starts one worker process per device slot, as the server's own pool would (``MB_WORKER_NUM``
 spread over ``CUDA_DEVICES``, ``MB_WORKER_THREADS``, ``MB_BATCH_SIZE`` including ``auto``,
-``MB_DTYPE``, ``MB_DECODE=device``). Each verifies the model store, loads the models and
-serves the task streams at ``MB_BROKER`` (``app.broker.consumer``). Worker ``i`` of this
-host is named ``<MB_WORKER_NAME or host name>:<i>`` in every life, so a restarted worker
-picks up the entries its last life left pending. A worker that dies is restarted with
-backoff; on SIGTERM or Ctrl-C each finishes the batch it runs and the command exits 0.
+``MB_DTYPE``, ``MB_DECODE=device``: ``app.plan`` decides it all). Each verifies the model
+store, loads the models and serves the task streams at ``MB_BROKER``
+(``app.broker.consumer``). Worker ``i`` of this host is named ``<MB_WORKER_NAME or host
+name>:<i>`` in every life, so a restarted worker picks up the entries its last life left
+pending. A worker that dies is restarted with backoff; on SIGTERM or Ctrl-C each finishes
+the batch it runs and the command exits 0. This supervising process imports no torch and
+loads no model: only its children do.
 """
 
 from __future__ import annotations
@@ -17,13 +19,11 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
-import re
 import signal
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -31,10 +31,9 @@ from types import FrameType
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
 from app.manifest import model_version, read_manifest
-from app.settings import Settings, get_settings
+from app.plan import BrokerPlan, Role, ServingPlan, WorkerConfig, plan_serving
+from app.settings import get_settings
 from app.workers.backoff import RestartBackoff
-from app.workers.messages import WorkerConfig
-from app.workers.plan import plan_from_settings, worker_config
 
 log = logging.getLogger("app.worker")
 
@@ -47,18 +46,20 @@ class ConsumerSpec:
     """Everything one broker worker process needs, picklable for ``spawn``."""
 
     index: int
-    name: str
-    host: str
     device: str
     threads: int
     config: WorkerConfig
-    url: str
-    prefix: str
-    max_deliveries: int
+    broker: BrokerPlan
     batch_timeout_s: float
     max_image_bytes: int
     model_id: str  # the export in the store, as the front ends must serve it too
     restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        """``<host>:<index>``: the same in every life, so a restarted worker picks up the
+        entries its last life left pending."""
+        return f"{self.broker.host_name}:{self.index}"
 
 
 def consumer_main(spec: ConsumerSpec) -> None:
@@ -88,11 +89,11 @@ def consumer_main(spec: ConsumerSpec) -> None:
         sys.exit(2)
     # The consumer retries on its own (and says so in the log); the client does not.
     client = redis.Redis.from_url(
-        spec.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
+        spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
     )
     description = {
         "model_id": spec.model_id,
-        "host": spec.host,
+        "host": spec.broker.host_name,
         "index": spec.index,
         "pid": os.getpid(),
         "device": spec.device,
@@ -101,12 +102,12 @@ def consumer_main(spec: ConsumerSpec) -> None:
     }
     consumer = Consumer(
         client,
-        Keys(spec.prefix, model_version(spec.model_id)),
+        Keys(spec.broker.prefix, model_version(spec.model_id)),
         spec.name,
         prepared,
         description=description,
         max_image_bytes=spec.max_image_bytes,
-        max_deliveries=spec.max_deliveries,
+        max_deliveries=spec.broker.max_deliveries,
         batch_timeout_s=spec.batch_timeout_s,
     )
     log.info(
@@ -203,39 +204,27 @@ class Supervisor:
                 del self._due[index]
                 spec = self.specs[index]
                 restarts = spec.restarts + 1
-                self.specs[index] = ConsumerSpec(**{**vars(spec), "restarts": restarts})
+                self.specs[index] = replace(spec, restarts=restarts)
                 self._start(self.specs[index])
 
 
-def specs_from_settings(settings: Settings, host: str, model_id: str) -> list[ConsumerSpec]:
-    """One spec per planned worker. The workers always decode in broker mode (the uploads
-    cross the broker encoded); ``MB_DECODE=device`` decodes JPEGs on the device."""
-    assert settings.mb_broker is not None
-    plan = plan_from_settings(
-        settings, decode="device" if settings.mb_decode == "device" else "worker"
-    )
-    config = worker_config(settings, plan)
+def consumer_specs(plan: ServingPlan, model_id: str) -> list[ConsumerSpec]:
+    """One spec per planned worker of this host (the plan's role is ``Role.WORKERS``: the
+    workers decode every upload, which crosses the broker encoded)."""
+    assert plan.role is Role.WORKERS and plan.broker is not None
     return [
         ConsumerSpec(
             index=index,
-            name=f"{host}:{index}",
-            host=host,
             device=device,
-            threads=plan.torch_threads,
-            config=config,
-            url=settings.mb_broker.get_secret_value(),
-            prefix=settings.mb_broker_prefix,
-            max_deliveries=settings.mb_max_deliveries,
-            batch_timeout_s=settings.mb_batch_timeout,
-            max_image_bytes=settings.max_upload_bytes,
+            threads=plan.placement.threads,
+            config=plan.worker,
+            broker=plan.broker,
+            batch_timeout_s=plan.limits.batch_timeout_s,
+            max_image_bytes=plan.limits.max_image_bytes,
             model_id=model_id,
         )
-        for index, device in enumerate(plan.devices)
+        for index, device in enumerate(plan.placement.devices)
     ]
-
-
-def _host_name(settings: Settings) -> str:
-    return settings.mb_worker_name or re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     try:
-        manifest = read_manifest(settings.model_store, verify=True)  # fail here, once
-        specs = specs_from_settings(settings, _host_name(settings), manifest.model_id)
+        plan = plan_serving(settings, Role.WORKERS)
+        manifest = read_manifest(plan.model_store, verify=True)  # fail here, once
+        specs = consumer_specs(plan, manifest.model_id)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

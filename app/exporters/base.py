@@ -108,7 +108,7 @@ def input_spec(
     return InputSpec(
         crop_size=size[0],
         resize_size=max(resize_size, size[0]),
-        interpolation=mode,  # type: ignore[arg-type]
+        interpolation=mode,
         mean=(mean[0], mean[1], mean[2]),
         std=(std[0], std[1], std[2]),
     )

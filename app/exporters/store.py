@@ -124,7 +124,7 @@ def export_split(
         input=split.input,
         embedding_dim=split.embedding_dim,
         num_classes=split.num_classes if split.classifier is not None else 0,
-        files=files,  # type: ignore[arg-type]
+        files=files,
     )
     tmp = out / (MANIFEST_NAME + ".tmp")
     tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.dependencies.utils import get_dependant
 from fastapi.routing import APIRoute
 
 
@@ -18,16 +19,28 @@ class DirectRoute(APIRoute):
 
     As nothing is resolved, construction raises ``TypeError`` for an endpoint with any
     parameter but one annotated ``Request`` (read with ``inspect.signature``, the ``Request``
-    one picked by FastAPI's ``dependant.request_param_name``) and for dependencies on the
-    route or its router (``self.dependencies``)::
+    one picked by FastAPI's ``dependant.request_param_name``), and for a dependency on the
+    route or its router (``self.dependencies``) unless it is a guard: an async callable of
+    the ``Request`` alone (such as ``app.dependencies.ApiKey``), which the route awaits
+    before its endpoint, in order, and whose result it drops::
 
-        router = APIRouter(prefix="/predict", route_class=DirectRoute)
+        router = APIRouter(prefix="/predict", route_class=DirectRoute,
+                           dependencies=REQUIRES_API_KEY)
 
         @router.post("/tag", openapi_extra=...)
         async def tag(request: Request) -> JSONResponse: ...
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        # Known before the base class builds the handler (it calls get_route_handler).
+        self._guards: list[Callable[[Request], Awaitable[Any]]] = []
+        refused = []
+        for depends in kwargs.get("dependencies") or ():
+            call = depends.dependency
+            if call is not None and _is_guard(path, call):
+                self._guards.append(call)
+            else:
+                refused.append(getattr(call, "__name__", repr(call)))
         super().__init__(path, endpoint, **kwargs)
         # Dependencies given to include_router() are not seen here: FastAPI 0.165 applies
         # them to a copy of the route that it builds lazily, when requests come. Pass none.
@@ -38,18 +51,40 @@ class DirectRoute(APIRoute):
         others = [p for p in inspect.signature(endpoint).parameters if p != request_param]
         if others:
             problems.append(f"parameters {', '.join(others)}")
-        if self.dependencies:
-            names = (
-                getattr(d.dependency, "__name__", repr(d.dependency)) for d in self.dependencies
-            )
-            problems.append(f"dependencies {', '.join(names)}")
+        if refused:
+            problems.append(f"dependencies {', '.join(refused)}")
         if problems:
             name = getattr(endpoint, "__qualname__", repr(endpoint))
             raise TypeError(
                 f"DirectRoute {path!r}: endpoint {name} has {'; '.join(problems)}; a DirectRoute "
                 "resolves nothing, so its endpoint takes exactly one parameter, annotated "
-                "Request, and the route has no dependencies"
+                "Request, and its only dependencies are async guards of the Request alone"
             )
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        return self.endpoint
+        endpoint: Callable[[Request], Coroutine[Any, Any, Response]] = self.endpoint
+        if not self._guards:
+            return endpoint
+        guards = tuple(self._guards)
+
+        async def guarded(request: Request) -> Response:
+            for guard in guards:
+                await guard(request)
+            return await endpoint(request)
+
+        return guarded
+
+
+def _is_guard(path: str, call: Callable[..., Any]) -> bool:
+    """An async callable whose one parameter is the ``Request`` (or its base class,
+    ``HTTPConnection``), as FastAPI reads it."""
+    method = call if inspect.isfunction(call) else type(call).__call__
+    if not inspect.iscoroutinefunction(method):
+        return False
+    dependant = get_dependant(path=path, call=call)
+    resolved = (
+        dependant.path_params, dependant.query_params, dependant.header_params,
+        dependant.cookie_params, dependant.body_params, dependant.dependencies,
+    )  # fmt: skip
+    takes_request = dependant.request_param_name or dependant.http_connection_param_name
+    return takes_request is not None and not any(resolved)

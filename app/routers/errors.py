@@ -1,4 +1,6 @@
-"""The HTTP edge of the error hierarchy: one JSON shape for every error, and the body limit."""
+"""The HTTP edge of the error hierarchy: one JSON shape for every error, every refusal
+answered by ``refusal`` (status from ``app.errors.HTTP_STATUS``, ``Retry-After`` on a 503,
+counted in ``microbatch_rejected_total``), and the body limit."""
 
 from __future__ import annotations
 
@@ -30,6 +32,17 @@ def error_response(
     return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
+def refusal(
+    error: ServerError, metrics: Metrics, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """The answer to a domain error, counted under its reason: the one way a refusal leaves."""
+    metrics.on_error(error)
+    extra = dict(headers or {})
+    if isinstance(error, Unavailable):
+        extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return error_response(http_status(error), error.code, error.message, extra or None)
+
+
 # Refusals Starlette makes itself (a malformed body, the body limit) answer and count as the
 # domain error each stands for.
 HTTP_ERROR_KINDS: dict[int, type[ServerError]] = {400: ClientError, 413: PayloadTooLarge}
@@ -48,11 +61,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        metrics.on_error(exc)
-        headers = None
-        if isinstance(exc, Unavailable):
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        return error_response(http_status(exc), exc.code, exc.message, headers)
+        return refusal(exc, metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -82,9 +91,10 @@ class BodySizeLimit:
     """Pure ASGI middleware: 413 for a request body over ``max_body_bytes``, decided from
     Content-Length before reading, or while the body streams in when there is none."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,9 +104,8 @@ class BodySizeLimit:
         message = f"request body is over {limit} bytes"
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                response = error_response(
-                    413, "payload_too_large", message, {"Connection": "close"}
-                )
+                too_large = PayloadTooLarge(message)
+                response = refusal(too_large, self.metrics, {"Connection": "close"})
                 await response(scope, receive, send)
                 return
         received = 0

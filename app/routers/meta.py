@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.dependencies import PredictorDep, SettingsDep, is_ready
+from app.dependencies import PredictorDep, is_ready, readiness_response, running_engine
 from app.schemas import Health, Readiness, WorkerState
 
 router = APIRouter(tags=["meta"])
@@ -20,23 +21,25 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
-def _workers(request: Request) -> list[dict[str, Any]]:
-    transport = getattr(request.app.state, "transport", None)
-    return transport.describe() if transport is not None else []
+def _workers(request: Request) -> list[WorkerState]:
+    engine = running_engine(request)
+    if engine is None:
+        return []
+    return [WorkerState(**asdict(status)) for status in engine.transport.worker_status()]
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(request: Request) -> JSONResponse:
     """Readiness: 200 while a model worker is ready and the server is not stopping, else 503."""
-    engine = getattr(request.app.state, "engine", None)
+    engine = running_engine(request)
     ready = is_ready(request)
     body = Readiness(
         status="ready" if ready else "not_ready",
         queue_depth=engine.queue_depth if engine is not None else 0,
         in_flight=engine.streamer.in_flight if engine is not None else 0,
-        workers=[WorkerState(**w) for w in _workers(request)],
+        workers=_workers(request),
     )
-    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+    return readiness_response(body.model_dump(), ready)
 
 
 @router.get("/metrics", response_class=Response)
@@ -46,26 +49,27 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/info")
-async def info(request: Request, predictor: PredictorDep, settings: SettingsDep) -> dict[str, Any]:
+async def info(request: Request, predictor: PredictorDep) -> dict[str, Any]:
     """What is being served: the model manifest, the effective batching settings, the workers."""
-    engine = request.app.state.engine
-    streamer = engine.streamer
+    engine = running_engine(request)
+    assert engine is not None  # the predictor exists
+    plan, streamer = engine.plan, engine.streamer
     return {
         "model_id": predictor.manifest.model_id,
         "model": predictor.manifest.model_dump(),
         "batching": {
             "batch_size": streamer.max_batch_size,
-            "batch_size_setting": settings.mb_batch_size,
+            "batch_size_setting": plan.batch_size_setting,
             "max_latency_s": streamer.max_latency_s,
             "max_queue": streamer.max_queue_size,
-            "request_timeout_s": settings.mb_request_timeout,
-            "batch_timeout_s": settings.mb_batch_timeout,
-            "dtype": settings.mb_dtype,
-            "optimize": settings.mb_optimize,
-            "decode": engine.decode_plan.describe(),
-            "transport": engine.summary,
+            "request_timeout_s": plan.limits.request_timeout_s,
+            "batch_timeout_s": plan.limits.batch_timeout_s,
+            "dtype": plan.worker.dtype,
+            "optimize": plan.worker.optimize,
+            "decode": plan.decode.describe(),
+            "transport": plan.describe(),
         },
-        "workers": _workers(request),
+        "workers": [worker.model_dump() for worker in _workers(request)],
     }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from app.dependencies import app_settings, require_api_key, serving_predictor
+from app.dependencies import REQUIRES_API_KEY, app_settings, serving_predictor
 from app.routers.common import (
     ERRORS,
     MAX_K,
@@ -21,7 +21,9 @@ from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
 from app.services.predictor import DEFAULT_K, Predictor
 
-router = APIRouter(prefix="/predict", tags=["predict"], route_class=DirectRoute)
+router = APIRouter(
+    prefix="/predict", tags=["predict"], route_class=DirectRoute, dependencies=REQUIRES_API_KEY
+)
 
 K_HELP = (
     f"how many labels to return (default {DEFAULT_K}, or the class count of a model with fewer)"
@@ -79,9 +81,9 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
 
 
 async def _admit(request: Request) -> tuple[Predictor, Upload, float]:
-    """API key, readiness and deadline first (cheap refusals), then the upload."""
+    """Readiness and deadline first (cheap refusals; the API key was checked before), then
+    the upload."""
     settings = app_settings(request)
-    require_api_key(request, settings)
     predictor = serving_predictor(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
     upload = await read_upload(

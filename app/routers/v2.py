@@ -19,16 +19,16 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from app.dependencies import (
+    REQUIRES_API_KEY,
     PredictorDep,
     SettingsDep,
-    app_settings,
     is_ready,
-    require_api_key,
+    readiness_response,
 )
 from app.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
 from app.routers.common import (
@@ -114,7 +114,7 @@ async def live() -> dict[str, bool]:
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 while a model worker is ready and the server is not stopping."""
     ready = is_ready(request)
-    return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+    return readiness_response({"ready": ready}, ready)
 
 
 @router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
@@ -142,18 +142,14 @@ async def model_ready(name: str, request: Request, predictor: PredictorDep) -> J
     """The model's readiness: as the server's."""
     _served(predictor, name)
     ready = is_ready(request)
-    return JSONResponse({"name": name, "ready": ready}, status_code=200 if ready else 503)
-
-
-async def _authorized(request: Request) -> None:
-    require_api_key(request, app_settings(request))
+    return readiness_response({"name": name, "ready": ready}, ready)
 
 
 @router.post(
     "/models/{name}/infer",
     response_model=InferResponse,
     responses=ERRORS,
-    dependencies=[Depends(_authorized)],
+    dependencies=REQUIRES_API_KEY,
 )
 async def infer(
     name: str,

@@ -13,11 +13,11 @@ import numpy as np
 import numpy.typing as npt
 
 from app.batching import Streamer, Trace
-from app.decode_plan import DecodePlan
 from app.errors import ClientError, DeadlineExceeded, InvalidParameter, NoClassifier
 from app.images import preprocess
 from app.jobs import BatchKey, ImageJob, Task, TopK
 from app.manifest import Manifest
+from app.plan import DecodePlan
 
 DEFAULT_K = 5  # labels a tag request gets unless it asks, or every class of a smaller model
 

@@ -1,5 +1,9 @@
-"""How long to wait before restarting a worker that died: the in-process pool and the broker
-workers' supervisor (``python -m app.broker.worker``) follow the same rule."""
+"""How long to wait before restarting a worker that died: capped exponential delays, used by
+the in-process pool and by the broker workers' supervisor (``python -m app.broker.worker``).
+
+They differ in when a worker has shown that it works (``reset``): the pool resets a slot as
+soon as its worker answers a batch; the supervisor, which sees no batches, resets a slot whose
+worker ran at least ``STABLE_S`` (a minute) before it died."""
 
 from __future__ import annotations
 

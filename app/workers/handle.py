@@ -10,11 +10,13 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
 
+from app.batching import WorkerStatus
 from app.errors import InferenceError, WorkerDied, WorkerStartError
+from app.plan import WorkerConfig
 from app.workers.buffer import InputBuffer
 from app.workers.channel import Channel, channel_pair
 from app.workers.messages import (
@@ -24,12 +26,18 @@ from app.workers.messages import (
     Ready,
     RunBatch,
     StartFailed,
-    WorkerConfig,
     WorkerSpec,
 )
-from app.workers.process import worker_main
 
 log = logging.getLogger("app.workers.pool")
+
+
+def _worker_entry(spec: WorkerSpec, conn: Connection) -> None:
+    """The worker process's target: torch is imported there, never in the pool's process."""
+    from app.workers.process import worker_main
+
+    worker_main(spec, conn)
+
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -71,7 +79,7 @@ class WorkerHandle:
     >>> # handle = WorkerHandle.spawn(0, "cpu", 2, config, buffer_size)
     >>> # await handle.wait_ready()       # WorkerStartError if it cannot load
     >>> # handle.start_reading(on_idle=pool_put_back, on_exit=pool_on_death)
-    >>> # reply = await handle.run(message)   # a BatchDone; WorkerDied if it dies meanwhile
+    >>> # reply = await handle.send(message)  # a BatchDone; WorkerDied if it dies meanwhile
     >>> # await handle.stop(timeout_s=10)
     """
 
@@ -104,7 +112,7 @@ class WorkerHandle:
         spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size)
         parent, child = channel_pair()
         process = mp.get_context("spawn").Process(
-            target=worker_main, args=(spec, child), name=f"model-worker-{index}", daemon=True
+            target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True
         )
         try:
             process.start()
@@ -139,20 +147,21 @@ class WorkerHandle:
         """Alive, ready and not running a batch."""
         return self.alive and self.ready and not self.busy
 
-    def describe(self) -> dict[str, Any]:
-        """This worker for ``/readyz`` and ``/info`` (``app.schemas.WorkerState``)."""
-        return {
-            "index": self.index,
-            "device": self.device,
-            "threads": self.threads,
-            "pid": self.process.pid,
-            "ready": self.ready,
-            "alive": self.alive,
-            "batch_size": self.batch_size,
-            "batches": self.batches,
-            "items": self.items,
-            "rss_bytes": rss_bytes(self.process.pid) if self.alive else None,
-        }
+    def status(self, restarts: int = 0) -> WorkerStatus:
+        """This worker for ``/readyz``, ``/info`` and the metrics; ``restarts``: of its slot."""
+        return WorkerStatus(
+            index=self.index,
+            device=self.device,
+            threads=self.threads,
+            pid=self.process.pid,
+            ready=self.ready,
+            alive=self.alive,
+            batch_size=self.batch_size,
+            batches=self.batches,
+            items=self.items,
+            rss_bytes=rss_bytes(self.process.pid) if self.alive else None,
+            restarts=restarts,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 

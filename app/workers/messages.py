@@ -14,22 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.jobs import Task
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What every worker of a pool loads, and how (from the settings)."""
-
-    model_store: str
-    max_batch_size: int
-    auto_batch: bool = False  # measure throughput per batch size and pick the knee
-    dtype: str = "float32"
-    optimize: bool = True
-    decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
-    decode_on_device: bool = False  # JPEGs are decoded on the worker's device
-    max_pixels: int = 40_000_000  # the largest image a worker decodes
-    log_level: str = "info"
-    log_format: str = "text"  # "json": each record (a traceback too) one JSON line
+from app.plan import WorkerConfig
 
 
 @dataclass(frozen=True)

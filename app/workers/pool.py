@@ -1,9 +1,9 @@
 """The worker pool: model worker processes on this machine, as a ``Transport``.
 
 It fills ``app.batching.Transport``: ``start``/``aclose``, ``run_batch`` (the Streamer's
-batch function), ``capacity``, ``batch_size``, ``ready``, ``restart_count`` and
-``describe()``. Replies are read by one asyncio task per worker: no thread waits on any
-worker.
+batch function), ``capacity``, ``batch_size``, ``ready`` and ``worker_status()``. Replies
+are read by one asyncio task per worker: no thread waits on any worker. How it supervises
+and lends threads: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from app.batching import BatchItem
+from app.batching import BatchItem, WorkerStatus
 from app.errors import InferenceError, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
 from app.manifest import Manifest
+from app.metrics import BatchRun
+from app.plan import ServingPlan, WorkerConfig
 from app.workers.backoff import RestartBackoff
 from app.workers.handle import WorkerHandle
 from app.workers.lending import batch_threads
-from app.workers.messages import BatchDone, RunBatch, WorkerConfig
-from app.workers.plan import WorkerPlan
+from app.workers.messages import BatchDone, RunBatch
 from app.workers.transfer import results, write_images
 
 log = logging.getLogger(__name__)
@@ -34,19 +34,6 @@ log = logging.getLogger(__name__)
 # Room for each encoded upload in a worker's buffer when the workers decode (the buffer holds
 # at least a batch of pixels anyway); a batch of bigger uploads sends the rest inline.
 ENCODED_BYTES_PER_IMAGE = 128 * 1024
-
-
-@dataclass
-class PoolStats:
-    """What the workers actually ran: ``batch_sizes[task][n]`` counts model calls of n items."""
-
-    batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
-    threads: dict[int, int] = field(default_factory=dict)  # batches by torch threads used
-
-    def record(self, task: str, size: int, threads: int) -> None:
-        sizes = self.batch_sizes.setdefault(task, {})
-        sizes[size] = sizes.get(size, 0) + 1
-        self.threads[threads] = self.threads.get(threads, 0) + 1
 
 
 def _retrieve(future: asyncio.Future[BatchDone]) -> None:
@@ -65,13 +52,14 @@ def buffer_bytes(config: WorkerConfig, image_shape: tuple[int, int, int]) -> int
 
 
 class WorkerPool:
-    """One worker process per entry of ``plan.devices``, one batch each at a time.
+    """One worker process per device of ``plan.placement``, one batch each at a time.
 
-    It supervises them: a worker that dies (or hangs on a batch past ``batch_timeout_s`` and
-    is killed) fails its in-flight batch with ``WorkerDied`` at once and is restarted with
-    capped exponential backoff, while the others keep serving.
+    It supervises them: a worker that dies (or hangs on a batch past the plan's batch timeout
+    and is killed) fails its in-flight batch with ``WorkerDied`` at once and is restarted with
+    capped exponential backoff, while the others keep serving. ``on_run`` hears of every
+    batch a worker ran (``app.metrics.BatchRun``).
 
-    >>> # pool = WorkerPool(manifest, plan, config, start_timeout_s=300)
+    >>> # pool = WorkerPool(manifest, plan_serving(settings))
     >>> # await pool.start()
     >>> # results = await pool.run_batch(BatchKey(Task.TAG, encoded=False), items)
     >>> # await pool.aclose()
@@ -80,21 +68,18 @@ class WorkerPool:
     def __init__(
         self,
         manifest: Manifest,
-        plan: WorkerPlan,
-        config: WorkerConfig,
+        plan: ServingPlan,
         *,
-        start_timeout_s: float,
-        batch_timeout_s: float = 60.0,
-        on_compute: Callable[[str, int, float], None] | None = None,
+        on_run: Callable[[BatchRun], None] | None = None,
     ) -> None:
         self.manifest = manifest
-        self.plan = plan
-        self.config = config
-        self.start_timeout_s = start_timeout_s
-        self.batch_timeout_s = batch_timeout_s
-        self._on_compute = on_compute  # (task, batch size, seconds in the worker) per batch
+        self.placement = plan.placement
+        self.config: WorkerConfig = plan.worker
+        self.start_timeout_s = plan.limits.start_timeout_s
+        self.batch_timeout_s = plan.limits.batch_timeout_s
+        self._on_run = on_run
         self.image_shape = manifest.input.image_shape
-        self._buffer_size = buffer_bytes(config, self.image_shape)
+        self._buffer_size = buffer_bytes(self.config, self.image_shape)
         self._workers: list[WorkerHandle] = []
         # Last in, first out: at low load the worker that just answered takes the next batch,
         # its caches and OpenMP threads still warm; under load every worker is busy anyway.
@@ -103,15 +88,14 @@ class WorkerPool:
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._backoff = RestartBackoff()
         self._closing = False
-        self._restart_count = 0
-        self.stats = PoolStats()
+        self._restarted = [0] * len(self.placement.devices)  # by worker slot
 
     # -- the Transport's state ---------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
         """How many batches may run at once (one per worker)."""
-        return len(self.plan.devices)
+        return len(self.placement.devices)
 
     @property
     def batch_size(self) -> int:
@@ -125,10 +109,6 @@ class WorkerPool:
         return any(w.ready and w.alive for w in self._workers)
 
     @property
-    def restart_count(self) -> int:
-        return self._restart_count
-
-    @property
     def shared_queue_depth(self) -> int:
         return 0  # every request waits in this process's Streamer
 
@@ -136,19 +116,18 @@ class WorkerPool:
     def workers(self) -> Sequence[WorkerHandle]:
         return tuple(self._workers)
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [worker.describe() for worker in self._workers]
+    def worker_status(self) -> list[WorkerStatus]:
+        return [worker.status(self._restarted[worker.index]) for worker in self._workers]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _spawn(self, index: int) -> WorkerHandle:
-        return WorkerHandle.spawn(
-            index, self.plan.devices[index], self.plan.torch_threads, self.config, self._buffer_size
-        )
+        device, threads = self.placement.devices[index], self.placement.threads
+        return WorkerHandle.spawn(index, device, threads, self.config, self._buffer_size)
 
     async def start(self) -> None:
         """Spawn every worker and wait until each has loaded and warmed up its models."""
-        self._workers = [self._spawn(index) for index in range(len(self.plan.devices))]
+        self._workers = [self._spawn(index) for index in range(len(self.placement.devices))]
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(self._wait_ready(w) for w in self._workers)),
@@ -206,7 +185,7 @@ class WorkerPool:
             raise ValueError(
                 f"batch of {len(items)} exceeds max_batch_size {self.config.max_batch_size}"
             )
-        if key.encoded and not self.plan.decode.workers_decode:
+        if key.encoded and not self.placement.decode.workers_decode:
             raise TypeError("the workers do not decode: submit decoded images (pixels)")
         worker = await self._acquire()
         ids = tuple(item.id for item in items)
@@ -219,9 +198,9 @@ class WorkerPool:
         message = RunBatch(batch_id, key.task, ids, max(top_ks, default=0), spans, inline, threads)
         future = worker.send(message)
         reply = await self._wait_reply(worker, future, len(items))
-        self.stats.record(key.task.value, len(items), reply.threads)
-        if self._on_compute is not None:
-            self._on_compute(key.task.value, len(items), reply.compute_s)
+        if self._on_run is not None:
+            run = BatchRun(key.task.value, len(items), reply.compute_s, reply.threads, worker.index)
+            self._on_run(run)
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
         return results(key.task, top_ks, ids, reply.outputs, reply.errors)
@@ -302,7 +281,7 @@ class WorkerPool:
                     await worker.stop(1.0, "restart failed")
                     continue
                 worker.start_reading(self._on_idle, self._on_exit)
-                self._restart_count += 1
+                self._restarted[index] += 1
                 log.info(
                     "worker %d on %s restarted (pid %s)", index, dead.device, worker.process.pid
                 )

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from app.logs import configure_logging
+from app.plan import WorkerConfig
 from app.workers.allocator import retain_freed_memory
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder
@@ -30,7 +31,6 @@ from app.workers.messages import (
     Ready,
     RunBatch,
     StartFailed,
-    WorkerConfig,
     WorkerSpec,
 )
 from app.workers.models import LoadOptions, load_models

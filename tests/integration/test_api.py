@@ -14,12 +14,14 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from tests.conftest import BatchGate, distinct_images, embed, expected_for, running_app
+from tests.conftest import distinct_images, embed, expected_for, running_app
 from tests.models import TINY_DIM
+from tests.transports import Watched, wait_queued
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MAX_UPLOAD = 300_000
+WATCHED = Watched()  # the served app's transport, wrapped: tests see and hold its batches
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module", params=["server", "worker"])
@@ -29,6 +31,7 @@ async def served(
     """The app, once decoding uploads in the HTTP process and once in the workers: every test
     here must pass both ways."""
     async with running_app(
+        WATCHED.wrap,
         model_store=tiny_store,
         cuda_devices="cpu",
         mb_worker_num=1,
@@ -206,7 +209,7 @@ async def test_concurrent_requests_each_get_their_own_result(
 ) -> None:
     app, client = served
     images = distinct_images(64)
-    before = dict(app.state.transport.stats.batch_sizes.get("embedding", {}))
+    ran = len(WATCHED.batches)
 
     async def one(index: int) -> tuple[int, Any]:
         data = images[index]
@@ -218,7 +221,15 @@ async def test_concurrent_requests_each_get_their_own_result(
         assert response.status_code == 200
         return index, response.json()
 
-    results = await asyncio.gather(*(one(i) for i in range(len(images))))
+    # The workers look busy until every request has queued: they must then share batches.
+    WATCHED.hold()
+    tasks = [asyncio.create_task(one(0))]
+    await WATCHED.wait_entered()  # the first request, alone in its batch, holds the worker
+    tasks += [asyncio.create_task(one(i)) for i in range(1, len(images))]
+    await wait_queued(app, len(images) - 1)
+    WATCHED.release()
+    results = await asyncio.gather(*tasks)
+    sizes = [size for _, size in WATCHED.batches[ran:]]
     singles = {}
     for index, result in results:
         if index % 2:
@@ -234,27 +245,27 @@ async def test_concurrent_requests_each_get_their_own_result(
         np.testing.assert_allclose(
             [t["prob"] for t in alone.json()], [t["prob"] for t in batched], atol=1e-5
         )
-    after = app.state.transport.stats.batch_sizes["embedding"]
-    grown = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
-    assert max(grown) > 1, f"no embedding batch larger than 1: {grown}"
+    # The first request (a tag) alone, then each task's others in one batch: 31 tags, 32
+    # embeddings.
+    assert sorted(sizes) == [1, 31, 32]
 
 
 async def test_128_concurrent_http_requests_form_one_batch_of_128(served: tuple[Any, Any]) -> None:
     """No thread is held per waiting request, so nothing caps the batch (service-streamer
     behind FastAPI was stuck at 40, the threadpool size)."""
     app, client = served
-    streamer = app.state.streamer
-    with BatchGate(streamer) as gate:
-        images = distinct_images(129)
-        first = asyncio.create_task(embed(client, images[0]))
-        await gate.wait_entered()
-        rest = [asyncio.create_task(embed(client, data)) for data in images[1:]]
-        await gate.wait_queued(128)
-        assert streamer.queue_depth == 128
-        gate.open()
-        results = await asyncio.gather(first, *rest)
+    ran = len(WATCHED.batches)
+    WATCHED.hold()
+    images = distinct_images(129)
+    first = asyncio.create_task(embed(client, images[0]))
+    await WATCHED.wait_entered()
+    rest = [asyncio.create_task(embed(client, data)) for data in images[1:]]
+    await wait_queued(app, 128)
+    assert app.state.engine.streamer.queue_depth == 128
+    WATCHED.release()
+    results = await asyncio.gather(first, *rest)
     assert len(results) == 129
-    assert app.state.transport.stats.batch_sizes["embedding"].get(128, 0) >= 1
+    assert [size for _, size in WATCHED.batches[ran:]] == [1, 128]
 
 
 async def test_a_bad_image_in_a_batch_fails_alone(
@@ -265,17 +276,17 @@ async def test_a_bad_image_in_a_batch_fails_alone(
     app, client = served
     good = distinct_images(4)
     truncated = good[3][: len(good[3]) // 2]
-    with BatchGate(app.state.streamer) as gate:
-        first = asyncio.create_task(embed(client, good[0]))
-        await gate.wait_entered()
-        rest = [
-            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", data)}))
-            for data in (good[1], truncated, good[2])
-        ]
-        await gate.wait_queued(2 if app.state.engine.decode_plan.server_threads else 3)
-        gate.open()
-        await first
-        answers = await asyncio.gather(*rest)
+    WATCHED.hold()
+    first = asyncio.create_task(embed(client, good[0]))
+    await WATCHED.wait_entered()
+    rest = [
+        asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", data)}))
+        for data in (good[1], truncated, good[2])
+    ]
+    await wait_queued(app, 2 if app.state.engine.plan.decode.server_threads else 3)
+    WATCHED.release()
+    await first
+    answers = await asyncio.gather(*rest)
     assert [a.status_code for a in answers] == [200, 400, 200]
     assert answers[1].json()["error"]["type"] == "invalid_image"
     for answer, data in ((answers[0], good[1]), (answers[2], good[2])):

@@ -6,6 +6,7 @@ end in typed answers, never hangs, and leave nothing behind in Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -144,7 +145,8 @@ async def test_a_lone_request_runs_at_once_as_a_batch_of_one(
     cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
 ) -> None:
     _, workers, fronts = cluster
-    await asyncio.sleep(1.5)  # the last test's batches are all in the heartbeats
+    answered_by = workers.now_ms()  # every earlier request has had its answer
+    await wait_for(lambda: workers.beat_since(answered_by), what="heartbeats holding them all")
     before = sizes_run(workers, "embedding")
     started = time.monotonic()
     response = await post(fronts[0].base_url, "/predict/embedding", distinct_images(1)[0])
@@ -204,7 +206,23 @@ async def test_forged_entries_and_replies_are_dropped_and_nothing_crashes(
         what="every forged entry to be dropped",
     )
     assert stream_state(redis_server)["tag"] == (0, 0)  # acknowledged and deleted, never run
-    await asyncio.sleep(1.5)  # a monitor round of every front end has seen the forged heartbeat
+    # Every front end must have looked at Redis since the forged heartbeat: new work, then
+    # wait until each front end's /info shows heartbeats written after it.
+    forged_by = workers.now_ms()
+    for front in fronts:
+        assert (
+            await post(front.base_url, "/predict/tag", distinct_images(1)[0])
+        ).status_code == 200
+    await wait_for(lambda: workers.beat_since(forged_by), what="heartbeats after the forgery")
+    real = {name: info for name, info in workers.live().items() if name != "forged:0"}
+    items = sum(int(info["items"]) for info in real.values())
+
+    def front_end_saw(front: ServerProcess) -> bool:
+        described = httpx.get(f"{front.base_url}/info", timeout=5).json()["workers"]
+        return sum(int(w["items"]) for w in described if w["name"] != "forged:0") >= items
+
+    for front in fronts:
+        await wait_for(lambda front=front: front_end_saw(front), what="a monitor round")
     for front in fronts:
         described = {
             w["name"] for w in httpx.get(f"{front.base_url}/info", timeout=5).json()["workers"]
@@ -616,10 +634,17 @@ async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path
             process.wait()
     assert answer.status_code == 200
     assert code == 0
-    time.sleep(0.5)
-    assert [
-        pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-    ] == []
+
+    def left_running() -> list[int]:
+        running = []
+        for pid in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+        return running
+
+    # The command has exited; its children are reaped by now or within moments.
+    await wait_for(lambda: left_running() == [], timeout_s=10, what="every process to exit")
 
 
 async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) -> None:

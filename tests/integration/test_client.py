@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import AsyncClient, Client, ServerReplyError, Tag
+from app.client import AsyncClient, Client, Image, ServerReplyError, Tag
 from tests.conftest import distinct_images, expected_for
 from tests.models import TINY_DIM
 from tests.server import ServerProcess
@@ -55,9 +55,10 @@ def test_embed_one_and_several_images_as_the_model_computes_them(
     server: ServerProcess, tiny_store: Path
 ) -> None:
     images = distinct_images(3)
+    uploads: list[Image] = list(images)  # the client takes a list[Image] (lists are invariant)
     with Client(server.base_url, api_key=API_KEY) as client:
         one = client.embed(images[0])
-        several = client.embed(images)
+        several = client.embed(uploads)
         info = client.info()
         assert client.model_id == info["model_id"]
     assert one.shape == (TINY_DIM,) and one.dtype == np.float32
@@ -68,7 +69,7 @@ def test_embed_one_and_several_images_as_the_model_computes_them(
 
 
 def test_tag_tags_and_ready(server: ServerProcess) -> None:
-    images = distinct_images(2)
+    images: list[Image] = list(distinct_images(2))  # the client takes a list[Image] (invariant)
     with Client(server.base_url, api_key=API_KEY) as client:
         top = client.tag(images[0], k=3)
         both = client.tag(images, k=2)
@@ -106,10 +107,11 @@ async def test_async_client_embeds_and_tags_concurrently(
     server: ServerProcess, tiny_store: Path
 ) -> None:
     images = distinct_images(4)
+    uploads: list[Image] = list(images)  # the client takes a list[Image] (lists are invariant)
     async with AsyncClient(server.base_url, api_key=API_KEY) as client:
         vectors = await asyncio.gather(*(client.embed(data) for data in images))
         rows = await client.embed(tuple(images))
-        tags = await client.tag(images[:2], k=4)
+        tags = await client.tag(uploads[:2], k=4)
         info = await client.info()
         assert client.model_id == info["model_id"]
         assert await client.ready() is True

@@ -11,33 +11,34 @@ from typing import Any
 import numpy as np
 from skimage import data
 
-from tests.conftest import BatchGate, distinct_images, embed, expected_for, jpeg, running_app
+from tests.conftest import distinct_images, embed, expected_for, jpeg, running_app
+from tests.transports import Watched, wait_queued
 
 
 async def test_device_decode_answers_each_upload_in_a_batch(tiny_store: Path) -> None:
-    photos = [jpeg(data.chelsea()), jpeg(data.coffee()), jpeg(data.astronaut())]
+    photos = [jpeg(data.chelsea()), jpeg(data.coffee()), jpeg(data.astronaut())]  # type: ignore[no-untyped-call]  # skimage.data is unannotated
     png = distinct_images(1)[0]
     truncated = photos[1][:5000]
+    watched = Watched()
     async with running_app(
+        watched.wrap,
         model_store=tiny_store,
         cuda_devices="cpu",
         mb_worker_num=1,
         mb_batch_size=8,
         mb_decode="device",
     ) as (app, client):
-        assert app.state.engine.decode_plan.on_device
-        with BatchGate(app.state.streamer) as gate:
-            first = asyncio.create_task(embed(client, photos[0]))
-            await gate.wait_entered()
-            rest = [
-                asyncio.create_task(
-                    client.post("/predict/embedding", files={"image": ("x", upload)})
-                )
-                for upload in (photos[1], truncated, png, photos[2])
-            ]
-            await gate.wait_queued(4)
-            gate.open()
-            answers: list[Any] = [await first, *await asyncio.gather(*rest)]
+        assert app.state.engine.plan.decode.on_device
+        watched.hold()
+        first = asyncio.create_task(embed(client, photos[0]))
+        await watched.wait_entered()
+        rest = [
+            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x", upload)}))
+            for upload in (photos[1], truncated, png, photos[2])
+        ]
+        await wait_queued(app, 4)
+        watched.release()
+        answers: list[Any] = [await first, *await asyncio.gather(*rest)]
     assert [a.status_code for a in answers[1:]] == [200, 400, 200, 200]
     assert answers[2].json()["error"]["type"] == "invalid_image"
     assert "truncated" in answers[2].json()["error"]["message"]

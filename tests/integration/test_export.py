@@ -61,6 +61,7 @@ def test_resnet18_from_a_local_weights_file(
     assert manifest.input.mean == (0.485, 0.456, 0.406)
     assert read_classes(out, manifest)[0] == "tench"
     models = load_models(out, torch.device("cpu"))
+    assert models.classifier is not None  # exported with its head
     x = torch.rand(3, 3, 224, 224)
     with torch.inference_mode():
         logits = models.classifier(models.embedding(x))

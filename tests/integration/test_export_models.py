@@ -18,6 +18,7 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 from timm.data.config import resolve_model_data_config
+from timm.models.resnet import ResNet
 from torch import nn
 
 from app.export import export_module, main
@@ -68,7 +69,7 @@ def test_a_timm_model_with_its_own_labels_serves_tags(tmp_path: Path, labels: Pa
     assert (manifest.arch, manifest.num_classes, manifest.embedding_dim) == (TIMM_NAME, 3, 96)
     assert (out / "classes.txt").read_text(encoding="utf-8") == "cat\ndog\nbird\n"
     assert read_classes(out, manifest) == LABELS
-    config = resolve_model_data_config(timm.create_model(TIMM_NAME))
+    config = resolve_model_data_config(timm.create_model(TIMM_NAME))  # type: ignore[no-untyped-call]  # timm leaves it unannotated
     assert manifest.input == InputSpec(
         crop_size=config["input_size"][1],
         resize_size=math.floor(config["input_size"][1] / config["crop_pct"]),
@@ -102,6 +103,7 @@ def test_a_torchvision_model_is_fed_as_its_weights_say(tmp_path: Path) -> None:
 def test_a_timm_checkpoint_fine_tuned_on_three_classes(tmp_path: Path, labels: Path) -> None:
     torch.manual_seed(0)
     reference = timm.create_model(TIMM_NAME, num_classes=3).eval()
+    assert isinstance(reference, ResNet)  # timm's test_resnet
     checkpoint = tmp_path / "finetuned.pth"
     torch.save({"state_dict": reference.state_dict(), "epoch": 7}, checkpoint)
     out = tmp_path / "store"
@@ -285,17 +287,19 @@ class _Embed(nn.Module):
         self.conv = nn.Conv2d(3, 8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x).mean(dim=(2, 3))
+        features: torch.Tensor = self.conv(x)
+        return features.mean(dim=(2, 3))
 
 
 def test_your_own_torchscript_models_round_trip(tmp_path: Path, labels: Path) -> None:
     torch.manual_seed(0)
     embed, head = torch.jit.script(_Embed().eval()), nn.Linear(8, 3).eval()
     torch.jit.save(embed, str(tmp_path / "embed.pt"))
-    torch.jit.save(torch.jit.trace(head, torch.rand(2, 8)), str(tmp_path / "head.pt"))
+    torch.jit.save(torch.jit.trace(head, torch.rand(2, 8)), str(tmp_path / "head.pt"))  # type: ignore[no-untyped-call]  # torch.jit.trace is unannotated
     out = tmp_path / "store"
-    model = ["--from-torchscript", tmp_path / "embed.pt", "--name", "my-model"]
-    head_args = ["--classifier-torchscript", tmp_path / "head.pt", "--classes", labels]
+    model: list[str | Path] = ["--from-torchscript", tmp_path / "embed.pt", "--name", "my-model"]
+    head_args: list[str | Path] = ["--classifier-torchscript", tmp_path / "head.pt"]
+    head_args += ["--classes", labels]
     prep = ["--input-size", "32", "--resize-size", "40", "--interpolation", "bicubic"]
     prep += ["--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25"]
     assert _export(*model, *head_args, *prep, "--out", out) == 0
@@ -323,7 +327,7 @@ def test_bad_torchscript_input_is_a_clear_error(
     assert _export("--from-torchscript", tmp_path / "embed.pt", "--out", tmp_path / "o") == 2
     assert "embed.pt is not a TorchScript model" in capsys.readouterr().err
     torch.jit.save(torch.jit.script(_Embed()), str(tmp_path / "embed.pt"))
-    args = ["--from-torchscript", tmp_path / "embed.pt", "--out", tmp_path / "o"]
+    args: list[str | Path] = ["--from-torchscript", tmp_path / "embed.pt", "--out", tmp_path / "o"]
     assert _export(*args, "--input-size", "64", "--resize-size", "32") == 2
     assert "resize 32 must be at least the crop 64" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -393,8 +397,8 @@ def test_a_model_without_a_linear_head_is_a_clear_error(
 
 @pytest.mark.slow
 def test_preprocessing_flags_override_the_model_config(tmp_path: Path) -> None:
-    args = ["--arch", TIMM_NAME, "--weights", "random", "--input-size", "128", "--out", tmp_path]
-    assert _export(*args) == 0
+    args = ["--arch", TIMM_NAME, "--weights", "random", "--input-size", "128"]
+    assert _export(*args, "--out", tmp_path) == 0
     spec = read_manifest(tmp_path).input
     assert (spec.crop_size, spec.resize_size) == (128, 134)  # timm's 160 -> 168 ratio kept
 

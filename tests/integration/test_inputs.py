@@ -12,6 +12,7 @@ import pytest_asyncio
 
 from tests.conftest import distinct_images, running_app
 from tests.corpus import corpus
+from tests.transports import Watched
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -20,9 +21,13 @@ API_KEY = "s3cret-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+WATCHED = Watched()  # the served app's transport, wrapped: a test may hold its batches
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def served(tiny_store: Path) -> AsyncIterator[tuple[Any, Any]]:
     async with running_app(
+        WATCHED.wrap,
         model_store=tiny_store,
         cuda_devices="cpu",
         mb_worker_num=1,
@@ -45,7 +50,7 @@ async def test_every_odd_file_gets_200_or_a_precise_4xx_within_a_second(
     served: tuple[Any, Any], name: str, data: bytes, status: int
 ) -> None:
     app, client = served
-    pids = [w["pid"] for w in app.state.transport.describe()]
+    pids = [w.pid for w in app.state.engine.transport.worker_status()]
     for task in ("tag", "embedding"):
         started = time.monotonic()
         response = await client.post(
@@ -57,8 +62,8 @@ async def test_every_odd_file_gets_200_or_a_precise_4xx_within_a_second(
         if status != 200:
             assert set(body) == {"error"} and body["error"]["message"]
             assert "Traceback" not in response.text and "/work" not in response.text
-    workers = app.state.transport.describe()
-    assert [w["pid"] for w in workers] == pids and all(w["alive"] for w in workers)
+    workers = app.state.engine.transport.worker_status()
+    assert [w.pid for w in workers] == pids and all(w.alive for w in workers)
 
 
 async def test_api_key_guards_prediction_routes_only(served: tuple[Any, Any]) -> None:
@@ -127,17 +132,8 @@ async def test_a_file_in_another_field_is_rejected(served: tuple[Any, Any]) -> N
 
 
 async def test_client_timeout_header_can_shorten_but_not_extend(served: tuple[Any, Any]) -> None:
-    app, client = served
-    streamer = app.state.streamer
-    real = streamer._batch_fn
-
-    async def stuck(key: Any, items: Any) -> Any:
-        import asyncio
-
-        await asyncio.sleep(3)
-        return await real(key, items)
-
-    streamer._batch_fn = stuck
+    _, client = served
+    WATCHED.hold()  # the worker looks stuck: the answer can only be the deadline's
     try:
         started = time.monotonic()
         response = await client.post(
@@ -147,7 +143,7 @@ async def test_client_timeout_header_can_shorten_but_not_extend(served: tuple[An
         )
         elapsed = time.monotonic() - started
     finally:
-        streamer._batch_fn = real
+        WATCHED.release()
     assert response.status_code == 504 and response.json()["error"]["type"] == "deadline_exceeded"
     assert elapsed < 1.5
     for bad in ("soon", "-1", "0"):

@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +15,9 @@ from app.errors import ModelStoreError, WorkerStartError
 from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_manifest, sha256_file
+from app.plan import plan_serving
 from app.settings import load_settings
-from app.workers.messages import WorkerConfig
 from app.workers.models import load_models
-from app.workers.plan import plan_from_settings
 from app.workers.pool import WorkerPool
 from app.workers.runner import BatchRunner
 from tests.conftest import distinct_images, running_app
@@ -85,12 +83,13 @@ async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path:
     manifest = json.loads((store / "manifest.json").read_text())
     manifest["files"]["embedding"]["sha256"] = sha256_file(store / "embedding.pt")
     (store / "manifest.json").write_text(json.dumps(manifest))
-    plan = plan_from_settings(load_settings(cuda_devices="cpu", mb_worker_num=1))
-    config = WorkerConfig(model_store=str(store), max_batch_size=4)
-    pool = WorkerPool(read_manifest(store), plan, config, start_timeout_s=60)
+    settings = load_settings(
+        model_store=store, cuda_devices="cpu", mb_worker_num=1, mb_batch_size=4
+    )
+    pool = WorkerPool(read_manifest(store), plan_serving(settings))
     with pytest.raises(WorkerStartError, match="worker 0 on cpu failed to start"):
         await pool.start()
-    assert pool.describe() == []
+    assert pool.worker_status() == []
 
 
 async def test_missing_model_store_fails_start(tmp_path: Path) -> None:
@@ -107,11 +106,11 @@ async def test_several_cpu_workers_share_the_load(tiny_store: Path) -> None:
         responses = await asyncio.gather(
             *(client.post("/predict/embedding", files={"image": ("x.png", d)}) for d in images)
         )
-        workers: list[dict[str, Any]] = app.state.transport.describe()
+        workers = app.state.engine.transport.worker_status()
     assert all(r.status_code == 200 for r in responses)
-    assert len(workers) == 2 and all(w["ready"] and w["alive"] for w in workers)
-    assert len({w["pid"] for w in workers}) == 2
-    assert all(w["batches"] > 0 for w in workers), workers
+    assert len(workers) == 2 and all(w.ready and w.alive for w in workers)
+    assert len({w.pid for w in workers}) == 2
+    assert all(w.batches > 0 for w in workers), workers
 
 
 async def test_auto_batch_size_is_measured_and_used(tiny_store: Path) -> None:
@@ -122,12 +121,12 @@ async def test_auto_batch_size_is_measured_and_used(tiny_store: Path) -> None:
         mb_batch_size="auto",
         mb_auto_batch_max=8,
     ) as (app, client):
-        worker = app.state.transport.describe()[0]
+        worker = app.state.engine.transport.worker_status()[0]
         ready = (await client.get("/readyz")).json()
-        streamer_batch = app.state.streamer.max_batch_size
-    assert 1 <= worker["batch_size"] <= 8
-    assert streamer_batch == worker["batch_size"]
-    assert ready["workers"][0]["batch_size"] == worker["batch_size"]
+        streamer_batch = app.state.engine.streamer.max_batch_size
+    assert 1 <= worker.batch_size <= 8
+    assert streamer_batch == worker.batch_size
+    assert ready["workers"][0]["batch_size"] == worker.batch_size
 
 
 def test_bfloat16_agrees_with_float32_on_the_photos(

@@ -30,8 +30,9 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
     manifest = json.loads((store / "manifest.json").read_text())
     assert manifest["num_classes"] == 3
     import timm
+    from timm.data.config import resolve_model_data_config
 
-    config = timm.data.resolve_model_data_config(timm.create_model("test_resnet"))
+    config = resolve_model_data_config(timm.create_model("test_resnet"))  # type: ignore[no-untyped-call]  # timm leaves it unannotated
     assert manifest["input"]["crop_size"] == config["input_size"][-1]  # its own preprocessing
     assert tuple(manifest["input"]["mean"]) == pytest.approx(config["mean"])
     async with running_app(model_store=store, cuda_devices="cpu", mb_worker_num=1) as (

@@ -20,9 +20,10 @@ from PIL import Image
 
 from bench.loadgen import Response, closed_loop, multipart_request
 from tests.checks import Expectation, httpx_closed_loop, mixed_jobs
-from tests.conftest import BatchGate, distinct_images, running_app
+from tests.conftest import distinct_images, running_app
 from tests.models import POISON_RGB
 from tests.server import ServerProcess, alive, shm_files
+from tests.transports import Watched, wait_queued
 
 pytestmark = pytest.mark.slow
 
@@ -82,9 +83,14 @@ async def test_real_model_under_concurrency_answers_as_when_alone(
 
     from tests.conftest import jpeg
 
-    photos = [cat_jpeg, coffee_jpeg, jpeg(data.astronaut()), jpeg(data.rocket())]
+    photos = [cat_jpeg, coffee_jpeg, jpeg(data.astronaut()), jpeg(data.rocket())]  # type: ignore[no-untyped-call]  # skimage.data is unannotated
+    watched = Watched()
     async with running_app(
-        model_store=default_store, cuda_devices="cpu", mb_worker_num=1, mb_batch_size=16
+        watched.wrap,
+        model_store=default_store,
+        cuda_devices="cpu",
+        mb_worker_num=1,
+        mb_batch_size=16,
     ) as (app, client):
         alone = {}
         for index, photo in enumerate(photos):
@@ -95,8 +101,16 @@ async def test_real_model_under_concurrency_answers_as_when_alone(
                 alone[task, index] = response.json()
         jobs = [("embedding" if i % 3 else "tag", photos[i % 4]) for i in range(120)]
         transport = httpx.ASGITransport(app=app)
-        results = await httpx_closed_loop("http://test", jobs, clients=16, transport=transport)
-        sizes = app.state.transport.stats.batch_sizes
+        ran = len(watched.batches)
+        watched.hold()  # until the 16 clients' first requests wait: they must share batches
+        load = asyncio.create_task(
+            httpx_closed_loop("http://test", jobs, clients=16, transport=transport)
+        )
+        await watched.wait_entered()
+        await wait_queued(app, 16 - watched.held)  # every client's first request
+        watched.release()
+        results = await load
+        sizes = [size for _, size in watched.batches[ran:]]
     assert Counter(status for _, status, _ in results) == {200: 120}
     for index, _, body in results:
         task, expected = jobs[index][0], alone[jobs[index][0], index % 4]
@@ -107,31 +121,32 @@ async def test_real_model_under_concurrency_answers_as_when_alone(
             np.testing.assert_allclose(
                 [t["prob"] for t in body], [t["prob"] for t in expected], atol=1e-4
             )
-    assert max(max(s) for s in sizes.values()) > 1
+    assert max(sizes) > 1 and sum(sizes) == len(jobs)
 
 
 async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) -> None:
     bound, extra = 16, 5
     expect = Expectation(tiny_store)
+    watched = Watched()
     async with running_app(
-        model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1, mb_max_queue=bound
-    ) as (app, client):
-        streamer = app.state.streamer
-        with BatchGate(streamer) as gate:
-            images = distinct_images(1 + bound + extra)
+        watched.wrap, model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1,
+        mb_max_queue=bound,
+    ) as (app, client):  # fmt: skip
+        watched.hold()
+        images = distinct_images(1 + bound + extra)
 
-            async def post(data: bytes) -> tuple[httpx.Response, float]:
-                started = time.monotonic()
-                response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
-                return response, time.monotonic() - started
+        async def post(data: bytes) -> tuple[httpx.Response, float]:
+            started = time.monotonic()
+            response = await client.post("/predict/embedding", files={"image": ("x.png", data)})
+            return response, time.monotonic() - started
 
-            first = asyncio.create_task(post(images[0]))
-            await gate.wait_entered()  # the only worker is now blocked
-            queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
-            await gate.wait_queued(bound)
-            rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
-            gate.open()
-            admitted = await asyncio.gather(first, *queued)
+        first = asyncio.create_task(post(images[0]))
+        await watched.wait_entered()  # the only worker is now blocked
+        queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
+        await wait_queued(app, bound)
+        rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
+        watched.release()
+        admitted = await asyncio.gather(first, *queued)
     assert [r.status_code for r, _ in rejected] == [503] * extra
     assert all(r.json()["error"]["type"] == "queue_full" for r, _ in rejected)
     assert all(int(r.headers["Retry-After"]) >= 1 for r, _ in rejected)
@@ -299,7 +314,9 @@ async def test_a_thousand_disconnects_leave_nothing_queued_or_computed(slow_stor
                 writer.write(request)
                 writers.append(writer)
             await asyncio.gather(*(w.drain() for w in writers))
-            await asyncio.sleep(0.3)
+            async with asyncio.timeout(30):  # hang up once the wave is queued, not at a guess
+                while (await asyncio.to_thread(server.readiness))[1]["queue_depth"] < 100:
+                    await asyncio.sleep(0.01)
             for writer in writers:
                 writer.close()
             await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
@@ -324,27 +341,26 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
     Image.new("RGB", (40, 40), POISON_RGB).save(buffer, format="PNG")
     poison = buffer.getvalue()
     good = distinct_images(6)
+    watched = Watched()
     async with running_app(
-        model_store=poison_store, cuda_devices="cpu", mb_worker_num=1, mb_max_latency=0.5
-    ) as (app, client):
-        streamer = app.state.streamer
-        with BatchGate(streamer) as gate:
-            uploads = [good[0], *good[1:3], poison, *good[3:]]
-            first = asyncio.create_task(
-                client.post("/predict/embedding", files={"image": ("x.png", uploads[0])})
-            )
-            await gate.wait_entered()
-            rest = [
-                asyncio.create_task(
-                    client.post("/predict/embedding", files={"image": ("x.png", d)})
-                )
-                for d in uploads[1:]
-            ]
-            await gate.wait_queued(len(rest))
-            gate.open()
-            responses = await asyncio.gather(first, *rest)
-        retried = streamer.stats.retried_batches
-        pool_ready = app.state.transport.ready
+        watched.wrap, model_store=poison_store, cuda_devices="cpu", mb_worker_num=1,
+        mb_max_latency=0.5,
+    ) as (app, client):  # fmt: skip
+        watched.hold()
+        uploads = [good[0], *good[1:3], poison, *good[3:]]
+        first = asyncio.create_task(
+            client.post("/predict/embedding", files={"image": ("x.png", uploads[0])})
+        )
+        await watched.wait_entered()
+        rest = [
+            asyncio.create_task(client.post("/predict/embedding", files={"image": ("x.png", d)}))
+            for d in uploads[1:]
+        ]
+        await wait_queued(app, len(rest))
+        watched.release()
+        responses = await asyncio.gather(first, *rest)
+        sizes = [size for _, size in watched.batches]
+        pool_ready = app.state.engine.transport.ready
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 200, 200, 500, 200, 200, 200]
     assert responses[3].json()["error"] == {
@@ -354,7 +370,8 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
     for response, data in zip(responses, uploads, strict=True):
         if response.status_code == 200:
             assert expect.check("embedding", data, response.json())
-    assert retried == 1 and pool_ready
+    # The first image alone, the six together, then those six again one by one: one retry.
+    assert sizes == [1, 6, 1, 1, 1, 1, 1, 1] and pool_ready
 
 
 async def test_stop_signal_turns_readiness_and_new_requests_to_503(tiny_store: Path) -> None:

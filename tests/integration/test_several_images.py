@@ -12,17 +12,20 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from tests.conftest import BatchGate, distinct_images, embed, expected_for, running_app
+from tests.conftest import distinct_images, embed, expected_for, running_app
 from tests.models import TINY_DIM
+from tests.transports import Watched, wait_queued
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 CAP = 8
+WATCHED = Watched()  # the served app's transport, wrapped: tests see and hold its batches
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def served(tiny_store: Path) -> AsyncIterator[tuple[Any, Any]]:
     async with running_app(
+        WATCHED.wrap,
         model_store=tiny_store,
         cuda_devices="cpu",
         mb_worker_num=1,
@@ -63,17 +66,17 @@ async def test_a_request_with_more_images_than_a_batch_comes_back_whole(
     are spread over several batches, and still come back whole and in order."""
     app, client = served
     images = distinct_images(CAP + 1)
-    with BatchGate(app.state.streamer) as gate:
-        first = asyncio.create_task(embed(client, images[-1]))
-        await gate.wait_entered()
-        many = asyncio.create_task(client.post("/predict/embedding", files=_form(images[:CAP])))
-        await gate.wait_queued(CAP)
-        gate.open()
-        await first
-        response = await many
+    ran = len(WATCHED.batches)
+    WATCHED.hold()
+    first = asyncio.create_task(embed(client, images[-1]))
+    await WATCHED.wait_entered()
+    many = asyncio.create_task(client.post("/predict/embedding", files=_form(images[:CAP])))
+    await wait_queued(app, CAP)
+    WATCHED.release()
+    await first
+    response = await many
     assert response.status_code == 200
-    sizes = app.state.transport.stats.batch_sizes["embedding"]
-    assert max(sizes) <= 4
+    assert [size for _, size in WATCHED.batches[ran:]] == [1, 4, 4]
     for vector, data in zip(response.json(), images[:CAP], strict=True):
         np.testing.assert_allclose(vector, expected_for(data, tiny_store), atol=1e-5)
 

@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.manifest import read_manifest
+from app.metrics import BatchRun
+from app.plan import plan_serving
+from app.settings import Settings
 from app.workers.lending import LEND_AFTER_IDLE_S
+from app.workers.pool import WorkerPool
 from tests.conftest import distinct_images, embed, expected_for, running_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
@@ -19,18 +24,27 @@ async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path
     threads; one that starts while the other computes keeps its own thread. Answers stay the
     same. An idle server hands consecutive batches to the same worker."""
     images = distinct_images(3)
+    runs: list[BatchRun] = []
+    pools: list[WorkerPool] = []
+
+    def pool_seen_by_test(settings: Settings) -> WorkerPool:
+        manifest = read_manifest(settings.model_store)
+        pools.append(WorkerPool(manifest, plan_serving(settings), on_run=runs.append))
+        return pools[-1]
+
     async with running_app(
+        pool_seen_by_test,
         model_store=slow_store,
         cuda_devices="cpu",
         mb_worker_num=2,
         mb_worker_threads=1,
         mb_batch_size=4,
-    ) as (app, client):
-        pool = app.state.transport
+    ) as (_, client):
+        (pool,) = pools
         await asyncio.sleep(LEND_AFTER_IDLE_S)
 
         alone = await embed(client, images[0])
-        assert pool.stats.threads == {2: 1}
+        assert [run.threads for run in runs] == [2]
         (last,) = [w for w in pool.workers if w.batches == 1]
 
         first = asyncio.create_task(embed(client, images[1]))
@@ -41,6 +55,6 @@ async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path
         assert last.busy
         second = await embed(client, images[2])  # decoded and sent while the slow model computes
         results = [alone, await first, second]
-        assert pool.stats.threads == {2: 2, 1: 1}
+        assert sorted(run.threads for run in runs) == [1, 2, 2]
     for data, result in zip(images, results, strict=True):
         np.testing.assert_allclose(result, expected_for(data, slow_store), atol=1e-5)

@@ -21,7 +21,8 @@ def _photos() -> list[bytes]:
     from skimage import data
 
     jpegs = []
-    for photo in (data.chelsea(), data.coffee(), data.astronaut(), data.rocket()):
+    photos = (data.chelsea(), data.coffee(), data.astronaut(), data.rocket())  # type: ignore[no-untyped-call]  # skimage.data is unannotated
+    for photo in photos:
         buffer = io.BytesIO()
         Image.fromarray(photo).save(buffer, format="JPEG", quality=85)
         jpegs.append(buffer.getvalue())

@@ -57,3 +57,28 @@ def test_an_endpoint_without_a_request_is_refused() -> None:
 
     with pytest.raises(TypeError, match="no parameter annotated Request; parameters body"):
         APIRouter(route_class=DirectRoute).add_api_route("/bare", bare)
+
+
+def test_a_guard_of_the_request_alone_runs_before_the_endpoint() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    seen: list[str] = []
+
+    async def guard(request: Request) -> None:
+        seen.append("guard")
+        if request.headers.get("x-let-in") != "yes":
+            raise PermissionError("refused")
+
+    async def plain(request: Request) -> JSONResponse:
+        seen.append("endpoint")
+        return JSONResponse("ok")
+
+    router = APIRouter(route_class=DirectRoute, dependencies=[Depends(guard)])
+    router.add_api_route("/plain", plain, methods=["GET"])
+    app = FastAPI()
+    app.include_router(router)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/plain", headers={"x-let-in": "yes"}).json() == "ok"
+        assert client.get("/plain").status_code == 500
+    assert seen == ["guard", "endpoint", "guard"]

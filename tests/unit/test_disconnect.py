@@ -59,11 +59,11 @@ async def test_the_result_comes_back_and_the_watcher_stops() -> None:
     request, work = FakeRequest(), Work()
     work.release.set()
     assert await unless_disconnected(request, work()) == "result"  # type: ignore[arg-type]
-    await asyncio.sleep(0)
     watchers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    assert all(t.done() or t.cancelling() for t in watchers)
+    assert watchers and all(t.done() or t.cancelling() for t in watchers)
+    async with asyncio.timeout(5):  # the watcher ends: nothing is left to hear a disconnect
+        await asyncio.gather(*watchers, return_exceptions=True)
     request.leave()  # a disconnect after the answer cancels nothing
-    await asyncio.sleep(0.01)
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 

@@ -45,7 +45,7 @@ def test_codes_are_unique() -> None:
         (errors.InvalidRequest("x"), "bad_input"),
         (errors.InvalidParameter("x"), "bad_input"),
         (errors.Unauthorized("x"), "bad_input"),
-        (errors.NotReady("x"), None),
+        (errors.NotReady("x"), "not_ready"),
         (errors.InferenceError("x"), None),
         (errors.BatchContractError("x"), None),
     ],

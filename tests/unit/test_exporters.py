@@ -95,8 +95,10 @@ def test_class_names_need_a_classifier() -> None:
 def test_a_head_that_is_not_the_last_step_is_refused() -> None:
     # The "head" found (the Linear) is followed by a ReLU: embedding + head != the model.
     model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 4), nn.ReLU())
+    linear = model[2]
+    assert isinstance(linear, nn.Linear)
     with torch.no_grad():
-        model[2].bias.fill_(-10.0)  # make the ReLU matter
+        linear.bias.fill_(-10.0)  # make the ReLU matter
 
     def cut() -> nn.Module:
         head = model[2]

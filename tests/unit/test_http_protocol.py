@@ -144,8 +144,9 @@ def test_the_command_line_serves_with_this_protocol(monkeypatch: pytest.MonkeyPa
         def run(self) -> None:
             pass
 
-    monkeypatch.setattr(cli.uvicorn, "Server", FakeServer)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    # By dotted name: app.__main__ does not re-export the modules it imports.
+    monkeypatch.setattr("app.__main__.uvicorn.Server", FakeServer)
+    monkeypatch.setattr("app.__main__.signal.signal", lambda *_: None)
     assert cli.main([]) == 0
     assert configs[0].http is HttpProtocol
 

@@ -16,6 +16,7 @@ import pytest
 
 import app.main
 from app.main import create_app
+from app.plan import ServingPlan
 from app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,9 +53,11 @@ class FakeEngine:
 
     instances: ClassVar[list[FakeEngine]] = []
 
-    def __init__(self, settings: Settings, metrics: Any, *, drain_timeout_s: float) -> None:
+    def __init__(
+        self, plan: ServingPlan, metrics: Any, *, transport: Any, drain_timeout_s: float
+    ) -> None:
         self.drain_timeout_s = drain_timeout_s
-        self.transport = SimpleNamespace(describe=list, restart_count=0, ready=True)
+        self.transport = SimpleNamespace(worker_status=list, ready=True)
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
         self.queue_depth = 0
         manifest = SimpleNamespace(model_id="fake@000000000000", arch="fake", weights="random")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -10,11 +11,13 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import errors
+from app.jobs import Task
 from app.metrics import Metrics
 from app.routers.errors import install_error_handlers
 
 REFUSALS = [
     (errors.QueueFull, "queue_full"),
+    (errors.NotReady, "not_ready"),
     (errors.DeadlineExceeded, "timeout"),
     (errors.WorkerDied, "worker_died"),
     (errors.BrokerUnavailable, "broker_unavailable"),
@@ -45,7 +48,7 @@ def test_a_refusal_is_counted_under_its_reason(kind: type[errors.ServerError], r
 
 
 @pytest.mark.parametrize(
-    "kind", [errors.InferenceError, errors.BatchContractError, errors.NotReady, errors.Unavailable]
+    "kind", [errors.InferenceError, errors.BatchContractError, errors.Unavailable]
 )
 def test_a_failure_that_is_no_refusal_counts_nothing(kind: type[errors.ServerError]) -> None:
     metrics = Metrics()
@@ -80,6 +83,25 @@ async def test_refusals_starlette_and_fastapi_make_count_as_bad_input() -> None:
     assert _rejected_lines(metrics) == ['microbatch_rejected_total{reason="bad_input"} 2.0']
 
 
+async def test_a_body_refused_from_its_content_length_is_counted() -> None:
+    from app.routers.errors import BodySizeLimit
+
+    app = FastAPI()
+    metrics = Metrics()
+    install_error_handlers(app, metrics)
+    app.add_middleware(BodySizeLimit, max_body_bytes=10, metrics=metrics)
+
+    @app.post("/upload")
+    async def upload() -> None:
+        raise AssertionError("never reached")
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        answer = await client.post("/upload", content=b"x" * 11)
+    assert answer.status_code == 413 and answer.json()["error"]["type"] == "payload_too_large"
+    assert _rejected_lines(metrics) == ['microbatch_rejected_total{reason="bad_input"} 1.0']
+
+
 def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     """Batches form in the workers: their heartbeats' counts, summed, are the histograms."""
     from app.broker.stats import ConsumerStats
@@ -88,8 +110,24 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     first.record("tag", 3, 2, 0.02, [0.001, 0.002, 0.2])
     first.record("tag", 1, 1, 0.01, [0.003])
     second.record("tag", 3, 1, 0.04, [0.0, 0.0, 0.0])
+
+    @dataclass(frozen=True)
+    class Heartbeat:
+        """What /metrics reads of a heartbeat (``WorkerInfo``, whose keys are Tasks)."""
+
+        sizes: dict[Task, dict[int, int]]
+        model_s: dict[Task, list[float]]
+        wait_s: dict[Task, list[float]]
+
+    def heartbeat(stats: ConsumerStats) -> Heartbeat:
+        return Heartbeat(
+            sizes={Task(task): sizes for task, sizes in stats.sizes.items()},
+            model_s={Task(task): counts for task, counts in stats.model_s.items()},
+            wait_s={Task(task): counts for task, counts in stats.wait_s.items()},
+        )
+
     metrics = Metrics(remote_workers=True)
-    metrics.on_workers([vars(first), vars(second)])
+    metrics.on_workers([heartbeat(first), heartbeat(second)])
     text = metrics.render().decode()
     assert 'microbatch_batch_size_count{task="tag"} 3.0' in text
     assert 'microbatch_batch_size_sum{task="tag"} 7.0' in text

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.decode_plan import DecodePlan
 from app.errors import InvalidImage
 from app.jobs import BatchKey, ImageJob, Task
 from app.manifest import FileEntry, Manifest
+from app.plan import DecodePlan
 from app.services.predictor import Predictor
 from tests.unit.test_images import SPEC, encode, gradient
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.batching import BatchItem, Streamer, StreamerStats
+from app.batching import BatchItem, Streamer
 from app.errors import (
     BatchContractError,
     DeadlineExceeded,
@@ -21,6 +21,8 @@ from app.errors import (
     QueueFull,
     WorkerDied,
 )
+
+Echo = tuple[Hashable, object]  # what FakeModel answers for each item: (key, payload)
 
 
 class FakeModel:
@@ -53,25 +55,35 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
             await asyncio.sleep(0.001)
 
 
-async def as_one_batch(batch_fn: Any, payloads: list[Any]) -> tuple[list[Any], StreamerStats]:
+async def as_one_batch(batch_fn: Any, payloads: list[Any]) -> tuple[list[Any], list[int]]:
     """Submit ``payloads`` while the only worker is busy, so they wait and then reach
-    ``batch_fn`` together as one batch; returns each result or exception, and the stats."""
+    ``batch_fn`` together as one batch; returns each result or exception, and the sizes of
+    the batches ``batch_fn`` was given (a retried batch shows as its items one by one)."""
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+    sizes: list[int] = []
+
+    async def blocker_then_batch_fn(key: Hashable, items: Sequence[BatchItem[Any]]) -> Any:
+        if not model.batches:  # the first batch: the blocker
+            return await model(key, items)
+        sizes.append(len(items))
+        return await batch_fn(key, items)
+
+    async with Streamer[Any, Any](
+        blocker_then_batch_fn, max_batch_size=8, max_latency_s=10
+    ) as streamer:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
-        streamer._batch_fn = batch_fn
         tasks = [asyncio.create_task(streamer.submit(p)) for p in payloads]
         await wait_until(lambda: streamer.queue_depth == len(payloads))
         model.release.set()
         await blocker
         results = await asyncio.gather(*tasks, return_exceptions=True)
-    return results, streamer.stats
+    return results, sizes
 
 
 async def test_concurrent_items_are_batched_and_each_caller_gets_its_own_result() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=8, max_latency_s=10) as streamer:
         first = asyncio.create_task(streamer.submit(-1))
         await model.started.wait()  # the only worker is now busy with item -1
         rest = [asyncio.create_task(streamer.submit(i)) for i in range(20)]
@@ -85,7 +97,9 @@ async def test_concurrent_items_are_batched_and_each_caller_gets_its_own_result(
 
 async def test_128_waiting_requests_form_one_batch_of_128() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=128, max_latency_s=10, max_queue_size=1000) as s:
+    async with Streamer[object, Echo](
+        model, max_batch_size=128, max_latency_s=10, max_queue_size=1000
+    ) as s:
         blocker = asyncio.create_task(s.submit("block"))
         await model.started.wait()
         waiting = [asyncio.create_task(s.submit(i)) for i in range(128)]
@@ -97,7 +111,7 @@ async def test_128_waiting_requests_form_one_batch_of_128() -> None:
 
 async def test_lone_request_on_idle_server_does_not_wait_for_max_latency() -> None:
     model = FakeModel()
-    async with Streamer(model, max_batch_size=64, max_latency_s=30) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=64, max_latency_s=30) as streamer:
         started = time.monotonic()
         assert await streamer.submit("x") == ("default", "x")
         # 30 s of max latency must not be spent: the batch left at once.
@@ -108,7 +122,7 @@ async def test_lone_request_on_idle_server_does_not_wait_for_max_latency() -> No
 async def test_idle_only_while_nothing_is_queued_or_running() -> None:
     """What the Predictor asks before it lets an idle worker decode an upload."""
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=8, max_latency_s=10) as streamer:
         assert streamer.idle
         running = asyncio.create_task(streamer.submit("running"))
         await model.started.wait()
@@ -133,7 +147,9 @@ async def test_free_worker_waits_at_most_max_latency_while_another_batch_runs() 
             await release.wait()
         return {item.id: item.payload for item in items}
 
-    async with Streamer(model, max_batch_size=8, max_latency_s=0.2, max_concurrent_batches=2) as s:
+    async with Streamer[str, str](
+        model, max_batch_size=8, max_latency_s=0.2, max_concurrent_batches=2
+    ) as s:
         slow = asyncio.create_task(s.submit("slow"))
         await wait_until(lambda: s.in_flight == 1)
         submitted = time.monotonic()
@@ -152,7 +168,9 @@ async def test_full_batch_leaves_without_waiting_for_max_latency() -> None:
             await release.wait()
         return {item.id: item.payload for item in items}
 
-    async with Streamer(model, max_batch_size=4, max_latency_s=30, max_concurrent_batches=2) as s:
+    async with Streamer[int, int](
+        model, max_batch_size=4, max_latency_s=30, max_concurrent_batches=2
+    ) as s:
         blocker = asyncio.create_task(s.submit(-1))
         await wait_until(lambda: s.in_flight == 1)
         started = time.monotonic()
@@ -164,7 +182,7 @@ async def test_full_batch_leaves_without_waiting_for_max_latency() -> None:
 
 async def test_items_with_different_keys_never_share_a_batch() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=16, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=16, max_latency_s=10) as streamer:
         blocker = asyncio.create_task(streamer.submit(0, key="tag"))
         await model.started.wait()
         tasks = [
@@ -175,14 +193,23 @@ async def test_items_with_different_keys_never_share_a_batch() -> None:
         model.release.set()
         results = await asyncio.gather(blocker, *tasks)
     for key, payloads in model.batches:
-        assert all(("tag" if p % 2 or p == 0 else "embedding") == key for p in payloads)
+        assert all(
+            isinstance(p, int) and ("tag" if p % 2 or p == 0 else "embedding") == key
+            for p in payloads
+        )
     assert results[1:] == [("tag" if i % 2 else "embedding", i) for i in range(1, 11)]
-    assert streamer.stats.batch_sizes == {"tag": {1: 1, 5: 1}, "embedding": {5: 1}}
+    assert sorted((str(key), len(payloads)) for key, payloads in model.batches) == [
+        ("embedding", 5),
+        ("tag", 1),
+        ("tag", 5),
+    ]
 
 
 async def test_full_queue_rejects_at_once_with_retry_after() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=2, max_latency_s=10, max_queue_size=3) as streamer:
+    async with Streamer[object, Echo](
+        model, max_batch_size=2, max_latency_s=10, max_queue_size=3
+    ) as streamer:
         blocker = asyncio.create_task(streamer.submit("b"))
         await model.started.wait()
         queued = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
@@ -192,14 +219,14 @@ async def test_full_queue_rejects_at_once_with_retry_after() -> None:
             await streamer.submit("one too many")
         assert time.monotonic() - started < 0.1
         assert info.value.retry_after_s >= 1
-        assert streamer.stats.rejected_queue_full == 1
+        assert streamer.queue_depth == 3  # the refused item never joined the queue
         model.release.set()
         await asyncio.gather(blocker, *queued)
 
 
 async def test_deadline_expires_while_queued_and_item_is_never_computed() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=4, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=4, max_latency_s=10) as streamer:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         with pytest.raises(DeadlineExceeded):
@@ -213,7 +240,7 @@ async def test_deadline_expires_while_queued_and_item_is_never_computed() -> Non
 
 async def test_cancelled_caller_leaves_the_queue() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=4, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=4, max_latency_s=10) as streamer:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         gone = asyncio.create_task(streamer.submit("gone"))
@@ -230,7 +257,7 @@ async def test_exception_in_batch_reaches_every_caller() -> None:
     async def broken(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
         raise RuntimeError("boom")
 
-    async with Streamer(broken, max_batch_size=8, max_latency_s=0.01) as streamer:
+    async with Streamer[int, int](broken, max_batch_size=8, max_latency_s=0.01) as streamer:
         results = await asyncio.gather(
             *(streamer.submit(i) for i in range(5)), return_exceptions=True
         )
@@ -245,7 +272,7 @@ async def test_domain_error_from_batch_is_passed_through_unchanged() -> None:
     async def refuses(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, int]:
         raise InvalidImage("nope")
 
-    async with Streamer(refuses, max_batch_size=8, max_latency_s=0.01) as streamer:
+    async with Streamer[int, int](refuses, max_batch_size=8, max_latency_s=0.01) as streamer:
         with pytest.raises(InvalidImage, match="nope"):
             await streamer.submit(1)
 
@@ -254,7 +281,7 @@ async def test_per_item_exception_fails_only_that_item() -> None:
     async def picky(key: Hashable, items: Sequence[BatchItem[int]]) -> dict[int, object]:
         return {i.id: InvalidImage("odd") if i.payload % 2 else i.payload for i in items}
 
-    async with Streamer(picky, max_batch_size=8, max_latency_s=0.01) as streamer:
+    async with Streamer[int, object](picky, max_batch_size=8, max_latency_s=0.01) as streamer:
         results = await asyncio.gather(
             *(streamer.submit(i) for i in range(4)), return_exceptions=True
         )
@@ -272,11 +299,11 @@ async def test_failed_batch_is_retried_item_by_item_so_only_the_poison_one_fails
         return {item.id: item.payload.upper() for item in items}
 
     payloads = ["a", "poison", "b", "c"]
-    results, stats = await as_one_batch(fragile, payloads)
+    results, sizes = await as_one_batch(fragile, payloads)
     assert results[0] == "A" and results[2] == "B" and results[3] == "C"
     assert isinstance(results[1], InferenceError)
     assert calls == [payloads, ["a"], ["poison"], ["b"], ["c"]]
-    assert stats.retried_batches == 1
+    assert sizes == [4, 1, 1, 1, 1]  # one batch, then each item alone
 
 
 async def test_unavailable_batch_is_not_retried() -> None:
@@ -294,7 +321,9 @@ async def test_unavailable_batch_is_not_retried() -> None:
 
 async def test_check_admission_refuses_before_any_work() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=1, max_latency_s=10, max_queue_size=1) as streamer:
+    async with Streamer[object, Echo](
+        model, max_batch_size=1, max_latency_s=10, max_queue_size=1
+    ) as streamer:
         streamer.check_admission()
         blocker = asyncio.create_task(streamer.submit(0))
         await model.started.wait()
@@ -320,7 +349,7 @@ async def test_batch_contract_violation_fails_the_whole_batch_loudly(mode: str) 
 
 
 async def test_submit_before_start_and_after_close_is_not_ready() -> None:
-    streamer: Streamer[int, int] = Streamer(FakeModel(), max_batch_size=1, max_latency_s=0)
+    streamer: Streamer[object, Echo] = Streamer(FakeModel(), max_batch_size=1, max_latency_s=0)
     with pytest.raises(NotReady):
         await streamer.submit(1)
     await streamer.start()
@@ -331,7 +360,7 @@ async def test_submit_before_start_and_after_close_is_not_ready() -> None:
 
 async def test_close_drains_admitted_work_then_answers_leftovers_not_ready() -> None:
     model = FakeModel(gated=True)
-    streamer: Streamer[int, object] = Streamer(model, max_batch_size=2, max_latency_s=10)
+    streamer: Streamer[object, Echo] = Streamer(model, max_batch_size=2, max_latency_s=10)
     await streamer.start()
     blocker = asyncio.create_task(streamer.submit(0))
     await model.started.wait()
@@ -367,7 +396,9 @@ async def test_each_item_reaches_the_transport_with_its_deadline() -> None:
         return {item.id: item.payload for item in items}
 
     now = [100.0]
-    async with Streamer(record, max_batch_size=8, max_latency_s=0, clock=lambda: now[0]) as s:
+    async with Streamer[str, str](
+        record, max_batch_size=8, max_latency_s=0, clock=lambda: now[0]
+    ) as s:
         await s.submit("bounded", timeout_s=2.5)
         await s.submit("unbounded")
     assert seen == [("bounded", 102.5), ("unbounded", None)]
@@ -385,7 +416,7 @@ async def test_a_batch_whose_callers_all_left_is_cancelled() -> None:
             cancelled.set()
             raise
 
-    async with Streamer(watched, max_batch_size=8, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](watched, max_batch_size=8, max_latency_s=10) as streamer:
         caller = asyncio.create_task(streamer.submit("left"))
         await model.started.wait()
         caller.cancel()
@@ -397,7 +428,7 @@ async def test_a_batch_whose_callers_all_left_is_cancelled() -> None:
 
 async def test_a_batch_keeps_running_while_one_of_its_callers_waits() -> None:
     model = FakeModel(gated=True)
-    async with Streamer(model, max_batch_size=8, max_latency_s=10) as streamer:
+    async with Streamer[object, Echo](model, max_batch_size=8, max_latency_s=10) as streamer:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         leaving, staying = (asyncio.create_task(streamer.submit(p)) for p in ("a", "b"))
@@ -421,7 +452,7 @@ async def test_answered_items_are_freed_without_waiting_for_the_garbage_collecto
     alive = [weakref.ref(payload) for payload in payloads]
     gc.disable()
     try:
-        async with Streamer(ids, max_batch_size=8, max_latency_s=0.001) as streamer:
+        async with Streamer[object, int](ids, max_batch_size=8, max_latency_s=0.001) as streamer:
             await asyncio.gather(*(streamer.submit(payload) for payload in payloads))
             del payloads
             assert [ref for ref in alive if ref() is not None] == []

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.plan import WorkerConfig
 from app.workers import process
-from app.workers.messages import StartFailed, WorkerConfig, WorkerSpec
+from app.workers.messages import StartFailed, WorkerSpec
 
 # Activation-sized arrays (1-48 MiB) allocated and freed in a mixed order, as batches of
 # different sizes do; prints the page faults of five rounds after a warm-up round.

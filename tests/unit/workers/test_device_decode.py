@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 
 def photo(width: int = 451, height: int = 300) -> Image.Image:
     """A real photo (the cat), resized: smooth areas and sharp edges, like real uploads."""
-    return Image.fromarray(data.chelsea()).resize((width, height))
+    return Image.fromarray(data.chelsea()).resize((width, height))  # type: ignore[no-untyped-call]  # skimage.data is unannotated
 
 
 def jpeg(image: Image.Image, orientation: int = 1) -> bytes:

@@ -27,7 +27,11 @@ def buffer() -> Iterator[InputBuffer]:
     created.close()
 
 
-def _message(spans: tuple = (), inline: tuple = (), count: int = 2) -> RunBatch:
+def _message(
+    spans: tuple[tuple[int, int] | None, ...] = (),
+    inline: tuple[bytes | None, ...] = (),
+    count: int = 2,
+) -> RunBatch:
     return RunBatch(1, Task.TAG, tuple(range(10, 10 + count)), 5, spans, inline)
 
 

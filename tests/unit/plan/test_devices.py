@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from app.workers.devices import assign_workers, parse_cuda_devices, resolve_devices
+from app.plan.devices import assign_workers, resolve_devices
+from app.settings import parse_cuda_devices
 
 
 @pytest.mark.parametrize(
@@ -50,3 +53,13 @@ def test_assign_workers_round_robin_includes_gpu_0() -> None:
         "cuda:0",
     ]
     assert assign_workers(["cpu"], 3) == ["cpu", "cpu", "cpu"]
+
+
+def test_without_a_gpu_driver_no_gpu_is_counted_and_torch_is_not_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from app.plan import devices
+
+    monkeypatch.setattr(devices, "GPU_DRIVER_PATHS", (str(tmp_path / "nvidia"),))
+    monkeypatch.setattr("app.plan.devices.subprocess.run", None)  # a probe would fail loudly
+    assert devices.count_gpus() == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.decode_plan import DecodePlan, plan_decode
+from app.plan.decode import DecodePlan, plan_decode
 
 CPU2 = ["cpu", "cpu"]
 GPU2 = ["cuda:0", "cuda:1"]

@@ -1,0 +1,27 @@
+"""How this process serves, decided once from the settings: ``plan_serving(settings)`` gives
+the frozen ``ServingPlan`` (devices, workers and threads, where uploads are decoded, in-process
+or broker mode, the batching limits) that every other piece receives."""
+
+from app.plan.decode import DecodePlan
+from app.plan.serving import (
+    BrokerPlan,
+    Limits,
+    Placement,
+    Role,
+    ServingPlan,
+    WorkerConfig,
+    plan_serving,
+    plan_workers,
+)
+
+__all__ = [
+    "BrokerPlan",
+    "DecodePlan",
+    "Limits",
+    "Placement",
+    "Role",
+    "ServingPlan",
+    "WorkerConfig",
+    "plan_serving",
+    "plan_workers",
+]

@@ -1,0 +1,93 @@
+"""``FakeTransport``: the whole server, routes to Streamer, without model workers.
+
+In the spirit of httpx's ``MockTransport``: a function answers each batch, so a test (or a
+user trying the API) drives the real app through its public seam instead of patching it::
+
+    def answer(task: Task, jobs: Sequence[ImageJob]) -> list[object]:
+        return [np.zeros(8, np.float32) for _ in jobs]      # or TopK(...) for Task.TAG
+
+    app = create_app(settings, transport=FakeTransport(answer))
+
+Each job's ``image`` is pixels (uint8, the model's input size) or, where the serving plan
+leaves uploads to the workers, the encoded upload (``bytes``): decode it with
+``app.images.preprocess`` as a worker would. ``batches`` records what ran, in order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.batching import BatchItem, WorkerStatus
+from app.errors import BatchContractError
+from app.jobs import BatchKey, ImageJob, Task
+
+Handler = Callable[[Task, Sequence[ImageJob]], Sequence[object] | Awaitable[Sequence[object]]]
+
+
+@dataclass(frozen=True)
+class FakeBatch:
+    """One batch a ``FakeTransport`` ran: its key, its jobs and each item's deadline."""
+
+    key: BatchKey
+    jobs: tuple[ImageJob, ...]
+    deadlines: tuple[float | None, ...]
+
+
+class FakeTransport:
+    """An ``app.batching.Transport`` whose batches ``handler(task, jobs)`` answers, one
+    result per job in order (an exception instance fails that job alone; raising fails the
+    batch). ``batch_size`` and ``capacity`` shape the batches the Streamer forms."""
+
+    def __init__(self, handler: Handler, *, batch_size: int = 8, capacity: int = 1) -> None:
+        self.handler = handler
+        self._batch_size = batch_size
+        self._capacity = capacity
+        self.batches: list[FakeBatch] = []
+        self.started = self.closed = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    async def run_batch(
+        self, key: Hashable, items: Sequence[BatchItem[ImageJob]]
+    ) -> Mapping[int, Any]:
+        assert isinstance(key, BatchKey)
+        jobs = tuple(item.payload for item in items)
+        self.batches.append(FakeBatch(key, jobs, tuple(item.deadline for item in items)))
+        answered = self.handler(key.task, jobs)
+        results = await answered if inspect.isawaitable(answered) else answered
+        if len(results) != len(items):
+            raise BatchContractError(f"the handler answered {len(results)} of {len(items)} jobs")
+        return {item.id: result for item, result in zip(items, results, strict=True)}
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.closed
+
+    @property
+    def shared_queue_depth(self) -> int:
+        return 0
+
+    def worker_status(self) -> list[WorkerStatus]:
+        items = sum(len(batch.jobs) for batch in self.batches)
+        return [
+            WorkerStatus(
+                index=0, device="fake", threads=0, pid=None, ready=self.ready,
+                alive=not self.closed, batch_size=self._batch_size, batches=len(self.batches),
+                items=items,
+            )
+        ]  # fmt: skip
