@@ -221,9 +221,7 @@ class Consumer(OrphanClaims):
                 self._running = 0
             waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
             frontends = len({request.frontend for _, request in runnable})
-            self.stats.record(
-                task.value, len(runnable), frontends, time.perf_counter() - started, waits
-            )
+            self.stats.record(task, len(runnable), frontends, time.perf_counter() - started, waits)
         self._answer(stream, replies, dropped)
 
     def _compute(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.jobs import Task
 from app.metrics import LATENCY_BUCKETS
 
 
@@ -30,12 +31,12 @@ class ConsumerStats:
     malformed: int = 0  # dropped unrun: not our format
     reclaimed: int = 0  # taken over from a worker that died or hung
     given_up: int = 0  # answered 500 after MB_MAX_DELIVERIES deliveries
-    sizes: dict[str, dict[int, int]] = field(default_factory=dict)  # task -> size -> batches
-    model_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
-    wait_s: dict[str, list[float]] = field(default_factory=dict)  # task -> histogram
+    sizes: dict[Task, dict[int, int]] = field(default_factory=dict)  # task -> size -> batches
+    model_s: dict[Task, list[float]] = field(default_factory=dict)  # task -> histogram
+    wait_s: dict[Task, list[float]] = field(default_factory=dict)  # task -> histogram
 
     def record(
-        self, task: str, size: int, frontends: int, model_s: float, waits: list[float]
+        self, task: Task, size: int, frontends: int, model_s: float, waits: list[float]
     ) -> None:
         self.batches += 1
         self.items += size

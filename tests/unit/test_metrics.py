@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -107,27 +106,12 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     from app.broker.stats import ConsumerStats
 
     first, second = ConsumerStats(), ConsumerStats()
-    first.record("tag", 3, 2, 0.02, [0.001, 0.002, 0.2])
-    first.record("tag", 1, 1, 0.01, [0.003])
-    second.record("tag", 3, 1, 0.04, [0.0, 0.0, 0.0])
-
-    @dataclass(frozen=True)
-    class Heartbeat:
-        """What /metrics reads of a heartbeat (``WorkerInfo``, whose keys are Tasks)."""
-
-        sizes: dict[Task, dict[int, int]]
-        model_s: dict[Task, list[float]]
-        wait_s: dict[Task, list[float]]
-
-    def heartbeat(stats: ConsumerStats) -> Heartbeat:
-        return Heartbeat(
-            sizes={Task(task): sizes for task, sizes in stats.sizes.items()},
-            model_s={Task(task): counts for task, counts in stats.model_s.items()},
-            wait_s={Task(task): counts for task, counts in stats.wait_s.items()},
-        )
+    first.record(Task.TAG, 3, 2, 0.02, [0.001, 0.002, 0.2])
+    first.record(Task.TAG, 1, 1, 0.01, [0.003])
+    second.record(Task.TAG, 3, 1, 0.04, [0.0, 0.0, 0.0])
 
     metrics = Metrics(remote_workers=True)
-    metrics.on_workers([heartbeat(first), heartbeat(second)])
+    metrics.on_workers([first, second])
     text = metrics.render().decode()
     assert 'microbatch_batch_size_count{task="tag"} 3.0' in text
     assert 'microbatch_batch_size_sum{task="tag"} 7.0' in text
