@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from app.exporters.base import (
@@ -46,7 +47,13 @@ from app.exporters.base import (
 )
 from app.exporters.checkpoints import describe
 from app.exporters.registry import build_model, list_names, resolve
-from app.exporters.store import export_module, export_split, labels_for, read_labels
+from app.exporters.store import (
+    DERIVED_RUNTIMES,
+    export_module,
+    export_split,
+    labels_for,
+    read_labels,
+)
 from app.manifest import InputSpec, Manifest
 
 __all__ = [
@@ -80,18 +87,22 @@ def export(
     classifier: bool = True,
     preprocessing: dict[str, object] | None = None,
     name: str | None = None,
+    runtimes: Collection[str] = DERIVED_RUNTIMES,
 ) -> Manifest:
     """Build ``arch`` with ``weights`` ("pretrained", "random" or a checkpoint path) and
     export it into ``out``, its head named by ``classes`` (ImageNet's by default), or
     embedding-only without ``classifier``. ``preprocessing``: InputSpec fields to override;
-    ``name``: the manifest's arch (default ``arch``)."""
+    ``name``: the manifest's arch (default ``arch``); ``runtimes``: the runtimes besides
+    TorchScript to derive models for."""
     request = BuildRequest(weights, None if classes is None else len(classes), classifier)
     built = build_model(arch, request)
     split = built.split
     if preprocessing:
         split.input = _override(split.input, preprocessing)
     labels = None if split.classifier is None else labels_for(split.num_classes, classes, arch)
-    return export_split(split, arch=name or arch, weights=built.weights, out=out, classes=labels)
+    return export_split(
+        split, arch=name or arch, weights=built.weights, out=out, classes=labels, runtimes=runtimes
+    )
 
 
 def export_torchscript(
@@ -102,6 +113,7 @@ def export_torchscript(
     classes: list[str] | None = None,
     name: str | None = None,
     preprocessing: dict[str, object] | None = None,
+    runtimes: Collection[str] = DERIVED_RUNTIMES,
 ) -> Manifest:
     """Export your own TorchScript models (``embedding``: images -> [N, D]; ``classifier``:
     [N, D] -> [N, K]) with the preprocessing they were trained with."""
@@ -128,6 +140,7 @@ def export_torchscript(
         classes=classes,
         arch=name or embedding.stem,
         weights=", ".join(describe(p) for p in (embedding, classifier) if p is not None),
+        runtimes=runtimes,
     )
 
 
@@ -155,6 +168,14 @@ def _triple(text: str) -> tuple[float, float, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not three numbers a,b,c") from None
     return (a, b, c)
+
+
+def _runtimes(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip() not in ("", "none"))
+    unknown = set(names) - set(DERIVED_RUNTIMES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown runtime(s): {', '.join(sorted(unknown))}")
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -188,6 +209,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--list", nargs="?", const="*", metavar="PATTERN", help="print the model names and exit"
+    )
+    parser.add_argument(
+        "--runtimes",
+        type=_runtimes,
+        default=DERIVED_RUNTIMES,
+        metavar="LIST",
+        help="runtimes to derive models for besides TorchScript: 'openvino' (the default, when "
+        "installed) or 'none'",
     )
     return parser
 
@@ -235,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 classes=classes,
                 name=args.name,
                 preprocessing=preprocessing,
+                runtimes=args.runtimes,
             )
         else:
             manifest = export(
@@ -245,17 +275,19 @@ def main(argv: list[str] | None = None) -> int:
                 classifier=not args.no_classifier,
                 preprocessing=preprocessing,
                 name=args.name,
+                runtimes=args.runtimes,
             )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
-        "exported %s (%s) to %s: %d-d embedding, %s",
+        "exported %s (%s) to %s: %d-d embedding, %s; runtimes: %s",
         manifest.arch,
         manifest.weights,
         args.out,
         manifest.embedding_dim,
         f"{manifest.num_classes} classes" if manifest.num_classes else "no classifier",
+        ", ".join(["torchscript", *manifest.runtimes]),
     )
     return 0
 

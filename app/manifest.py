@@ -39,9 +39,25 @@ class FileEntry(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+RuntimeName = Literal["openvino"]
+
+
+class RuntimeArtifact(BaseModel):
+    """A model derived at export for another runtime than TorchScript, and what it was built
+    for: the runtime's files by role (``embedding.xml``, ``embedding.bin``, ...), the
+    versions that built it, its precision, and how far its outputs were from the TorchScript
+    models' on the export's check batch (``max_abs_diff``, over every output)."""
+
+    files: dict[str, FileEntry]
+    precision: Literal["fp32"] = "fp32"
+    versions: dict[str, str]
+    max_abs_diff: float = Field(ge=0)
+
+
 class Manifest(BaseModel):
     """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
-    ``classifier`` or ``classes`` file."""
+    ``classifier`` or ``classes`` file. ``runtimes`` lists the artifacts derived for other
+    runtimes (none in a store exported before they existed: it serves with TorchScript)."""
 
     format_version: Literal[1] = FORMAT_VERSION
     format: Literal["torchscript"] = "torchscript"
@@ -51,6 +67,7 @@ class Manifest(BaseModel):
     embedding_dim: int = Field(gt=0)
     num_classes: int = Field(ge=0)
     files: dict[Literal["embedding", "classifier", "classes"], FileEntry]
+    runtimes: dict[RuntimeName, RuntimeArtifact] = Field(default_factory=dict)
     # sha256 of manifest.json as read (not part of it): the export's identity.
     digest: str = Field(default="", exclude=True)
 
@@ -117,7 +134,10 @@ def read_manifest(
         raise ModelStoreError(f"{path} is not a valid manifest: {exc}") from None
     manifest.digest = hashlib.sha256(raw).hexdigest()
     if verify:
-        for role, entry in manifest.files.items():
+        checked: dict[str, FileEntry] = dict(manifest.files.items())
+        for runtime, artifact in manifest.runtimes.items():
+            checked |= {f"{runtime} {role}": entry for role, entry in artifact.files.items()}
+        for role, entry in checked.items():
             if roles is not None and role not in roles:
                 continue
             file = store / entry.path

@@ -37,6 +37,7 @@ class WorkerState(BaseModel):
     items: int = Field(description="images this worker has been given")
     rss_bytes: int | None = Field(None, description="its resident memory")
     restarts: int = Field(0, description="times its slot was restarted after dying or hanging")
+    runtime: str | None = Field(None, description="what runs its model: torchscript, openvino")
 
 
 class Readiness(BaseModel):

@@ -71,6 +71,14 @@ class Settings(BaseSettings):
     mb_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Model precision in the workers (bfloat16/float16: opt-in)."
     )
+    mb_runtime: Literal["auto", "torchscript", "openvino"] = Field(
+        "auto",
+        description=(
+            "What runs the model in each worker: 'auto' self-tests every runtime the store "
+            "holds models for against TorchScript on this host and serves with the fastest that "
+            "agrees; 'torchscript' or 'openvino' (CPU) to insist."
+        ),
+    )
     mb_optimize: bool = Field(
         True, description="Freeze and optimise the TorchScript models for inference at load."
     )

@@ -3,6 +3,7 @@ requests in flight) and a model that fails on a marker image."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,14 @@ def tiny_expected_embedding(pixels: np.ndarray) -> np.ndarray:
     return embedding.reshape(-1)
 
 
-def export_test_model(out: Path, embedding: nn.Module, arch: str = "tiny-test") -> Path:
+def export_test_model(
+    out: Path,
+    embedding: nn.Module,
+    arch: str = "tiny-test",
+    runtimes: Collection[str] = (),
+) -> Path:
+    """A test store: TorchScript only unless ``runtimes`` asks for more (the tests that lean
+    on a test model's timing, the slow one's say, must run it as TorchScript runs it)."""
     torch.manual_seed(0)
     split = SplitModel(
         embedding=embedding.eval(),
@@ -89,12 +97,12 @@ def export_test_model(out: Path, embedding: nn.Module, arch: str = "tiny-test") 
         embedding_dim=TINY_DIM,
         num_classes=1000,
     )
-    export_split(split, arch=arch, weights="random", out=out, classes=CLASSES)
+    export_split(split, arch=arch, weights="random", out=out, classes=CLASSES, runtimes=runtimes)
     return out
 
 
-def export_tiny(out: Path) -> Path:
-    return export_test_model(out, TinyEmbedding())
+def export_tiny(out: Path, runtimes: Collection[str] = ()) -> Path:
+    return export_test_model(out, TinyEmbedding(), runtimes=runtimes)
 
 
 def export_slow(out: Path, rounds: int = 150) -> Path:
@@ -114,5 +122,5 @@ def export_embedding_only(out: Path) -> Path:
         embedding_dim=TINY_DIM,
         num_classes=0,
     )
-    export_split(split, arch="tiny-backbone", weights="random", out=out)
+    export_split(split, arch="tiny-backbone", weights="random", out=out, runtimes=())
     return out

@@ -34,6 +34,7 @@ class WorkerStatus:
     items: int  # images it has been given
     rss_bytes: int | None = None  # its resident memory
     restarts: int = 0  # times this worker slot was restarted after dying or hanging
+    runtime: str | None = None  # what runs its model (MB_RUNTIME), once it is ready
     name: str | None = None  # broker mode: "<host>:<index>"
     host: str | None = None  # broker mode: the worker's host
 

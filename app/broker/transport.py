@@ -130,6 +130,7 @@ class BrokerTransport:
                 index=w.index, device=w.device, threads=w.threads, pid=w.pid, ready=w.ready,
                 alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
                 rss_bytes=w.rss_bytes, restarts=w.restarts, name=w.name, host=w.host,
+                runtime=w.runtime,
             )
             for w in self._workers
         ]  # fmt: skip

@@ -238,6 +238,7 @@ class WorkerInfo(BaseModel):
     running: int = Field(ge=0)
     rss_bytes: int | None = Field(None, ge=0)
     restarts: int = Field(ge=0)
+    runtime: str | None = Field(None, max_length=32)  # absent from workers before runtimes
     batches: int = Field(ge=0)
     items: int = Field(ge=0)
     mixed_batches: int = Field(ge=0)

@@ -99,6 +99,7 @@ def consumer_main(spec: ConsumerSpec) -> None:
         "device": spec.device,
         "threads": spec.threads,
         "restarts": spec.restarts,
+        "runtime": prepared.runner.models.runtime,
     }
     consumer = Consumer(
         client,

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
+from app.exporters.openvino_ir import derive_openvino, remove_derived
 from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
 from app.workers.models import quiet_torchscript
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 IMAGENET_CLASSES = REPO_ROOT / "imagenet_classes.txt"
 EMBEDDING_FILE, CLASSIFIER_FILE, CLASSES_FILE = "embedding.pt", "classifier.pt", "classes.txt"
+DERIVED_RUNTIMES = ("openvino",)  # models derived from the traces, besides TorchScript
 
 
 def read_labels(path: Path) -> list[str]:
@@ -94,11 +97,18 @@ def _save(module: torch.jit.ScriptModule, path: Path) -> FileEntry:
 
 
 def export_split(
-    split: SplitModel, *, arch: str, weights: str, out: Path, classes: list[str] | None = None
+    split: SplitModel,
+    *,
+    arch: str,
+    weights: str,
+    out: Path,
+    classes: list[str] | None = None,
+    runtimes: Collection[str] = DERIVED_RUNTIMES,
 ) -> Manifest:
     """Trace the embedding model (and the classifier, if any), write them with ``classes``
-    into ``out`` and write the manifest last (so a half-written store is never taken for a
-    valid one). An embedding-only split takes no ``classes``."""
+    into ``out``, derive the other ``runtimes``' models from the traces (those that agree with
+    them), and write the manifest last (so a half-written store is never taken for a valid
+    one). An embedding-only split takes no ``classes``."""
     if split.classifier is None and classes:
         raise ExportError(f"{len(classes)} class names for a model without a classifier")
     if split.classifier is not None and (classes is None or len(classes) != split.num_classes):
@@ -110,14 +120,23 @@ def export_split(
     if features.shape != (len(images), split.embedding_dim):
         raise ExportError(f"embedding output shape {tuple(features.shape)} is not (N, dim)")
     files = {"embedding": _save(embedding, out / EMBEDDING_FILE)}
+    traced = {"embedding": (embedding, images, features)}
     if split.classifier is not None and classes is not None:
-        classifier, _ = _trace(split.classifier, features, "classifier")
+        classifier, logits = _trace(split.classifier, features, "classifier")
         files["classifier"] = _save(classifier, out / CLASSIFIER_FILE)
+        traced["classifier"] = (classifier, features, logits)
         (out / CLASSES_FILE).write_text("\n".join(classes) + "\n", encoding="utf-8")
         files["classes"] = FileEntry(path=CLASSES_FILE, sha256=sha256_file(out / CLASSES_FILE))
     else:  # files of an earlier export that the manifest would no longer vouch for
         (out / CLASSIFIER_FILE).unlink(missing_ok=True)
         (out / CLASSES_FILE).unlink(missing_ok=True)
+    derived = {}
+    if "openvino" in runtimes:
+        artifact = derive_openvino(out, traced)
+        if artifact is not None:
+            derived["openvino"] = artifact
+    else:  # an earlier export's IR, which the manifest would no longer vouch for
+        remove_derived(out)
     manifest = Manifest(
         arch=arch,
         weights=weights,
@@ -125,6 +144,7 @@ def export_split(
         embedding_dim=split.embedding_dim,
         num_classes=split.num_classes if split.classifier is not None else 0,
         files=files,
+        runtimes=derived,
     )
     tmp = out / (MANIFEST_NAME + ".tmp")
     tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
@@ -141,6 +161,7 @@ def export_module(
     classes: list[str] | None = None,
     arch: str,
     weights: str = "custom",
+    runtimes: Collection[str] = DERIVED_RUNTIMES,
 ) -> Manifest:
     """Export any model that timm and torchvision do not build: ``embedding`` maps normalised
     images [N, 3, S, S] (S = ``input.crop_size``) to features [N, D]; the optional
@@ -182,4 +203,6 @@ def export_module(
         embedding_dim=dim,
         num_classes=num_classes,
     )
-    return export_split(split, arch=arch, weights=weights, out=out, classes=classes)
+    return export_split(
+        split, arch=arch, weights=weights, out=out, classes=classes, runtimes=runtimes
+    )

@@ -16,6 +16,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from app.errors import WorkerStartError
@@ -24,6 +25,8 @@ from app.plan.devices import assign_workers, count_gpus, resolve_devices
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+RuntimeSetting = Literal["auto", "torchscript", "openvino"]
 
 
 class Role(enum.Enum):
@@ -42,6 +45,7 @@ class WorkerConfig:
     max_batch_size: int
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
     dtype: str = "float32"
+    runtime: RuntimeSetting = "auto"  # MB_RUNTIME: see app.workers.runtimes
     optimize: bool = True
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
     decode_on_device: bool = False  # JPEGs are decoded on the worker's device
@@ -229,6 +233,7 @@ def plan_serving(
             max_batch_size=settings.max_batch_size,
             auto_batch=settings.mb_batch_size == "auto",
             dtype=settings.mb_dtype,
+            runtime=settings.mb_runtime,
             optimize=settings.mb_optimize,
             decode_threads=placement.decode.worker_threads,
             decode_on_device=placement.decode.on_device,

@@ -94,6 +94,7 @@ class WorkerHandle:
         self.alive = True
         self.batch_size = spec.config.max_batch_size
         self.throughput: dict[int, float] = {}
+        self.runtime: str | None = None  # known once it is ready
         self.batches = 0
         self.items = 0
         self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
@@ -161,6 +162,7 @@ class WorkerHandle:
             items=self.items,
             rss_bytes=rss_bytes(self.process.pid) if self.alive else None,
             restarts=restarts,
+            runtime=self.runtime,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -184,6 +186,7 @@ class WorkerHandle:
         assert isinstance(message, Ready)
         self.ready = True
         self.batch_size, self.throughput = message.batch_size, message.throughput
+        self.runtime = message.runtime
 
     def start_reading(
         self, on_idle: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle], None]

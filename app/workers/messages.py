@@ -53,6 +53,7 @@ class Ready:
     pid: int
     batch_size: int  # the largest batch this worker wants (its auto choice, or the maximum)
     throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
+    runtime: str = "torchscript"  # the runtime it serves with (MB_RUNTIME)
 
 
 @dataclass(frozen=True)

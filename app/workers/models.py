@@ -1,5 +1,6 @@
-"""Loading exported models: one small interface so formats other than TorchScript
-(``torch.export`` programs, say) can be added behind it."""
+"""Loading exported models, behind one small interface (a model is a function of a tensor):
+TorchScript, which every store holds, and the runtimes whose models the export derived
+(``Manifest.runtimes``: OpenVINO IR). Which one serves is chosen in ``app.workers.runtimes``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
-from app.manifest import Manifest, read_manifest
+from app.errors import ModelStoreError
+from app.manifest import Manifest, RuntimeName, read_manifest
 
 Model = Callable[[torch.Tensor], torch.Tensor]
+Runtime = Literal["torchscript"] | RuntimeName
 
 # TorchScript is deprecated upstream (torch >= 2.11) and warns on every save/load/trace; the
 # format still works and is what we ship, so keep those warnings away from users.
@@ -33,7 +37,8 @@ class LoadedModels:
     manifest: Manifest
     embedding: Model
     classifier: Model | None  # None: an embedding-only export
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # what the models take as input
+    runtime: Runtime = "torchscript"
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class LoadOptions:
     # Freeze and optimise for inference (constant folding, conv+batchnorm fusion, oneDNN
     # layouts on CPU): much faster small batches on a CPU (docs/performance.md).
     optimize: bool = True
+    threads: int = 1  # for runtimes that fix their thread count when they compile (OpenVINO)
 
 
 def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) -> Model:
@@ -57,26 +63,70 @@ def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) ->
     return module  # type: ignore[no-any-return]
 
 
-LOADERS: dict[str, Callable[[Path, torch.device, LoadOptions], Model]] = {
-    "torchscript": _load_torchscript
+class _OpenVinoModel:
+    """An OpenVINO compiled model as a ``Model``: float32 NCHW in, float32 out. One infer
+    request, reused: a worker runs one batch at a time."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._request = compiled.create_infer_request()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self._request.infer({0: x.detach().float().contiguous().numpy()})
+        return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+
+
+def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Model:
+    if device.type != "cpu":
+        raise ValueError(f"OpenVINO runs on the CPU here, not on {device}")
+    import openvino as ov
+
+    # Several worker processes share the cores: no pinning, each its own thread count. The
+    # precision is pinned, or OpenVINO may compute in bf16 on CPUs that have it.
+    precision = "bf16" if options.dtype == torch.bfloat16 else "f32"
+    config = {
+        "INFERENCE_NUM_THREADS": options.threads,
+        "ENABLE_CPU_PINNING": False,
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_PRECISION_HINT": precision,
+    }
+    return _OpenVinoModel(ov.Core().compile_model(str(path), "CPU", config))
+
+
+# By runtime: how to load one model file of it.
+LOADERS: dict[Runtime, Callable[[Path, torch.device, LoadOptions], Model]] = {
+    "torchscript": _load_torchscript,
+    "openvino": _load_openvino,
 }
 
 
 def load_models(
-    store: Path, device: torch.device, options: LoadOptions | None = None
+    store: Path,
+    device: torch.device,
+    options: LoadOptions | None = None,
+    runtime: Runtime = "torchscript",
 ) -> LoadedModels:
     """Verify ``store`` against its manifest, then load its models (the embedding model, and
-    the classifier head unless the export has none) onto ``device``."""
+    the classifier head unless the export has none) for ``runtime`` onto ``device``.
+    ``ModelStoreError`` when the store holds no models for that runtime."""
     options = options or LoadOptions()
     manifest = read_manifest(store, verify=True)
-    load = LOADERS[manifest.format]
+    files: dict[str, str] = {role: entry.path for role, entry in manifest.files.items()}
+    dtype = options.dtype
+    if runtime != "torchscript":
+        artifact = manifest.runtimes.get(runtime)
+        if artifact is None:
+            raise ModelStoreError(
+                f"{store} holds no {runtime} models: re-export it with `python -m app.export`"
+            )
+        files = {role: entry.path for role, entry in artifact.files.items()}
+        dtype = torch.float32  # the derived models take float32 whatever they compute in
+    load = LOADERS[runtime]
     return LoadedModels(
         manifest=manifest,
-        embedding=load(store / manifest.files["embedding"].path, device, options),
+        embedding=load(store / files["embedding"], device, options),
         classifier=(
-            load(store / manifest.files["classifier"].path, device, options)
-            if manifest.has_classifier
-            else None
+            load(store / files["classifier"], device, options) if manifest.has_classifier else None
         ),
-        dtype=options.dtype,
+        dtype=dtype,
+        runtime=runtime,
     )

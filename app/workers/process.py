@@ -33,8 +33,9 @@ from app.workers.messages import (
     StartFailed,
     WorkerSpec,
 )
-from app.workers.models import LoadOptions, load_models
+from app.workers.models import LoadOptions
 from app.workers.runner import BatchRunner, choose_batch_size
+from app.workers.runtimes import choose_runtime
 from app.workers.transfer import read_images
 
 log = logging.getLogger("app.worker")
@@ -65,8 +66,16 @@ def prepare(config: WorkerConfig, device_name: str, threads: int) -> PreparedWor
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    options = LoadOptions(dtype=getattr(torch, config.dtype), optimize=config.optimize)
-    models = load_models(Path(config.model_store), device, options)
+    options = LoadOptions(
+        dtype=getattr(torch, config.dtype), optimize=config.optimize, threads=threads
+    )
+    choice = choose_runtime(Path(config.model_store), device, options, config.runtime)
+    if choice.images_per_s:
+        measured = ", ".join(f"{name}: {rate:.1f}" for name, rate in choice.images_per_s.items())
+        log.info(
+            "on %s, %s serves (images/s by runtime: %s)", device, choice.models.runtime, measured
+        )
+    models = choice.models
     runner = BatchRunner(models, device)
     decoder: Decoder | DeviceDecoder | None = None
     if config.decode_threads:
@@ -103,6 +112,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             os.getpid(),
             prepared.batch_size,
             prepared.throughput,
+            prepared.runner.models.runtime,
         )
     )
     _serve(prepared, buffer, conn)

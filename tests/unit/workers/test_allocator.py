@@ -68,7 +68,7 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
         raise RuntimeError("no model here")
 
     monkeypatch.setattr(process, "retain_freed_memory", lambda: calls.append("allocator"))
-    monkeypatch.setattr(process, "load_models", fail_to_load)
+    monkeypatch.setattr(process, "choose_runtime", fail_to_load)
     ours, theirs = multiprocessing.Pipe()
     config = WorkerConfig(model_store="unused", max_batch_size=8)
     spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0)

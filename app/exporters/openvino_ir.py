@@ -1,0 +1,102 @@
+"""Deriving the OpenVINO IR of an export: the same traced models, converted at export time.
+
+IR is data (an XML graph and a weights file), not code: a worker that loads it runs nothing
+the export did not check. The export keeps an IR only if it reproduces the TorchScript
+models on the check batch; a host where OpenVINO cannot convert or run gets a store without
+one (and a warning), which serves with TorchScript.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from app.manifest import FileEntry, RuntimeArtifact, sha256_file
+from app.workers.models import quiet_torchscript
+
+log = logging.getLogger("app.export")
+
+FOLDER = "openvino"
+# The most an fp32 IR output may differ from the TorchScript model's on the check batch.
+FP32_TOLERANCE = 1e-3
+
+
+def _convert(module: torch.jit.ScriptModule, example: torch.Tensor, path: Path) -> None:
+    import openvino as ov
+
+    with quiet_torchscript():
+        model = ov.convert_model(
+            module, example_input=example, input=[ov.PartialShape([-1, *example.shape[1:]])]
+        )
+    # Weights stay fp32 (save_model would compress them to fp16 by default).
+    ov.save_model(model, str(path), compress_to_fp16=False)
+
+
+def _run(path: Path, x: torch.Tensor) -> torch.Tensor:
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    return torch.from_numpy(compiled(x.numpy())[0].copy())
+
+
+def derive_openvino(
+    out: Path,
+    models: dict[str, tuple[torch.jit.ScriptModule, torch.Tensor, torch.Tensor]],
+) -> RuntimeArtifact | None:
+    """Convert each ``role: (traced model, example input, its TorchScript output)`` into
+    ``out/openvino/<role>.xml`` (+ ``.bin``), check the IR against the TorchScript output on
+    batches of 1 and of the example's size, and describe the result; ``None`` (with a
+    warning, and no files left) where OpenVINO is missing or its IR does not agree."""
+    folder = out / FOLDER
+    try:
+        import openvino as ov
+    except ImportError:
+        log.warning("openvino is not installed: the export holds TorchScript only")
+        return None
+    folder.mkdir(exist_ok=True)
+    files: dict[str, FileEntry] = {}
+    worst = 0.0
+    try:
+        for role, (module, example, expected) in models.items():
+            xml = folder / f"{role}.xml"
+            _convert(module, example, xml)
+            got = _run(xml, example)
+            lone = _run(xml, example[:1])  # the batch dimension is dynamic: 1 works too
+            worst = max(
+                worst,
+                float((got - expected).abs().max()),
+                float((lone - expected[:1]).abs().max()),
+            )
+            for key, file in ((role, xml), (f"{role}.bin", xml.with_suffix(".bin"))):
+                files[key] = FileEntry(path=f"{FOLDER}/{file.name}", sha256=sha256_file(file))
+    except Exception as exc:  # any converter or runtime failure: TorchScript still serves
+        log.warning("no OpenVINO IR for this export: %s: %s", type(exc).__name__, exc)
+        _remove(folder)
+        return None
+    if worst > FP32_TOLERANCE:
+        log.warning(
+            "no OpenVINO IR for this export: it differs from TorchScript by %.2g (> %g)",
+            worst,
+            FP32_TOLERANCE,
+        )
+        _remove(folder)
+        return None
+    versions = {"openvino": ov.__version__.split("-")[0], "torch": torch.__version__}
+    versions["machine"] = platform.machine()
+    return RuntimeArtifact(files=files, versions=versions, max_abs_diff=worst)
+
+
+def remove_derived(out: Path) -> None:
+    """Remove ``out``'s OpenVINO folder, if any."""
+    _remove(out / FOLDER)
+
+
+def _remove(folder: Path) -> None:
+    if not folder.is_dir():
+        return
+    for file in folder.glob("*"):
+        file.unlink()
+    folder.rmdir()

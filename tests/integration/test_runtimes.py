@@ -1,0 +1,148 @@
+"""Runtimes beside TorchScript: the export derives OpenVINO IR and vouches for it in the
+manifest; a worker serves with the fastest runtime that passes its self-test, falls back to
+TorchScript otherwise, and says which in /info."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.errors import ModelStoreError, WorkerStartError
+from app.images import preprocess
+from app.jobs import Task
+from app.manifest import read_manifest
+from app.workers import models as models_module
+from app.workers.models import LoadOptions, load_models
+from app.workers.runner import BatchRunner
+from app.workers.runtimes import choose_runtime
+from tests.conftest import distinct_images, embed, expected_for, running_app
+from tests.models import export_tiny
+
+pytestmark = pytest.mark.slow
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_openvino(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_tiny(tmp_path_factory.mktemp("tiny_openvino"), runtimes=("openvino",))
+
+
+def test_the_export_derives_openvino_ir_and_vouches_for_it(
+    tiny_openvino: Path, tmp_path: Path
+) -> None:
+    manifest = read_manifest(tiny_openvino)
+    artifact = manifest.runtimes["openvino"]
+    assert set(artifact.files) == {"embedding", "embedding.bin", "classifier", "classifier.bin"}
+    assert artifact.precision == "fp32" and artifact.max_abs_diff < 1e-3
+    assert artifact.versions["openvino"].startswith("2026.")
+    # A changed IR file is refused like a changed TorchScript file.
+    copy = tmp_path / "store"
+    copy.mkdir()
+    for file in tiny_openvino.rglob("*"):
+        if file.is_file():
+            target = copy / file.relative_to(tiny_openvino)
+            target.parent.mkdir(exist_ok=True)
+            target.write_bytes(file.read_bytes())
+    xml = copy / artifact.files["embedding"].path
+    xml.write_text(xml.read_text().replace("<net ", "<net  ", 1))
+    with pytest.raises(ModelStoreError, match=r"openvino embedding file .* does not match"):
+        read_manifest(copy)
+
+
+def test_openvino_agrees_with_torchscript_batch_one_included(tiny_openvino: Path) -> None:
+    reference = BatchRunner(load_models(tiny_openvino, CPU), CPU)
+    ir = BatchRunner(load_models(tiny_openvino, CPU, LoadOptions(threads=1), "openvino"), CPU)
+    images = distinct_images(3)
+    spec = read_manifest(tiny_openvino).input
+    for count in (1, 3):
+        pixels = np.stack([preprocess(data, spec) for data in images[:count]])
+        for task in (Task.EMBEDDING, Task.TAG):
+            expected, got = reference.run(task, pixels, 5), ir.run(task, pixels, 5)
+            for key, value in expected.items():
+                np.testing.assert_allclose(got[key], value, atol=1e-5)
+
+
+def test_auto_times_the_runtimes_that_pass_and_serves_the_fastest(tiny_openvino: Path) -> None:
+    choice = choose_runtime(tiny_openvino, CPU, LoadOptions(threads=1), "auto")
+    assert set(choice.images_per_s) == {"torchscript", "openvino"} and choice.skipped == {}
+    fastest = max(choice.images_per_s, key=lambda name: choice.images_per_s[name])
+    assert choice.models.runtime == fastest
+
+
+def test_a_runtime_that_fails_its_self_test_is_skipped_or_refused(
+    tiny_openvino: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = models_module.LOADERS["openvino"]
+
+    def off_by_a_little(path: Path, device: torch.device, options: LoadOptions) -> object:
+        model = real(path, device, options)
+        return lambda x: model(x) * 1.01 + 0.05  # runs, but does not agree
+
+    monkeypatch.setitem(models_module.LOADERS, "openvino", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="app.worker"):
+        choice = choose_runtime(tiny_openvino, CPU, LoadOptions(threads=1), "auto")
+    assert choice.models.runtime == "torchscript"
+    assert "cosine" in choice.skipped["openvino"] or "top-5" in choice.skipped["openvino"]
+    assert "runtime openvino skipped on this host" in caplog.text
+    with pytest.raises(WorkerStartError, match="MB_RUNTIME=openvino failed its self-test"):
+        choose_runtime(tiny_openvino, CPU, LoadOptions(threads=1), "openvino")
+
+    def crashes(path: Path, device: torch.device, options: LoadOptions) -> object:
+        raise RuntimeError("compile_model crashed")
+
+    monkeypatch.setitem(models_module.LOADERS, "openvino", crashes)
+    choice = choose_runtime(tiny_openvino, CPU, LoadOptions(threads=1), "auto")
+    assert choice.models.runtime == "torchscript"
+    assert "compile_model crashed" in choice.skipped["openvino"]
+
+
+def test_a_store_without_other_runtimes_serves_with_torchscript(tiny_store: Path) -> None:
+    assert read_manifest(tiny_store).runtimes == {}
+    assert choose_runtime(tiny_store, CPU, LoadOptions(), "auto").models.runtime == "torchscript"
+    with pytest.raises(WorkerStartError, match="holds no openvino models"):
+        choose_runtime(tiny_store, CPU, LoadOptions(), "openvino")
+
+
+def test_a_store_from_before_runtimes_still_loads(tiny_store: Path, tmp_path: Path) -> None:
+    """A manifest written before ``runtimes`` existed has no such key."""
+    manifest = json.loads((tiny_store / "manifest.json").read_text())
+    manifest.pop("runtimes", None)
+    for name in ("embedding.pt", "classifier.pt", "classes.txt"):
+        (tmp_path / name).write_bytes((tiny_store / name).read_bytes())
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert choose_runtime(tmp_path, CPU, LoadOptions(), "auto").models.runtime == "torchscript"
+
+
+async def test_the_app_serves_with_openvino_and_says_so(tiny_openvino: Path) -> None:
+    async with running_app(
+        model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="openvino"
+    ) as (_, client):
+        image = distinct_images(1)[0]
+        vector = await embed(client, image)
+        info = (await client.get("/info")).json()
+    np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
+    assert [worker["runtime"] for worker in info["workers"]] == ["openvino"]
+
+
+def test_the_real_model_tags_the_photos_alike_on_every_runtime(
+    default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    spec = read_manifest(default_store).input
+    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    reference = BatchRunner(load_models(default_store, CPU), CPU)
+    assert "openvino" in read_manifest(default_store).runtimes
+    ir = BatchRunner(load_models(default_store, CPU, LoadOptions(threads=2), "openvino"), CPU)
+    tags, ir_tags = (runner.run(Task.TAG, pixels, 5) for runner in (reference, ir))
+    assert (tags["indices"] == ir_tags["indices"]).all()
+    classes = (default_store / "classes.txt").read_text().splitlines()
+    assert "cat" in classes[int(ir_tags["indices"][0][0])]
+    assert "espresso" in classes[int(ir_tags["indices"][1][0])]
+    embeddings = (runner.run(Task.EMBEDDING, pixels, 0)["embedding"] for runner in (reference, ir))
+    first, second = (torch.from_numpy(e) for e in embeddings)
+    assert float(torch.nn.functional.cosine_similarity(first, second).min()) >= 0.9999
