@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.manifest import read_manifest
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
 from bench.report import write_json
@@ -105,17 +106,37 @@ def run_model(
             f"{result.batch_p50_ms:8.1f} ms/batch",
             flush=True,
         )
-    systems = [("ours", str(args.batch_size), "ours", 1)]
+    # The runtime axis: each other runtime the export holds, raw and served.
+    for runtime in read_manifest(store).runtimes:
+        other = RawPipeline(store, jpegs, args.threads, runtime)
+        rows = report.raw_runtimes.setdefault(runtime, {})
+        for batch_size in sorted({1, 8, args.batch_size}):
+            result = other.run(batch_size, args.raw_seconds)
+            rows[batch_size] = (result.images_per_s, result.batch_p50_ms)
+            print(
+                f"  raw {runtime} bs={batch_size:<3} {result.images_per_s:7.1f} img/s  "
+                f"{result.batch_p50_ms:8.1f} ms/batch",
+                flush=True,
+            )
+    # "ours" runs TorchScript, as the peers and the raw loop do; "ours+<runtime>" the others.
+    torchscript = {"MB_RUNTIME": "torchscript"}
+    systems = [("ours", str(args.batch_size), "ours", 1, torchscript)]
+    systems += [
+        ("ours", str(args.batch_size), f"ours+{runtime}", 1, {"MB_RUNTIME": runtime})
+        for runtime in report.raw_runtimes
+    ]
     if args.auto:
         if not args.quick:
-            systems.append(("ours", "auto", "ours-auto", 1))
+            systems.append(("ours", "auto", "ours-auto", 1, torchscript))
         if args.threads > 1:  # the same thread budget as one worker per thread
-            systems.append(("ours", "auto", f"ours-auto-{args.threads}w", args.threads))
+            systems.append(
+                ("ours", "auto", f"ours-auto-{args.threads}w", args.threads, torchscript)
+            )
     systems += [
-        ("service-streamer", str(args.batch_size), "service-streamer", 1),
-        ("plain", str(args.batch_size), "plain", 1),
+        ("service-streamer", str(args.batch_size), "service-streamer", 1, {}),
+        ("plain", str(args.batch_size), "plain", 1, {}),
     ]
-    for kind, batch_size, label, workers in systems:
+    for kind, batch_size, label, workers, settings in systems:
         with serve(
             kind,
             store,
@@ -123,6 +144,7 @@ def run_model(
             max_latency=args.max_latency,
             threads=args.threads,
             workers=workers,
+            settings=settings,
         ) as server:
             warm_up(server, jpegs)
             for clients in args.clients:

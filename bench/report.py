@@ -20,6 +20,10 @@ def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -
                     {
                         "model": r.model,
                         "raw": {str(k): v for k, v in r.raw.items()},
+                        "raw_runtimes": {
+                            runtime: {str(k): v for k, v in rows.items()}
+                            for runtime, rows in r.raw_runtimes.items()
+                        },
                         "points": [asdict(p) for p in r.points],
                         "idle_p50_ms": {
                             label: {"server": served, "raw": alone}

@@ -27,13 +27,17 @@ class ModelReport:
 
     model: str
     raw: dict[int, tuple[float, float]] = field(default_factory=dict)  # bs -> (img/s, ms)
+    # The runtime axis: the raw pipeline of every other runtime the export holds (runtime ->
+    # bs -> (img/s, ms)); this server with it is the system "ours+<runtime>".
+    raw_runtimes: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     points: list[Point] = field(default_factory=list)
     # label -> p50 ms of that configuration at 1 client and of the raw loop at batch 1,
     # measured in turns
     idle: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def best_raw(self) -> float:
-        return max(rate for rate, _ in self.raw.values())
+    def best_raw(self, runtime: str = "torchscript") -> float:
+        raw = self.raw if runtime == "torchscript" else self.raw_runtimes[runtime]
+        return max(rate for rate, _ in raw.values())
 
     def point(self, system: str, clients: int) -> Point | None:
         return next((p for p in self.points if p.system == system and p.clients == clients), None)

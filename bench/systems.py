@@ -29,7 +29,7 @@ from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
 from app.workers.allocator import retain_freed_memory
-from app.workers.models import load_models
+from app.workers.models import LoadOptions, Runtime, load_models
 from app.workers.runner import BatchRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,12 +108,16 @@ class RawPipeline:
     """The server's work without HTTP: decode + preprocess + model, in one thread of control,
     in this process, with the same allocator tuning as a worker."""
 
-    def __init__(self, store: Path, jpegs: list[bytes], threads: int) -> None:
+    def __init__(
+        self, store: Path, jpegs: list[bytes], threads: int, runtime: Runtime = "torchscript"
+    ) -> None:
         retain_freed_memory()
         torch.set_num_threads(threads)
         self.jpegs = jpegs
         self.spec = read_manifest(store).input
-        self.runner = BatchRunner(load_models(store, torch.device("cpu")), torch.device("cpu"))
+        cpu = torch.device("cpu")
+        models = load_models(store, cpu, LoadOptions(threads=threads), runtime)
+        self.runner = BatchRunner(models, cpu)
         self._next = 0
 
     def batch(self, batch_size: int) -> float:

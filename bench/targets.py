@@ -24,13 +24,16 @@ class Metric(StrEnum):
     VS_STREAMER_THROUGHPUT = "throughput vs service-streamer"  # ours / theirs, same clients
     VS_STREAMER_P50 = "p50 vs service-streamer"  # ours / theirs, same clients
     MACHINERY = "machinery"  # passthrough model requests/s / the bare FastAPI upload's
+    RUNTIME_SATURATION = "runtime saturation"  # ours+<runtime>@64 / that runtime's raw best
 
     @property
     def higher_is_better(self) -> bool:
         return self in _HIGHER_IS_BETTER
 
 
-_HIGHER_IS_BETTER = frozenset({Metric.SATURATION, Metric.VS_STREAMER_THROUGHPUT, Metric.MACHINERY})
+_HIGHER_IS_BETTER = frozenset(
+    {Metric.SATURATION, Metric.RUNTIME_SATURATION, Metric.VS_STREAMER_THROUGHPUT, Metric.MACHINERY}
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ TARGETS: tuple[Target, ...] = (
     Target(Metric.VS_STREAMER_P50, 1.0),
     Target(Metric.VS_STREAMER_P50, 0.5, model="efficientnet_lite0", clients=1),
     Target(Metric.MACHINERY, 0.70),
+    Target(Metric.RUNTIME_SATURATION, 0.90),
 )
 
 

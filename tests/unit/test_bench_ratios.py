@@ -93,3 +93,16 @@ def test_a_target_is_met_at_its_bound_in_the_direction_of_its_metric(
     row: Target, value: float, met: bool
 ) -> None:
     assert row.met(value) is met
+
+
+def test_another_runtime_is_judged_against_its_own_raw_loop_not_torchscripts() -> None:
+    report = ModelReport("efficientnet_lite0", raw={1: (70.0, 14.0), 8: (80.0, 100.0)})
+    report.raw_runtimes = {"openvino": {1: (130.0, 7.7), 8: (160.0, 50.0)}}
+    report.points = [_point("ours", 64, 76.0, 800.0), _point("ours+openvino", 64, 152.0, 400.0)]
+    lines = ratios([report], {})
+    # The TorchScript saturation ignores ours+openvino (which beats the TorchScript loop).
+    assert lines[0].startswith("efficientnet_lite0: saturation (ours@64 / raw best) = 0.95")
+    assert lines[1] == (
+        "efficientnet_lite0: ours+openvino@64 / its own raw best = 0.95  (target >= 0.90)  PASS;"
+        " vs ours (TorchScript)@64 = x2.00"
+    )
