@@ -112,11 +112,20 @@ class _LiveState(Collector):
             if worker.rss_bytes is not None:
                 name = worker.name or str(worker.index)
                 memory.add_metric([name, worker.device], worker.rss_bytes)
+        runtimes = GaugeMetricFamily(
+            "microbatch_worker_runtime",
+            "1 for each ready worker, labelled with the runtime it serves with (MB_RUNTIME).",
+            labels=["worker", "device", "runtime"],
+        )
+        for worker in state.workers:
+            if worker.ready and worker.runtime is not None:
+                name = worker.name or str(worker.index)
+                runtimes.add_metric([name, worker.device, worker.runtime], 1)
         restarts = CounterMetricFamily(
             "microbatch_worker_restarts", "Workers restarted after dying or hanging."
         )
         restarts.add_metric([], sum(worker.restarts for worker in state.workers))
-        yield from (depth, in_flight, alive, ready, memory, restarts)
+        yield from (depth, in_flight, alive, ready, memory, runtimes, restarts)
         manifest = state.model
         if manifest is not None:  # which export this server answers with
             info = InfoMetricFamily(

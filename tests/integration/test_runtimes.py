@@ -126,8 +126,10 @@ async def test_the_app_serves_with_openvino_and_says_so(tiny_openvino: Path) -> 
         image = distinct_images(1)[0]
         vector = await embed(client, image)
         info = (await client.get("/info")).json()
+        metrics = (await client.get("/metrics")).text
     np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
     assert [worker["runtime"] for worker in info["workers"]] == ["openvino"]
+    assert 'microbatch_worker_runtime{device="cpu",runtime="openvino",worker="0"} 1.0' in metrics
 
 
 def test_the_real_model_tags_the_photos_alike_on_every_runtime(
