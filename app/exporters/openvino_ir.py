@@ -56,7 +56,8 @@ def derive_openvino(
     except ImportError:
         log.warning("openvino is not installed: the export holds TorchScript only")
         return None
-    folder.mkdir(exist_ok=True)
+    _remove(folder)  # an earlier export's IR (a classifier this one may not have)
+    folder.mkdir()
     files: dict[str, FileEntry] = {}
     worst = 0.0
     try:
