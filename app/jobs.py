@@ -14,10 +14,16 @@ import numpy.typing as npt
 
 
 class Task(StrEnum):
-    """What a worker does with an image. Items of different tasks never share a batch."""
+    """What a worker does with an image. Items of different tasks never share a batch.
+
+    ``EMBEDDING_AND_TAG`` answers both from one model pass (``EmbeddingAndTopK``), for a
+    caller that wants both of the same image. New members go last: broker mode numbers its
+    streams by their order (``app.broker.transport``).
+    """
 
     EMBEDDING = "embedding"
     TAG = "tag"
+    EMBEDDING_AND_TAG = "embedding_and_tag"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +50,12 @@ class TopK:
 
     indices: npt.NDArray[np.int64]
     probs: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingAndTopK:
+    """An ``EMBEDDING_AND_TAG`` result: the image's embedding and its top classes, both from
+    the same model pass."""
+
+    embedding: npt.NDArray[np.float32]
+    top_k: TopK

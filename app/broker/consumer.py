@@ -46,7 +46,7 @@ from app.broker.wire import (
     text,
 )
 from app.errors import InferenceError, ServerError
-from app.jobs import Task, TopK
+from app.jobs import EmbeddingAndTopK, Task, TopK
 from app.workers.handle import rss_bytes
 from app.workers.process import PreparedWorker
 from app.workers.transfer import results
@@ -244,7 +244,8 @@ class Consumer(OrphanClaims):
         ]
 
     def _run(self, task: Task, requests: Sequence[Request]) -> list[object]:
-        """Each request's result (an array, ``TopK``) or error, in order."""
+        """Each request's result (an array, ``TopK``, ``EmbeddingAndTopK``) or error, in
+        order."""
         decoder = self.prepared.decoder
         assert decoder is not None, "a broker worker always decodes"
         pixels, errors = decoder.decode([request.image for request in requests])
@@ -350,5 +351,12 @@ def _encode(request: Request, batch_size: int, answer: object) -> bytes:
     if isinstance(answer, TopK):
         return encode_result(
             request.id, batch_size, {"indices": answer.indices, "probs": answer.probs}
+        )
+    if isinstance(answer, EmbeddingAndTopK):
+        top = answer.top_k
+        return encode_result(
+            request.id,
+            batch_size,
+            {"embedding": answer.embedding, "indices": top.indices, "probs": top.probs},
         )
     return encode_result(request.id, batch_size, {"embedding": answer})  # type: ignore[dict-item]

@@ -26,7 +26,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
-from app.jobs import Task, TopK
+from app.jobs import EmbeddingAndTopK, Task, TopK
 
 WIRE_VERSION = 1
 REPLY_MAGIC = b"R1"
@@ -112,7 +112,7 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
     image = fields[b"img"]
     if not isinstance(image, bytes) or len(image) > max_image_bytes:
         raise MalformedMessage(f"the image is missing or over {max_image_bytes} bytes")
-    low_k = 1 if task is Task.TAG else 0
+    low_k = 0 if task is Task.EMBEDDING else 1  # a task with top-k needs k
     return Request(
         id=_token(header.get("id"), "the id"),
         frontend=_token(header.get("fe"), "the front end"),
@@ -141,7 +141,8 @@ def _frame(header: dict[str, Any], payload: Sequence[bytes] = ()) -> bytes:
 def encode_result(
     request_id: str, batch_size: int, outputs: Mapping[str, npt.NDArray[Any]]
 ) -> bytes:
-    """A reply carrying one item's arrays (its embedding, or its top-k indices and probs)."""
+    """A reply carrying one item's arrays: its embedding, its top-k indices and probs, or
+    all three (``EMBEDDING_AND_TAG``)."""
     arrays, payload = [], []
     for name, array in outputs.items():
         dtype = REPLY_ARRAYS[name]
@@ -165,7 +166,8 @@ class Reply:
 
     id: str
     batch_size: int  # the size of the batch the worker ran it in
-    result: object  # np.ndarray (embedding), TopK (tag) or a ServerError
+    # np.ndarray (embedding), TopK (tag), EmbeddingAndTopK (both) or a ServerError
+    result: object
 
 
 def decode_reply(raw: bytes, max_bytes: int = 64 << 20) -> Reply:
@@ -190,7 +192,10 @@ def decode_reply(raw: bytes, max_bytes: int = 64 << 20) -> Reply:
         return Reply(request_id, batch_size, arrays["embedding"])
     if set(arrays) == {"indices", "probs"}:
         return Reply(request_id, batch_size, TopK(arrays["indices"], arrays["probs"]))
-    raise MalformedMessage(f"arrays {sorted(arrays)} are neither an embedding nor top-k")
+    if set(arrays) == {"embedding", "indices", "probs"}:
+        top = TopK(arrays["indices"], arrays["probs"])
+        return Reply(request_id, batch_size, EmbeddingAndTopK(arrays["embedding"], top))
+    raise MalformedMessage(f"arrays {sorted(arrays)} are neither an embedding, top-k nor both")
 
 
 def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:

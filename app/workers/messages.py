@@ -66,8 +66,8 @@ class StartFailed:
 class BatchDone:
     batch_id: int
     ids: tuple[int, ...]
-    # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]}
-    # Rows are the batch's items in order, less those in ``errors``.
+    # embedding: {"embedding": [n, dim] float32}; tag: {"indices": [n, k], "probs": [n, k]};
+    # embedding_and_tag: all three. Rows are the batch's items in order, less ``errors``.
     outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
     compute_s: float = 0.0  # time the worker spent on the batch, for metrics
     # row -> (error class name, message) for images the worker could not decode

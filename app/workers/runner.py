@@ -50,15 +50,22 @@ class BatchRunner:
         return Task.TAG if self.models.classifier is not None else Task.EMBEDDING
 
     def run(self, task: Task, pixels: Pixels, top_k: int) -> dict[str, Any]:
+        """One pass of the batch through the model: ``{"embedding": [n, dim]}`` for
+        ``EMBEDDING``, ``{"indices": [n, top_k], "probs": [n, top_k]}`` for ``TAG``, all three
+        for ``EMBEDDING_AND_TAG`` (the classifier head runs on the same features)."""
         with torch.inference_mode():
             features = self.models.embedding(self.to_input(pixels))
+            outputs: dict[str, Any] = {}
+            if task is not Task.TAG:
+                outputs["embedding"] = features.float().cpu().numpy()
             if task is Task.EMBEDDING:
-                return {"embedding": features.float().cpu().numpy()}
+                return outputs
             if self.models.classifier is None:
                 raise RuntimeError("this model has no classifier")
             probs = torch.softmax(self.models.classifier(features).float(), dim=1)
             values, indices = torch.topk(probs, k=top_k, dim=1)
-            return {"indices": indices.cpu().numpy(), "probs": values.cpu().numpy()}
+            outputs.update(indices=indices.cpu().numpy(), probs=values.cpu().numpy())
+            return outputs
 
     def warm_up(self) -> None:
         """The TorchScript executor optimises on its first calls: make those now."""

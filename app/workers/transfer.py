@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import IMAGE_ERRORS, InferenceError, ServerError
-from app.jobs import Task, TopK
+from app.jobs import EmbeddingAndTopK, Task, TopK
 from app.workers.buffer import Inline, InputBuffer, Spans
 from app.workers.messages import RunBatch
 
@@ -81,21 +81,31 @@ def results(
     errors: Errors,
 ) -> dict[int, Any]:
     """Each item's result from a worker's outputs: ``ids[row]`` gets its row of them (its
-    embedding, or its top ``top_ks[row]`` classes), or the error its upload met."""
+    embedding, its top ``top_ks[row]`` classes as ``TopK``, or both as ``EmbeddingAndTopK``),
+    or the error its upload met."""
     computed = [row for row in range(len(ids)) if row not in errors]
     answers: dict[int, Any] = {ids[row]: image_error(*error) for row, error in errors.items()}
     if not computed:
         return answers
-    if task is Task.EMBEDDING:
-        embedding = outputs["embedding"]
-        if len(embedding) != len(computed):
-            raise InferenceError(f"{len(embedding)} embeddings for {len(computed)} images")
-        answers.update({ids[row]: embedding[out] for out, row in enumerate(computed)})
-        return answers
-    indices, probs = outputs["indices"], outputs["probs"]
-    if len(indices) != len(computed) or len(probs) != len(computed):
-        raise InferenceError(f"{len(indices)} tag rows for {len(computed)} images")
+    embeddings: npt.NDArray[Any] = np.empty((0,))
+    if task is not Task.TAG:
+        embeddings = outputs["embedding"]
+        if len(embeddings) != len(computed):
+            raise InferenceError(f"{len(embeddings)} embeddings for {len(computed)} images")
+    tops: list[TopK] = []
+    if task is not Task.EMBEDDING:
+        indices, probs = outputs["indices"], outputs["probs"]
+        if len(indices) != len(computed) or len(probs) != len(computed):
+            raise InferenceError(f"{len(indices)} tag rows for {len(computed)} images")
+        tops = [
+            TopK(indices[out, : top_ks[row]], probs[out, : top_ks[row]])
+            for out, row in enumerate(computed)
+        ]
     for out, row in enumerate(computed):
-        k = top_ks[row]
-        answers[ids[row]] = TopK(indices[out, :k], probs[out, :k])
+        if task is Task.EMBEDDING:
+            answers[ids[row]] = embeddings[out]
+        elif task is Task.TAG:
+            answers[ids[row]] = tops[out]
+        else:
+            answers[ids[row]] = EmbeddingAndTopK(embeddings[out], tops[out])
     return answers

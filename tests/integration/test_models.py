@@ -55,6 +55,11 @@ def test_batched_results_equal_single_image_results(
     pixels = np.stack([preprocess(data, spec) for data in uploads])
     batched = runner.run(Task.EMBEDDING, pixels, 0)["embedding"]
     tags = runner.run(Task.TAG, pixels, 5)
+    both = runner.run(Task.EMBEDDING_AND_TAG, pixels, 5)  # one pass: the same answers
+    assert set(both) == {"embedding", "indices", "probs"}
+    np.testing.assert_allclose(both["embedding"], batched, rtol=1e-5, atol=1e-5)
+    assert both["indices"].tolist() == tags["indices"].tolist()
+    np.testing.assert_allclose(both["probs"], tags["probs"], atol=1e-6)
     for row in range(len(uploads)):
         alone = runner.run(Task.EMBEDDING, pixels[row : row + 1], 0)["embedding"][0]
         np.testing.assert_allclose(batched[row], alone, rtol=1e-4, atol=1e-4)

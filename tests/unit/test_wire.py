@@ -20,7 +20,7 @@ from app.broker.wire import (
     entry_time_ms,
 )
 from app.errors import DeadlineExceeded, InferenceError, InvalidImage, PayloadTooLarge
-from app.jobs import Task, TopK
+from app.jobs import EmbeddingAndTopK, Task, TopK
 
 
 def _fields(**header: object) -> dict[bytes, bytes]:
@@ -75,6 +75,13 @@ def test_an_embedding_request_may_have_k_zero() -> None:
     assert request.task is Task.EMBEDDING and request.top_k == 0
 
 
+def test_a_request_for_both_needs_k() -> None:
+    request = decode_request(_fields(task="embedding_and_tag", k=3), max_image_bytes=100)
+    assert request.task is Task.EMBEDDING_AND_TAG and request.top_k == 3
+    with pytest.raises(MalformedMessage, match="k is not an integer"):
+        decode_request(_fields(task="embedding_and_tag", k=0), max_image_bytes=100)
+
+
 def test_the_entry_id_carries_redis_time() -> None:
     assert entry_time_ms(b"1795557463117-3") == 1795557463117
     assert entry_time_ms("17-0") == 17
@@ -96,6 +103,19 @@ def test_results_come_back_exactly() -> None:
     assert isinstance(tags.result, TopK)
     assert tags.result.indices.tolist() == [3, 1, 2]
     np.testing.assert_allclose(tags.result.probs, [0.5, 0.3, 0.2])
+
+
+def test_an_embedding_and_its_top_k_come_back_together_exactly() -> None:
+    embedding = np.random.default_rng(1).standard_normal(1280).astype(np.float32)
+    indices, probs = np.array([4, 0]), np.array([0.7, 0.2], np.float32)
+    arrays = {"embedding": embedding, "indices": indices, "probs": probs}
+    reply = decode_reply(encode_result("fe1-4", 3, arrays))
+    assert (reply.id, reply.batch_size) == ("fe1-4", 3)
+    assert isinstance(reply.result, EmbeddingAndTopK)
+    assert reply.result.embedding.dtype == np.float32
+    np.testing.assert_array_equal(reply.result.embedding, embedding)
+    assert reply.result.top_k.indices.tolist() == [4, 0]
+    np.testing.assert_array_equal(reply.result.top_k.probs, probs)
 
 
 @pytest.mark.parametrize(
@@ -145,6 +165,17 @@ def _reply(header: object, body: bytes = b"") -> bytes:
             "one-dimensional",
         ),
         (_reply({"id": "x", "batch": 1, "arrays": [["probs", "<f4", [1]]]}, b"1234"), "neither"),
+        (
+            _reply(
+                {
+                    "id": "x",
+                    "batch": 1,
+                    "arrays": [["embedding", "<f4", [1]], ["probs", "<f4", [1]]],
+                },
+                b"12345678",
+            ),
+            "neither",
+        ),
         (_reply({"id": "x", "batch": 0, "arrays": []}), "batch"),
         (_reply({"batch": 1, "arrays": []}), "the id"),
     ],

@@ -4,12 +4,14 @@ reads back (decoding encoded uploads), and each item's result from the worker's 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
-from app.jobs import Task, TopK
+from app.jobs import EmbeddingAndTopK, Task, TopK
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder
 from app.workers.messages import BatchDone, RunBatch
@@ -121,6 +123,24 @@ def test_embeddings_are_matched_to_the_items_that_computed() -> None:
     answers = results(Task.EMBEDDING, [0, 0, 0], (5, 6, 7), reply.outputs, reply.errors)
     assert isinstance(answers[5], PayloadTooLarge)
     assert answers[6].tolist() == [0, 1, 2] and answers[7].tolist() == [3, 4, 5]
+
+
+def test_an_item_asking_for_both_gets_its_embedding_and_its_top_k() -> None:
+    embedding = np.arange(6, dtype=np.float32).reshape(2, 3)
+    indices = np.array([[3, 1], [7, 8]], dtype=np.int64)
+    probs = np.array([[0.5, 0.3], [0.6, 0.3]], dtype=np.float32)
+    outputs: dict[str, npt.NDArray[Any]] = {
+        "embedding": embedding,
+        "indices": indices,
+        "probs": probs,
+    }
+    reply = BatchDone(1, (5, 6, 7), outputs, 0.1, {1: ("InvalidImage", "bad")})
+    answers = results(Task.EMBEDDING_AND_TAG, [2, 2, 1], (5, 6, 7), reply.outputs, reply.errors)
+    assert isinstance(answers[6], InvalidImage)
+    first, third = answers[5], answers[7]
+    assert isinstance(first, EmbeddingAndTopK) and isinstance(third, EmbeddingAndTopK)
+    assert first.embedding.tolist() == [0, 1, 2] and third.embedding.tolist() == [3, 4, 5]
+    assert first.top_k.indices.tolist() == [3, 1] and third.top_k.indices.tolist() == [7]
 
 
 def test_a_reply_with_the_wrong_number_of_rows_fails_loudly() -> None:
