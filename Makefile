@@ -13,7 +13,7 @@ FRONT_ENDS ?= 2
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
-.PHONY: run run-cluster test check-install lint bench bench-quick loadtest model install install-dev redis-server clean
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick loadtest model install install-dev redis-server clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -37,6 +37,16 @@ bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI
 
 bench-quick: install-dev  ## the same, default model only, under 2 minutes
 	$(PY) -m bench --quick
+
+# Memory over a long run: RSS of every process by role, after a warm-up and every 10,000
+# requests (bench/soak.py). Bounded by its request count, and by --max-minutes on a slow machine.
+soak: install-dev $(MODEL_STORE)/manifest.json  ## 100,000 requests in-process, then in broker mode (about 1 h on 2 cores)
+	$(PY) -m bench.soak --mode inprocess
+	$(PY) -m bench.soak --mode broker
+
+soak-quick: install-dev $(MODEL_STORE)/manifest.json  ## the same, 10,000 requests each (about 5 min)
+	$(PY) -m bench.soak --mode inprocess --requests 10000 --every 2500
+	$(PY) -m bench.soak --mode broker --requests 10000 --every 2500
 
 loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, against a local server
 	PY=$(PY) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) tests/load/run_loadtest.sh

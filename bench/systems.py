@@ -196,15 +196,19 @@ def serve(
     threads: int,
     workers: int = 1,
     settings: dict[str, str] | None = None,
+    front_ends: int = 2,
 ) -> Iterator[RunningServer]:
-    """Start ``ours``, ``service-streamer``, ``plain``, ``noop`` or ``decode`` and wait until
-    it answers. ``ours`` splits the ``threads`` budget evenly over ``workers`` worker processes
-    and takes any other ``settings`` (environment variables)."""
+    """Start ``ours``, ``cluster``, ``service-streamer``, ``plain``, ``noop`` or ``decode`` and
+    wait until it answers. ``ours`` splits the ``threads`` budget evenly over ``workers`` worker
+    processes and takes any other ``settings`` (environment variables); ``cluster`` is the same
+    server in broker mode (``python -m app.broker.cluster``: its own Redis, ``front_ends``
+    gunicorn front ends and ``workers`` model workers)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
+    stop_s = 30.0
     with tempfile.TemporaryDirectory() as scratch:
-        if kind == "ours":
+        if kind in ("ours", "cluster"):
             assert store is not None
             env |= {
                 "HOST": "127.0.0.1",
@@ -221,6 +225,12 @@ def serve(
             }
             command = [sys.executable, "-m", "app"]
             stats_path, probe = "/readyz", "/readyz"
+            if kind == "cluster":
+                command = [sys.executable, "-m", "app.broker.cluster",
+                           "--front-ends", str(front_ends), "--workers", str(workers),
+                           "--redis-port", str(free_port())]  # fmt: skip
+                stats_path = ""  # each front end reports only the batches it saw answered
+                stop_s = 150.0  # it stops its front ends, workers and Redis one after another
         else:
             factory = {
                 "service-streamer": "streamer_app",
@@ -279,7 +289,7 @@ def serve(
         finally:
             process.terminate()
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=stop_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
