@@ -106,6 +106,20 @@ async def embed(client: Any, data: bytes) -> list[float]:
     return response.json()  # type: ignore[no-any-return]
 
 
+async def images_run(client: Any) -> float:
+    """Images the workers have run through the model so far, every task together: the sum
+    of the ``microbatch_batch_size`` histogram (images per model call) on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrape = await client.get("/metrics")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(scrape.text)
+        for sample in family.samples
+        if sample.name == "microbatch_batch_size_sum"
+    )
+
+
 def expected_for(data: bytes, store: Path) -> np.ndarray:
     """What a tiny (or slow) test model's embedding of ``data`` must be."""
     return tiny_expected_embedding(preprocess(data, read_manifest(store).input))

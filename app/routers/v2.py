@@ -43,7 +43,6 @@ from app.services.predictor import Predictor
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
 
 INPUT = "image"
-OUTPUTS = ("embedding", "top_k_probs", "top_k_indices")
 
 
 class TensorSpec(BaseModel):
@@ -158,7 +157,8 @@ async def infer(
     predictor: PredictorDep,
     settings: SettingsDep,
 ) -> InferResponse:
-    """Embed (and tag) base64-encoded images, as the Open Inference Protocol asks."""
+    """Embed and/or tag base64-encoded images, as the Open Inference Protocol asks; each
+    image runs through the model once, whichever outputs are asked."""
     _served(predictor, name)
     (given,) = body.inputs
     if given.shape != [len(given.data)]:
@@ -169,23 +169,24 @@ async def infer(
         raise PayloadTooLarge(f"at most {settings.max_images_per_request} images per request")
     images = [_image(index, text) for index, text in enumerate(given.data)]
     wanted = [output.name for output in body.outputs] if body.outputs else ["embedding"]
+    top_k = bool({"top_k_probs", "top_k_indices"} & set(wanted))
+    k = parse_k((body.parameters or {}).get("k"), "parameters.k") if top_k else None
     deadline = request_deadline(request, settings.mb_request_timeout)
     outputs: list[InferOutput] = []
     with batch_trace(request) as trace:
-        top = None
-        if {"top_k_probs", "top_k_indices"} & set(wanted):  # first: k is checked before any run
-            k = parse_k((body.parameters or {}).get("k"), "parameters.k")
-            top = await unless_disconnected(request, predictor.top_k(images, k, deadline, trace))
-        if "embedding" in wanted:
-            vectors = await unless_disconnected(
-                request, predictor.embeddings(images, deadline, trace)
-            )
-            outputs.append(_output("embedding", "FP32", vectors))
-        if top is not None and "top_k_probs" in wanted:
-            outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
-        if top is not None and "top_k_indices" in wanted:
-            indices = np.stack([t.indices for t in top])
-            outputs.append(_output("top_k_indices", "INT64", indices))
+        inferred = await unless_disconnected(
+            request,
+            predictor.infer(
+                images, k, deadline, trace, embedding="embedding" in wanted, top_k=top_k
+            ),
+        )
+    if inferred.embeddings is not None:
+        outputs.append(_output("embedding", "FP32", inferred.embeddings))
+    top = inferred.top_k
+    if top is not None and "top_k_probs" in wanted:
+        outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
+    if top is not None and "top_k_indices" in wanted:
+        outputs.append(_output("top_k_indices", "INT64", np.stack([t.indices for t in top])))
     version = predictor.manifest.version
     return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
 

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from app.batching import Streamer, Trace
 from app.errors import ClientError, DeadlineExceeded, InvalidParameter, NoClassifier
 from app.images import preprocess
-from app.jobs import BatchKey, ImageJob, Task, TopK
+from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.plan import DecodePlan
 
@@ -26,6 +26,15 @@ DEFAULT_K = 5  # labels a tag request gets unless it asks, or every class of a s
 class Tag:
     name: str
     prob: float
+
+
+@dataclass(frozen=True)
+class Inference:
+    """What ``Predictor.infer`` answers, in image order: the outputs asked for, ``None``
+    for those not asked."""
+
+    embeddings: npt.NDArray[np.float32] | None  # [n, dim]
+    top_k: list[TopK] | None
 
 
 class Predictor:
@@ -170,6 +179,32 @@ class Predictor:
         results = await self._many(Task.TAG, images, k, deadline, trace, names)
         assert all(isinstance(result, TopK) for result in results)
         return results  # type: ignore[return-value]
+
+    async def infer(
+        self,
+        images: Sequence[bytes],
+        k: int | None,
+        deadline: float,
+        trace: Trace | None = None,
+        *,
+        embedding: bool,
+        top_k: bool,
+    ) -> Inference:
+        """The embeddings and/or the top ``k`` (``None``: the default) classes of encoded
+        images, in order, before ``deadline``: each image runs through the model once,
+        whichever are asked. ``k`` is checked before any image runs."""
+        if not (embedding or top_k):
+            raise ValueError("ask for the embedding, the top k, or both")
+        if not top_k:
+            return Inference(await self.embeddings(images, deadline, trace), None)
+        if not embedding:
+            return Inference(None, await self.top_k(images, k, deadline, trace))
+        k = self.labels_to_return(k)
+        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, ())
+        assert all(isinstance(result, EmbeddingAndTopK) for result in results)
+        both: list[EmbeddingAndTopK] = results  # type: ignore[assignment]
+        vectors = np.stack([np.asarray(result.embedding, dtype=np.float32) for result in both])
+        return Inference(vectors, [result.top_k for result in both])
 
     async def tags(
         self,

@@ -6,6 +6,7 @@ end in typed answers, never hangs, and leave nothing behind in Redis."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import json
@@ -158,6 +159,63 @@ async def test_a_lone_request_runs_at_once_as_a_batch_of_one(
     )
     assert sum(sizes_run(workers, "embedding").values()) == sum(before.values()) + 1
     print(f"\nbroker lone request: {1000 * took:.1f} ms, a batch of 1")
+
+
+def images_run(workers: Workers, task: str) -> int:
+    """Images the live workers ran through the model for ``task`` (from their heartbeats)."""
+    return sum(size * count for size, count in sizes_run(workers, task).items())
+
+
+def entries_added(redis_server: RedisServer, store: Path, task: str) -> int:
+    """Requests ever added to ``task``'s stream (Redis 7's count, exact at once)."""
+    info = redis_server.client().xinfo_stream(stream_key(store, task))
+    return int(info["entries-added"])
+
+
+async def test_v2_infer_runs_each_image_once_for_both_outputs_and_answers_as_rest_does(
+    cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
+) -> None:
+    redis_server, workers, fronts = cluster
+    images = distinct_images(3, size=40)
+    tasks = ("embedding", "tag", "embedding_and_tag")
+    added = {task: entries_added(redis_server, tiny_store, task) for task in tasks}
+    ran = images_run(workers, "embedding_and_tag")
+    body = {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "BYTES",
+                "shape": [3],
+                "data": [base64.b64encode(image).decode() for image in images],
+            }
+        ],
+        "outputs": [{"name": "embedding"}, {"name": "top_k_indices"}, {"name": "top_k_probs"}],
+        "parameters": {"k": 3},
+    }
+    async with httpx.AsyncClient(base_url=fronts[0].base_url, timeout=60) as client:
+        response = await client.post("/v2/models/tiny-test/infer", json=body)
+    assert response.status_code == 200, response.text
+    # One request per image, on the combined task's stream only, and run as such.
+    assert {
+        task: entries_added(redis_server, tiny_store, task) - added[task] for task in tasks
+    } == {"embedding": 0, "tag": 0, "embedding_and_tag": 3}
+    await wait_for(
+        lambda: images_run(workers, "embedding_and_tag") - ran >= 3,
+        what="the heartbeats to show the combined batches",
+    )
+    assert images_run(workers, "embedding_and_tag") - ran == 3
+    outputs = {output["name"]: output["data"] for output in response.json()["outputs"]}
+    embeddings = np.array(outputs["embedding"], dtype=np.float32).reshape(3, -1)
+    indices = np.array(outputs["top_k_indices"]).reshape(3, 3)
+    probs = np.array(outputs["top_k_probs"]).reshape(3, 3)
+    classes = httpx.get(f"{fronts[1].base_url}/tags", timeout=5).json()
+    for row, image in enumerate(images):  # through the other front end, one task at a time
+        vector = await post(fronts[1].base_url, "/predict/embedding", image)
+        np.testing.assert_allclose(embeddings[row], vector.json(), rtol=1e-6, atol=1e-6)
+        tags = (await post(fronts[1].base_url, "/predict/tag?k=3", image)).json()
+        assert [classes[index] for index in indices[row]] == [tag["name"] for tag in tags]
+        np.testing.assert_allclose(probs[row], [tag["prob"] for tag in tags], atol=1e-6)
+    assert redis_server.client().xlen(stream_key(tiny_store, "embedding_and_tag")) == 0
 
 
 async def test_forged_entries_and_replies_are_dropped_and_nothing_crashes(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from tests.conftest import distinct_images, expected_for, running_app
+from tests.conftest import distinct_images, expected_for, images_run, running_app
 from tests.models import TINY_DIM
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -80,14 +80,44 @@ async def test_infer_answers_what_the_rest_routes_answer(
     rows = np.array(embedding["data"], dtype=np.float32).reshape(2, TINY_DIM)
     for row, image in zip(rows, images, strict=True):
         np.testing.assert_allclose(row, expected_for(image, tiny_store), atol=1e-5)
-    tags = await client.post(
-        "/predict/tag",
-        files=[("image", ("a.png", images[0])), ("image", ("b.png", images[1]))],
-        data={"k": "3"},
-    )
+    files = [("image", ("a.png", images[0])), ("image", ("b.png", images[1]))]
+    vectors = await client.post("/predict/embedding", files=files)
+    np.testing.assert_allclose(rows, vectors.json(), rtol=1e-6, atol=1e-6)
+    tags = await client.post("/predict/tag", files=files, data={"k": "3"})
+    classes = (await client.get("/tags")).json()
+    assert outputs["top_k_indices"]["datatype"] == "INT64"
+    assert outputs["top_k_indices"]["shape"] == outputs["top_k_probs"]["shape"] == [2, 3]
+    indices = np.array(outputs["top_k_indices"]["data"]).reshape(2, 3)
+    assert [[classes[i] for i in row] for row in indices] == [
+        [t["name"] for t in row] for row in tags.json()
+    ]
     probs = np.array(outputs["top_k_probs"]["data"]).reshape(2, 3)
     np.testing.assert_allclose(probs, [[t["prob"] for t in row] for row in tags.json()], atol=1e-6)
-    assert outputs["top_k_indices"]["shape"] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        ["embedding"],
+        ["top_k_indices"],
+        ["top_k_probs", "top_k_indices"],
+        ["embedding", "top_k_probs", "top_k_indices"],
+    ],
+)
+async def test_infer_runs_each_image_through_the_model_once_whatever_outputs_are_asked(
+    served: tuple[Any, Any], asked: list[str]
+) -> None:
+    _, client = served
+    images = distinct_images(3)
+    before = await images_run(client)
+    body = _infer_body(images, outputs=[{"name": name} for name in asked])
+    response = await client.post("/v2/models/tiny-test/infer", json=body)
+    assert response.status_code == 200, response.text
+    assert [output["name"] for output in response.json()["outputs"]] == [
+        name for name in ("embedding", "top_k_probs", "top_k_indices") if name in asked
+    ]
+    ran = await images_run(client) - before
+    assert ran == len(images), f"{ran:.0f} images went through the model for {len(images)}"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from app.export import main as export_main
 from app.manifest import read_manifest
-from tests.conftest import distinct_images, expected_for, running_app
+from tests.conftest import distinct_images, expected_for, images_run, running_app
 from tests.models import export_embedding_only, export_slow, export_tiny
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,21 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
                 "outputs": [{"name": "top_k_indices"}],
             },
         )
+        # k above the classes, with both outputs: refused before any image runs.
+        ran = await images_run(client)
+        both_too_many = await client.post(
+            "/v2/models/timm:test_resnet/infer",
+            json={
+                "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [image]}],
+                "outputs": [{"name": "embedding"}, {"name": "top_k_probs"}],
+                "parameters": {"k": 4},
+            },
+        )
+        ran_after = await images_run(client)
         info = (await client.get("/info")).json()
+    assert both_too_many.status_code == 422, both_too_many.text
+    assert both_too_many.json()["error"]["type"] == "invalid_parameter"
+    assert ran_after == ran
     assert answer.status_code == 200
     assert sorted(tag["name"] for tag in answer.json()) == ["persian", "siamese", "tabby"]
     assert sum(tag["prob"] for tag in answer.json()) == pytest.approx(1.0, abs=1e-5)

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import InvalidImage
-from app.jobs import BatchKey, ImageJob, Task
+from app.errors import InvalidImage, InvalidParameter
+from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import FileEntry, Manifest
 from app.plan import DecodePlan
 from app.services.predictor import Predictor
@@ -35,7 +35,14 @@ class FakeStreamer:
 
     async def submit(self, job: ImageJob, *, key: Any, **_: Any) -> object:
         self.submitted.append((job, key))
-        return np.zeros(4, dtype=np.float32)
+        embedding = np.full(4, len(self.submitted), dtype=np.float32)
+        top = TopK(np.arange(job.top_k), np.full(job.top_k, 0.1, dtype=np.float32))
+        answers = {
+            Task.EMBEDDING: embedding,
+            Task.TAG: top,
+            Task.EMBEDDING_AND_TAG: EmbeddingAndTopK(embedding, top),
+        }
+        return answers[key.task]
 
 
 def _predictor(
@@ -100,3 +107,43 @@ def test_a_decode_pool_comes_with_a_plan_that_decodes_here() -> None:
         _predictor(FakeStreamer(idle=True), WORKERS, pool)
     with pytest.raises(ValueError, match="decode pool"):
         _predictor(FakeStreamer(idle=True), SERVER, None)
+
+
+@pytest.mark.parametrize(
+    ("embedding", "top_k", "task"),
+    [
+        (True, False, Task.EMBEDDING),
+        (False, True, Task.TAG),
+        (True, True, Task.EMBEDDING_AND_TAG),  # one model pass for both
+    ],
+)
+def test_infer_runs_each_image_once_as_one_task(embedding: bool, top_k: bool, task: Task) -> None:
+    streamer = FakeStreamer(idle=True)
+    predictor = _predictor(streamer, WORKERS, None)
+    uploads = [b"first", b"second", b"third"]
+    inferred = asyncio.run(
+        predictor.infer(uploads, None, time.monotonic() + 10, embedding=embedding, top_k=top_k)
+    )
+    assert [key for _, key in streamer.submitted] == [BatchKey(task, encoded=True)] * 3
+    assert sorted(job.image for job, _ in streamer.submitted) == sorted(uploads)
+    if embedding:
+        assert inferred.embeddings is not None and inferred.embeddings.shape == (3, 4)
+    else:
+        assert inferred.embeddings is None
+    if top_k:
+        assert inferred.top_k is not None and len(inferred.top_k) == 3
+        assert all(job.top_k == 5 for job, _ in streamer.submitted)  # the default k
+        assert [len(top.indices) for top in inferred.top_k] == [5, 5, 5]
+    else:
+        assert inferred.top_k is None
+
+
+@pytest.mark.parametrize("embedding", [True, False])
+def test_infer_refuses_k_above_the_classes_before_any_image_runs(embedding: bool) -> None:
+    streamer = FakeStreamer(idle=True)
+    predictor = _predictor(streamer, WORKERS, None)
+    with pytest.raises(InvalidParameter, match="between 1 and 10, got 11"):
+        asyncio.run(
+            predictor.infer([b"x"], 11, time.monotonic() + 10, embedding=embedding, top_k=True)
+        )
+    assert streamer.submitted == []
