@@ -9,7 +9,8 @@ second (readiness, ``/info``, metrics). No torch, no model weights.
 Failure rules: a request is refused with 503 ``broker_unavailable`` while Redis cannot be
 reached, and every request waiting for a reply fails the same way the moment the reply
 reader loses Redis (the entry or its reply may be gone). It is refused with 503
-``worker_died`` while no worker has sent a heartbeat recently, and with 503 ``queue_full``
+``worker_died`` while no worker has sent a heartbeat recently (by a look at Redis at most
+``LOOK_AGAIN_S`` older than the request, not the monitor's last), and with 503 ``queue_full``
 when the shared streams hold ``max_queue`` entries (checked and added in one script, so the
 bound holds across front ends).
 """
@@ -54,6 +55,7 @@ from app.manifest import model_version
 log = logging.getLogger(__name__)
 
 MONITOR_S = 1.0
+LOOK_AGAIN_S = 0.2  # a request that finds no worker looks at Redis itself, at most this often
 REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
 RECONNECT_S = 0.5
 NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
@@ -101,6 +103,8 @@ class BrokerTransport:
         self._queue_depth = 0
         self._rate = 0.0  # images/s the workers answered, lately (for Retry-After)
         self._last_items: tuple[float, int] | None = None
+        self._looked_at = -math.inf  # monotonic time the last look ended
+        self._looking: asyncio.Task[None] | None = None
 
     # -- the Transport's state ---------------------------------------------------------------
 
@@ -158,9 +162,10 @@ class BrokerTransport:
             log.warning("broker: Redis is not reachable yet; requests get 503 until it is")
 
     async def aclose(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._looking] if self._looking else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         self._fail_pending(NotReady("server is shutting down"))
         for client in (self._redis, self._reader):
@@ -183,7 +188,9 @@ class BrokerTransport:
         if not self._connected or self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         if not self._workers:
-            raise WorkerDied("no model worker is alive", retry_after_s=2)
+            await self._look_again()
+            if not self._workers:
+                raise WorkerDied("no model worker is alive", retry_after_s=2)
         return {item.id: await self._one(key.task, item) for item in items}
 
     async def _one(self, task: Task, item: BatchItem[ImageJob]) -> object:
@@ -325,15 +332,36 @@ class BrokerTransport:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_S)
-            try:
-                await self._look()
-            except Exception:  # a bug must not freeze readiness: log it, look again
-                log.exception("broker: looking at Redis failed")
+            await self._look_safely()
+
+    async def _look_safely(self) -> None:
+        try:
+            await self._look()
+        except Exception:  # a bug must not freeze readiness: log it, look again
+            log.exception("broker: looking at Redis failed")
+
+    async def _look_again(self) -> None:
+        """Look at Redis before refusing for want of a worker, rather than trust the monitor's
+        last look (up to a second old: a front end that just started, or whose workers just
+        came back, would refuse for that long). Looks are at least ``LOOK_AGAIN_S`` apart
+        (a flood of refusals must not become a flood of looks), and concurrent callers share
+        one."""
+        if self._looking is None:
+            delay = self._looked_at + LOOK_AGAIN_S - time.monotonic()
+            self._looking = asyncio.create_task(self._look_after(delay), name="broker-look")
+            self._looking.add_done_callback(lambda _: setattr(self, "_looking", None))
+        await asyncio.shield(self._looking)
+
+    async def _look_after(self, delay_s: float) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        await self._look_safely()
 
     async def _look(self) -> None:
         """One look at Redis: is it there (the same instance as before), which workers have
         sent a heartbeat lately, how full are the streams."""
         assert self._redis is not None
+        self._looked_at = time.monotonic()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.time()
