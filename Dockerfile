@@ -16,6 +16,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /srv/app
 RUN useradd --create-home --uid 10001 app
+# The model workers' allocator (app/workers/allocator.py).
+RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 \
+    && rm -rf /var/lib/apt/lists/*
 
 # Dependencies first: this layer is rebuilt only when requirements.txt changes.
 COPY requirements.txt constraints.txt ./

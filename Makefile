@@ -13,7 +13,7 @@ FRONT_ENDS ?= 2
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
-.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick loadtest model install install-dev redis-server clean
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick loadtest model install install-dev redis-server jemalloc clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -72,8 +72,19 @@ redis-server:
 	    echo "note: redis-server is missing and cannot be installed here: the broker tests skip"; \
 	  fi; }
 
-install: $(VENV)/.installed
-install-dev: $(VENV)/.installed-dev
+# Model workers run on jemalloc (app/workers/allocator.py): Debian's libjemalloc2, installed
+# when it is missing and this machine can; without it they use glibc's malloc, bounded.
+jemalloc:
+	@$(PYTHON) -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('jemalloc') is None)" || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing libjemalloc2 (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 >/dev/null; \
+	  else \
+	    echo "note: libjemalloc2 is missing and cannot be installed here: workers use glibc's malloc"; \
+	  fi; }
+
+install: $(VENV)/.installed jemalloc
+install-dev: $(VENV)/.installed-dev jemalloc
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -223,6 +223,8 @@ class Consumer(OrphanClaims):
             frontends = len({request.frontend for _, request in runnable})
             self.stats.record(task, len(runnable), frontends, time.perf_counter() - started, waits)
         self._answer(stream, replies, dropped)
+        if runnable:
+            self.prepared.memory.after_batch()
 
     def _compute(
         self, task: Task, runnable: Sequence[tuple[EntryId, Request]]

@@ -33,6 +33,7 @@ from app.logs import configure_logging
 from app.manifest import model_version, read_manifest
 from app.plan import BrokerPlan, Role, ServingPlan, WorkerConfig, plan_serving
 from app.settings import get_settings
+from app.workers import allocator
 from app.workers.backoff import RestartBackoff
 
 log = logging.getLogger("app.worker")
@@ -137,7 +138,8 @@ class Supervisor:
         process = mp.get_context("spawn").Process(
             target=consumer_main, args=(spec,), name=f"model-worker-{spec.index}"
         )
-        process.start()
+        with allocator.for_children():
+            process.start()
         self.processes[spec.index] = process
         self._started[spec.index] = time.monotonic()
 

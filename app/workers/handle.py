@@ -17,6 +17,7 @@ from pathlib import Path
 from app.batching import WorkerStatus
 from app.errors import InferenceError, WorkerDied, WorkerStartError
 from app.plan import WorkerConfig
+from app.workers import allocator
 from app.workers.buffer import InputBuffer
 from app.workers.channel import Channel, channel_pair
 from app.workers.messages import (
@@ -116,7 +117,8 @@ class WorkerHandle:
             target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True
         )
         try:
-            process.start()
+            with allocator.for_children():
+                process.start()
         except BaseException:
             buffer.unlink()
             buffer.close()

@@ -21,7 +21,7 @@ import torch
 
 from app.logs import configure_logging
 from app.plan import WorkerConfig
-from app.workers.allocator import retain_freed_memory
+from app.workers.allocator import ResidentBound, retain_freed_memory
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder
 from app.workers.messages import (
@@ -49,6 +49,8 @@ class PreparedWorker:
     decoder: Decoder | DeviceDecoder | None
     batch_size: int  # the largest batch it wants: its auto choice, or the maximum
     throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
+    # Its memory's level once warmed up; serving loops call after_batch() once answered.
+    memory: ResidentBound = field(default_factory=ResidentBound)
 
 
 def _configure_threads(threads: int) -> None:
@@ -83,14 +85,17 @@ def prepare(config: WorkerConfig, device_name: str, threads: int) -> PreparedWor
         if config.decode_on_device:
             decoder = DeviceDecoder(models.manifest.input, device, decoder, config.max_pixels)
             decoder.warm_up()
-    runner.warm_up()
     prepared = PreparedWorker(runner, decoder, config.max_batch_size)
-    if config.auto_batch:
+    if config.auto_batch:  # measuring runs every size up to the one it chooses
+        runner.warm_up()
         prepared.batch_size, prepared.throughput = choose_batch_size(
             runner, runner.image_shape, config.max_batch_size
         )
+    else:
+        runner.warm_up(largest=config.max_batch_size)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    prepared.memory.settle()
     return prepared
 
 
@@ -152,3 +157,4 @@ def _serve(prepared: PreparedWorker, buffer: InputBuffer, conn: Connection) -> N
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())
             reply = BatchFailed(message.batch_id, message.ids, f"{type(exc).__name__}: {exc}")
         conn.send(reply)
+        prepared.memory.after_batch()

@@ -67,11 +67,14 @@ class BatchRunner:
             outputs.update(indices=indices.cpu().numpy(), probs=values.cpu().numpy())
             return outputs
 
-    def warm_up(self) -> None:
-        """The TorchScript executor optimises on its first calls: make those now."""
+    def warm_up(self, largest: int = 1) -> None:
+        """The TorchScript executor optimises on its first calls: make those now; then one
+        call at the ``largest`` batch, so the memory it needs is held from the start."""
         warm = np.zeros((1, *self.image_shape), dtype=np.uint8)
         for _ in range(2):
             self.run(self.full_task, warm, top_k=1)
+        if largest > 1:
+            self.run(self.full_task, np.zeros((largest, *self.image_shape), np.uint8), top_k=1)
 
 
 # A batch size is worth it only if it is this close to the best throughput seen: among

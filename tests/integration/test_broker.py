@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from app.workers.allocator import jemalloc_library
 from bench.loadgen import Response, closed_loop, multipart_request
 from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, stream_state
 from tests.checks import Expectation, mixed_jobs
@@ -140,6 +141,9 @@ async def test_a_thousand_requests_through_two_front_ends_each_get_their_own_ans
     assert mixed >= 1, "no worker batch held items from both front ends"
     assert max(sizes) > 1
     assert stream_state(redis_server) == {"tag": (0, 0), "embedding": (0, 0)}
+    if jemalloc_library() is not None:  # the supervisor starts its workers on it
+        pids = [info["pid"] for info in workers.live().values()]
+        assert all("libjemalloc" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
 
 
 async def test_a_lone_request_runs_at_once_as_a_batch_of_one(

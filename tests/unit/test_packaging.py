@@ -134,3 +134,14 @@ def test_no_two_compose_services_publish_the_same_host_port() -> None:
             host = mapping.rsplit(":", 1)[0]
             assert host not in published, f"{name} and {published[host]} both publish {host}"
             published[host] = name
+
+
+def test_the_image_and_make_install_give_workers_the_same_allocator() -> None:
+    """The workers look for jemalloc (app/workers/allocator.py); the image installs it in
+    the stage the server runs from, and ``make install`` installs the same package."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    server_stage = dockerfile.split(" AS server", 1)[1].split("\nFROM ", 1)[0]
+    assert re.search(r"^RUN apt-get update && apt-get install .*libjemalloc2", server_stage, re.M)
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^install: .*\bjemalloc\b", makefile, re.M)
+    assert "apt-get install -y -qq libjemalloc2" in makefile

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import platform
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from app.plan import WorkerConfig
-from app.workers import process
+from app.workers import allocator, process
 from app.workers.messages import StartFailed, WorkerSpec
 
 # Activation-sized arrays (1-48 MiB) allocated and freed in a mixed order, as batches of
@@ -75,3 +76,104 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     process.worker_main(spec, theirs)
     assert isinstance(ours.recv(), StartFailed)
     assert calls == ["allocator", "load_models"]
+
+
+def _report_malloc(queue: multiprocessing.Queue[tuple[str, str | None]]) -> None:
+    import os
+
+    from app.workers.allocator import malloc_in_use
+
+    queue.put((malloc_in_use(), os.environ.get("MALLOC_CONF")))
+
+
+@pytest.mark.skipif(allocator.jemalloc_library() is None, reason="needs libjemalloc2")
+def test_a_worker_process_starts_on_jemalloc_with_its_pages_kept() -> None:
+    """What the pool and the broker supervisor do around each worker's start."""
+    context = multiprocessing.get_context("spawn")
+    queue: multiprocessing.Queue[tuple[str, str | None]] = context.Queue()
+    child = context.Process(target=_report_malloc, args=(queue,))
+    before = dict(os.environ)
+    with allocator.for_children():
+        child.start()
+    assert dict(os.environ) == before  # the parent's own environment is left as it was
+    try:
+        assert queue.get(timeout=60) == ("jemalloc", allocator.JEMALLOC_CONF)
+    finally:
+        child.join(timeout=60)
+    assert allocator.malloc_in_use() == "glibc"  # this process: as it started
+
+
+def test_an_operators_own_allocator_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "jemalloc_library", lambda: "libjemalloc.so.2")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("MALLOC_CONF", "narenas:2")
+    assert allocator.children_environment() == {
+        "LD_PRELOAD": "libjemalloc.so.2",
+        "MALLOC_CONF": "narenas:2",
+    }
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # another allocator: theirs
+    assert allocator.children_environment() == {}
+    monkeypatch.setattr(allocator, "jemalloc_library", lambda: None)
+    monkeypatch.delenv("LD_PRELOAD")
+    assert allocator.children_environment() == {}  # glibc, tuned and bounded in the worker
+
+
+# Free memory kept inside glibc's heap, as fragmented activations leave it: 400 chunks of
+# 1 MiB, touched, each followed by a small allocation that stays, then the chunks freed.
+FRAGMENTS = textwrap.dedent(
+    """
+    import ctypes, sys
+    from app.workers import allocator
+    mode = sys.argv[1]
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert allocator.retain_freed_memory() == (mode == "glibc")
+    bound = allocator.ResidentBound(slack=0.03, interval_s=60)
+    bound.settle()
+    base = allocator.anonymous_bytes()
+    chunks, pins = [], []
+    for _ in range(400):
+        chunk = libc.malloc(1 << 20)
+        ctypes.memset(chunk, 1, 1 << 20)
+        chunks.append(chunk)
+        pins.append(libc.malloc(64))
+    for chunk in chunks:
+        libc.free(chunk)
+    grown = allocator.anonymous_bytes()
+    first, second = bound.after_batch(), bound.after_batch()
+    print((grown - base) >> 20, (allocator.anonymous_bytes() - base) >> 20, first, second)
+    """
+)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="bounds glibc's malloc only")
+def test_a_glibc_worker_hands_back_free_memory_past_its_level_at_most_once_per_interval() -> (
+    None
+):
+    done = subprocess.run(
+        [sys.executable, "-c", FRAGMENTS, "glibc"],
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    )
+    grown_mb, left_mb, first, second = done.stdout.split()
+    assert int(grown_mb) >= 390  # the freed chunks stayed resident in the heap
+    assert int(left_mb) < 50  # handed back
+    assert (first, second) == ("True", "False")  # and not again within the interval
+
+
+@pytest.mark.skipif(allocator.jemalloc_library() is None, reason="needs libjemalloc2")
+def test_the_bound_leaves_a_jemalloc_worker_alone() -> None:
+    environment = {**os.environ, **allocator.children_environment()}
+    done = subprocess.run(
+        [sys.executable, "-c", FRAGMENTS, "jemalloc"],
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
+    )
+    assert done.stdout.split()[2:] == ["False", "False"]
