@@ -80,6 +80,10 @@ def children_environment() -> dict[str, str]:
     return {
         "LD_PRELOAD": f"{library} {preload}".strip(),
         "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF),
+        # oneTBB (OpenVINO's threading) opens its hwloc binding with RTLD_DEEPBIND, so hwloc
+        # frees with glibc what libc allocated with jemalloc, and aborts; this switch (meant
+        # for sanitizers, which replace malloc too) opens it without. oneTBB issue 1636.
+        "TBB_ENABLE_SANITIZERS": "1",
     }
 
 

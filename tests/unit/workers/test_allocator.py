@@ -78,28 +78,35 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     assert calls == ["allocator", "load_models"]
 
 
-def _report_malloc(queue: multiprocessing.Queue[tuple[str, str | None]]) -> None:
+def _report_malloc(queue: multiprocessing.Queue[tuple[str, str | None, str]]) -> None:
     import os
+
+    import numpy as np
+    import openvino as ov
 
     from app.workers.allocator import malloc_in_use
 
-    queue.put((malloc_in_use(), os.environ.get("MALLOC_CONF")))
+    # OpenVINO's threading library aborted on jemalloc until its environment said otherwise.
+    image = ov.opset13.parameter([1, 3, 8, 8], np.float32)
+    model = ov.Model([ov.opset13.relu(image)], [image])
+    compiled = ov.Core().compile_model(model, "CPU")
+    ran = compiled(np.ones((1, 3, 8, 8), np.float32))[0].shape
+    queue.put((malloc_in_use(), os.environ.get("MALLOC_CONF"), str(ran)))
 
 
 @pytest.mark.skipif(allocator.jemalloc_library() is None, reason="needs libjemalloc2")
-def test_a_worker_process_starts_on_jemalloc_with_its_pages_kept() -> None:
+def test_a_worker_process_starts_on_jemalloc_with_its_pages_kept_and_runs_openvino() -> None:
     """What the pool and the broker supervisor do around each worker's start."""
     context = multiprocessing.get_context("spawn")
-    queue: multiprocessing.Queue[tuple[str, str | None]] = context.Queue()
+    queue: multiprocessing.Queue[tuple[str, str | None, str]] = context.Queue()
     child = context.Process(target=_report_malloc, args=(queue,))
     before = dict(os.environ)
     with allocator.for_children():
         child.start()
     assert dict(os.environ) == before  # the parent's own environment is left as it was
-    try:
-        assert queue.get(timeout=60) == ("jemalloc", allocator.JEMALLOC_CONF)
-    finally:
-        child.join(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0  # -6 when OpenVINO's threading aborted
+    assert queue.get(timeout=5) == ("jemalloc", allocator.JEMALLOC_CONF, "(1, 3, 8, 8)")
     assert allocator.malloc_in_use() == "glibc"  # this process: as it started
 
 
@@ -110,6 +117,7 @@ def test_an_operators_own_allocator_settings_win(monkeypatch: pytest.MonkeyPatch
     assert allocator.children_environment() == {
         "LD_PRELOAD": "libjemalloc.so.2",
         "MALLOC_CONF": "narenas:2",
+        "TBB_ENABLE_SANITIZERS": "1",
     }
     monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # another allocator: theirs
     assert allocator.children_environment() == {}
