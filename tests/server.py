@@ -25,6 +25,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def on_jemalloc(pid: int) -> bool:
+    """Whether process ``pid`` has jemalloc mapped (the workers' allocator, when installed)."""
+    return "libjemalloc" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def alive(pid: int) -> bool:
     """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
     try:

@@ -31,7 +31,7 @@ from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, s
 from tests.checks import Expectation, mixed_jobs
 from tests.conftest import distinct_images
 from tests.models import POISON_RGB, export_slow
-from tests.server import ServerProcess
+from tests.server import ServerProcess, on_jemalloc
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ async def test_a_thousand_requests_through_two_front_ends_each_get_their_own_ans
     assert stream_state(redis_server) == {"tag": (0, 0), "embedding": (0, 0)}
     if jemalloc_library() is not None:  # the supervisor starts its workers on it
         pids = [info["pid"] for info in workers.live().values()]
-        assert all("libjemalloc" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
+        assert all(on_jemalloc(pid) for pid in pids)
 
 
 async def test_a_lone_request_runs_at_once_as_a_batch_of_one(

@@ -13,7 +13,7 @@ import pytest
 
 from app.workers.allocator import jemalloc_library
 from tests.conftest import distinct_images
-from tests.server import REPO, ServerProcess, alive, free_port, shm_files
+from tests.server import REPO, ServerProcess, alive, free_port, on_jemalloc, shm_files
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def test_serves_then_exits_cleanly_on_sigterm(tiny_store: Path) -> None:
         workers = server.worker_pids()
         assert len(workers) == 2
         if jemalloc_library() is not None:  # workers run on it (app.workers.allocator)
-            assert all("libjemalloc" in Path(f"/proc/{pid}/maps").read_text() for pid in workers)
+            assert all(on_jemalloc(pid) for pid in workers)
         response = httpx.post(
             f"{server.base_url}/predict/tag",
             files={"image": ("x.png", distinct_images(1)[0])},

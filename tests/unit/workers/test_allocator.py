@@ -156,9 +156,7 @@ FRAGMENTS = textwrap.dedent(
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="bounds glibc's malloc only")
-def test_a_glibc_worker_hands_back_free_memory_past_its_level_at_most_once_per_interval() -> (
-    None
-):
+def test_a_glibc_worker_hands_back_free_memory_past_its_level_once_per_interval() -> None:
     done = subprocess.run(
         [sys.executable, "-c", FRAGMENTS, "glibc"],
         cwd=Path(__file__).resolve().parents[3],
