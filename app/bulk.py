@@ -118,7 +118,7 @@ async def _feed(
     """Submit every file, a bounded window at a time, and write each answer as it comes.
     Raises (and leaves nothing running) if writing fails."""
     limits = engine.plan.limits
-    model_id = engine.predictor.manifest.model_id  # on every line: never mix two exports
+    model_id = engine.predictor.model_id  # on every line: never mix two exports (or precisions)
     # Enough in flight to keep every worker busy with full batches, not so much that the
     # queue bound or memory is at risk.
     transport = engine.transport

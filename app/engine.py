@@ -11,7 +11,7 @@ from types import TracebackType
 
 from app.batching import Streamer, Transport
 from app.jobs import BatchKey, ImageJob
-from app.manifest import Manifest, read_classes, read_manifest
+from app.manifest import Manifest, model_version, read_classes, read_manifest, served_model_id
 from app.metrics import Metrics
 from app.plan import Role, ServingPlan
 from app.services.predictor import Predictor
@@ -29,9 +29,11 @@ def default_transport(
         from app.broker.keys import Keys  # no redis client unless asked for
         from app.broker.transport import BrokerTransport
 
+        # Streams per export and precision: workers computing in another dtype never answer.
+        served = served_model_id(manifest.model_id, plan.worker.dtype)
         return BrokerTransport(
             plan.broker.url,
-            Keys(plan.broker.prefix, manifest.version),
+            Keys(plan.broker.prefix, model_version(served)),
             max_queue=plan.limits.max_queue,
             on_workers=metrics.on_workers if metrics else None,
         )
@@ -124,6 +126,7 @@ class Engine:
                 plan.decode,
                 self._decode_pool,
                 max_pixels=plan.worker.max_pixels,
+                model_id=served_model_id(self.manifest.model_id, plan.worker.dtype),
             )
         except BaseException:
             await self.aclose()

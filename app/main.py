@@ -124,13 +124,14 @@ def create_app(
             state = app.state
             state.engine = engine
             state.predictor = engine.predictor
-            state.model_id = engine.predictor.manifest.model_id  # X-Model-Id on every answer
+            state.model_id = engine.predictor.model_id  # X-Model-Id on every answer
             metrics.watch(
                 lambda: LiveState(
                     queue_depth=engine.queue_depth,
                     in_flight=engine.streamer.in_flight,
                     workers=engine.transport.worker_status(),
                     model=engine.predictor.manifest,
+                    model_id=engine.predictor.model_id,
                 )
             )
             restore_signals = _flag_closing_on_signals(app)

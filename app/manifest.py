@@ -96,11 +96,29 @@ class Manifest(BaseModel):
         return f"{self.arch}@{self.version}"
 
 
+# A precision below fp32 is part of the id of what answers (``X-Model-Id``, /info, the
+# broker's streams), so vectors of two precisions are never taken for one another.
+PRECISION_TAGS = {"float32": "", "bfloat16": "+bf16", "float16": "+fp16"}
+
+
+def served_model_id(model_id: str, dtype: str) -> str:
+    """The id answers carry when ``model_id``'s export is computed in ``dtype`` (MB_DTYPE).
+
+    >>> served_model_id("efficientnet_lite0@89e9be0d4f64", "bfloat16")
+    'efficientnet_lite0@89e9be0d4f64+bf16'
+    >>> served_model_id("efficientnet_lite0@89e9be0d4f64", "float32")
+    'efficientnet_lite0@89e9be0d4f64'
+    """
+    return model_id + PRECISION_TAGS[dtype]
+
+
 def model_version(model_id: str) -> str:
     """The version part of a model id (``<arch>@<version>``), e.g. from a worker's heartbeat.
 
     >>> model_version("efficientnet_lite0@89e9be0d4f64")
     '89e9be0d4f64'
+    >>> model_version("efficientnet_lite0@89e9be0d4f64+bf16")
+    '89e9be0d4f64+bf16'
     """
     return model_id.rsplit("@", 1)[-1]
 

@@ -54,6 +54,7 @@ class LiveState:
     in_flight: int = 0
     workers: Sequence[WorkerStatus] = ()
     model: Manifest | None = None
+    model_id: str | None = None  # the served id (the manifest's, plus any precision tag)
 
 
 class WorkerReport(Protocol):
@@ -133,7 +134,11 @@ class _LiveState(Collector):
             )
             info.add_metric(
                 [],
-                {"model_id": manifest.model_id, "arch": manifest.arch, "weights": manifest.weights},
+                {
+                    "model_id": state.model_id or manifest.model_id,
+                    "arch": manifest.arch,
+                    "weights": manifest.weights,
+                },
             )
             yield info
 

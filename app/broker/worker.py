@@ -30,7 +30,7 @@ from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
-from app.manifest import model_version, read_manifest
+from app.manifest import model_version, read_manifest, served_model_id
 from app.plan import BrokerPlan, Role, ServingPlan, WorkerConfig, plan_serving
 from app.settings import get_settings
 from app.workers import allocator
@@ -53,7 +53,7 @@ class ConsumerSpec:
     broker: BrokerPlan
     batch_timeout_s: float
     max_image_bytes: int
-    model_id: str  # the export in the store, as the front ends must serve it too
+    model_id: str  # the export and precision it serves, as the front ends must serve them too
     restarts: int = 0
 
     @property
@@ -248,14 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_serving(settings, Role.WORKERS)
         manifest = read_manifest(plan.model_store, verify=True)  # fail here, once
-        specs = consumer_specs(plan, manifest.model_id)
+        model_id = served_model_id(manifest.model_id, plan.worker.dtype)
+        specs = consumer_specs(plan, model_id)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
         "starting %d worker(s) of %s on %s",
         len(specs),
-        manifest.model_id,
+        model_id,
         ", ".join(s.device for s in specs),
     )
     return Supervisor(specs).run()

@@ -55,7 +55,7 @@ async def info(request: Request, predictor: PredictorDep) -> dict[str, Any]:
     assert engine is not None  # the predictor exists
     plan, streamer = engine.plan, engine.streamer
     return {
-        "model_id": predictor.manifest.model_id,
+        "model_id": predictor.model_id,
         "model": predictor.manifest.model_dump(),
         "batching": {
             "batch_size": streamer.max_batch_size,

@@ -31,6 +31,7 @@ from app.dependencies import (
     readiness_response,
 )
 from app.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
+from app.manifest import model_version
 from app.routers.common import (
     ERRORS,
     batch_trace,
@@ -129,7 +130,7 @@ async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
         ]
     return ModelMetadata(
         name=manifest.arch,
-        versions=[manifest.version],
+        versions=[model_version(predictor.model_id)],
         platform="pytorch_torchscript",
         inputs=[TensorSpec(name=INPUT, datatype="BYTES", shape=[-1])],
         outputs=outputs,
@@ -187,7 +188,7 @@ async def infer(
         outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
     if top is not None and "top_k_indices" in wanted:
         outputs.append(_output("top_k_indices", "INT64", np.stack([t.indices for t in top])))
-    version = predictor.manifest.version
+    version = model_version(predictor.model_id)
     return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
 
 

@@ -57,11 +57,14 @@ class Predictor:
         decode_pool: ThreadPoolExecutor | None,
         *,
         max_pixels: int,
+        model_id: str | None = None,
     ) -> None:
         if (decode_pool is None) != (plan.server_threads == 0):
             raise ValueError("a decode pool is needed exactly when the plan decodes here")
         self._streamer = streamer
         self.manifest = manifest
+        # What answers: the export, computed at the workers' precision (served_model_id).
+        self.model_id = model_id or manifest.model_id
         self.classes = classes
         self._plan = plan
         self._decode_pool = decode_pool

@@ -92,3 +92,42 @@ def test_a_handler_answering_the_wrong_number_of_jobs_breaks_the_batch_contract(
 
     with pytest.raises(BatchContractError, match="answered 0 of 1"):
         asyncio.run(run())
+
+
+async def _identities(settings: Settings, transport: FakeTransport) -> list[str]:
+    served = create_app(settings, transport=transport)
+    image = distinct_images(1)[0]
+    async with served.router.lifespan_context(served):
+        client_transport = httpx.ASGITransport(app=served)
+        async with httpx.AsyncClient(transport=client_transport, base_url="http://t") as client:
+            answer = await client.post("/predict/embedding", files={"image": ("a.png", image)})
+            info = (await client.get("/info")).json()
+            v2 = (await client.get(f"/v2/models/{info['model']['arch']}")).json()
+            scrape = (await client.get("/metrics")).text
+    (model_line,) = [
+        line for line in scrape.splitlines() if line.startswith("microbatch_model_info")
+    ]
+    label = model_line.split('model_id="', 1)[1].split('"', 1)[0]
+    return [answer.headers["x-model-id"], info["model_id"], v2["versions"][0], label]
+
+
+@pytest.mark.parametrize(("dtype", "tag"), [("float32", ""), ("bfloat16", "+bf16")])
+def test_a_precision_below_fp32_is_part_of_every_served_id(
+    tmp_path: Path, dtype: str, tag: str
+) -> None:
+    """Vectors of two precisions are never taken for one another: the answer's header, /info,
+    the v2 metadata and the metrics all name the precision below fp32; and a broker front
+    end's streams are its own (workers of another precision never answer it)."""
+    from app.engine import default_transport
+    from app.plan import Role, plan_serving
+
+    store = export_tiny(tmp_path / "store")
+    manifest = read_manifest(store)
+    settings = Settings(model_store=store, mb_dtype=dtype)
+    ids = asyncio.run(_identities(settings, echo(manifest)))
+    served = manifest.model_id + tag
+    assert ids == [served, served, manifest.version + tag, served]
+    front_end = Settings(model_store=store, mb_dtype=dtype, mb_broker="redis://127.0.0.1:1")
+    front = plan_serving(front_end, Role.FRONT_END)
+    broker = default_transport(front, manifest)
+    assert broker.keys.model == manifest.version + tag  # type: ignore[attr-defined]
