@@ -96,6 +96,9 @@ async def run(
     try:
         async with Engine(plan) as engine:
             await _feed(engine, root, task, todo, top_k, writer, bar, counts)
+            # Which runtime computed the results (each worker chose at its start).
+            runtimes = sorted({w.runtime for w in engine.transport.worker_status() if w.runtime})
+            counts["runtimes"] = runtimes  # type: ignore[assignment]
     finally:
         bar.close()
         writer.close()

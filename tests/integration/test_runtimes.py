@@ -148,3 +148,53 @@ def test_the_real_model_tags_the_photos_alike_on_every_runtime(
     embeddings = (runner.run(Task.EMBEDDING, pixels, 0)["embedding"] for runner in (reference, ir))
     first, second = (torch.from_numpy(e) for e in embeddings)
     assert float(torch.nn.functional.cosine_similarity(first, second).min()) >= 0.9999
+
+
+async def test_broker_workers_choose_their_runtime_on_their_own_host(tiny_openvino: Path) -> None:
+    """Broker mode: each worker chooses (here is told) its runtime where it runs, says so in
+    its heartbeat, and the front end's /info shows it; answers are the model's."""
+    import httpx
+
+    from tests.broker import RedisServer, Workers, broker_env
+    from tests.server import ServerProcess
+
+    with (
+        RedisServer() as redis_server,
+        Workers(redis_server, tiny_openvino, count=1, MB_RUNTIME="openvino") as workers,
+        ServerProcess(**broker_env(redis_server.url, tiny_openvino)) as front,
+    ):
+        image = distinct_images(1)[0]
+        async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as client:
+            vector = await embed(client, image)
+            info = (await client.get("/info")).json()
+        heartbeats = list(workers.live().values())
+    np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
+    assert [beat["runtime"] for beat in heartbeats] == ["openvino"]
+    assert [worker["runtime"] for worker in info["workers"]] == ["openvino"]
+
+
+def test_the_batch_job_serves_with_the_runtime_asked_for_and_says_so(
+    tiny_openvino: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from app.bulk import iter_results, main
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    images = distinct_images(6)
+    for index, data in enumerate(images):
+        (folder / f"{index}.png").write_bytes(data)
+    for name, value in {
+        "MODEL_STORE": str(tiny_openvino), "CUDA_DEVICES": "cpu", "MB_WORKER_NUM": "1",
+        "MB_RUNTIME": "openvino",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out.jsonl"
+    assert main([str(folder), "--task", "embedding", "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["ok"] == 6 and summary["runtimes"] == ["openvino"]
+    for entry in iter_results(out):
+        data = images[int(entry["path"].split(".")[0])]
+        np.testing.assert_allclose(entry["result"], expected_for(data, tiny_openvino), atol=1e-5)
