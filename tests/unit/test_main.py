@@ -61,7 +61,7 @@ class FakeEngine:
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
         self.queue_depth = 0
         manifest = SimpleNamespace(model_id="fake@000000000000", arch="fake", weights="random")
-        self.predictor = SimpleNamespace(manifest=manifest)
+        self.predictor = SimpleNamespace(manifest=manifest, model_id=manifest.model_id)
         self.closed_while_serving: bool | None = None
         FakeEngine.instances.append(self)
 
