@@ -54,6 +54,17 @@ class RuntimeArtifact(BaseModel):
     max_abs_diff: float = Field(ge=0)
 
 
+class ProgramArtifact(BaseModel):
+    """The models as ``torch.export`` programs (``embedding.pt2``, ``classifier.pt2``; dynamic
+    batch): the export's runtime-neutral record. ``versions``: the torch that wrote them;
+    ``max_abs_diff``: how far from the TorchScript models on the check batch and on one
+    image."""
+
+    files: dict[Literal["embedding", "classifier"], FileEntry]
+    versions: dict[str, str]
+    max_abs_diff: float = Field(ge=0)
+
+
 class Manifest(BaseModel):
     """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
     ``classifier`` or ``classes`` file. ``runtimes`` lists the artifacts derived for other
@@ -68,6 +79,7 @@ class Manifest(BaseModel):
     num_classes: int = Field(ge=0)
     files: dict[Literal["embedding", "classifier", "classes"], FileEntry]
     runtimes: dict[RuntimeName, RuntimeArtifact] = Field(default_factory=dict)
+    program: ProgramArtifact | None = None  # absent from older stores and uncapturable models
     # sha256 of manifest.json as read (not part of it): the export's identity.
     digest: str = Field(default="", exclude=True)
 
@@ -155,6 +167,8 @@ def read_manifest(
         checked: dict[str, FileEntry] = dict(manifest.files.items())
         for runtime, artifact in manifest.runtimes.items():
             checked |= {f"{runtime} {role}": entry for role, entry in artifact.files.items()}
+        if manifest.program is not None:
+            checked |= {f"program {role}": entry for role, entry in manifest.program.files.items()}
         for role, entry in checked.items():
             if roles is not None and role not in roles:
                 continue

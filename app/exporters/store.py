@@ -12,6 +12,7 @@ from torch import nn
 
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
 from app.exporters.openvino_ir import derive_openvino, remove_derived
+from app.exporters.program import export_programs
 from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
 from app.workers.models import quiet_torchscript
 
@@ -106,9 +107,10 @@ def export_split(
     runtimes: Collection[str] = DERIVED_RUNTIMES,
 ) -> Manifest:
     """Trace the embedding model (and the classifier, if any), write them with ``classes``
-    into ``out``, derive the other ``runtimes``' models from the traces (those that agree with
-    them), and write the manifest last (so a half-written store is never taken for a valid
-    one). An embedding-only split takes no ``classes``."""
+    into ``out`` with their ``torch.export`` programs, derive the other ``runtimes``' models
+    from the traces (each only if it agrees with them), and write the manifest last (so a
+    half-written store is never taken for a valid one). An embedding-only split takes no
+    ``classes``."""
     if split.classifier is None and classes:
         raise ExportError(f"{len(classes)} class names for a model without a classifier")
     if split.classifier is not None and (classes is None or len(classes) != split.num_classes):
@@ -121,15 +123,20 @@ def export_split(
         raise ExportError(f"embedding output shape {tuple(features.shape)} is not (N, dim)")
     files = {"embedding": _save(embedding, out / EMBEDDING_FILE)}
     traced = {"embedding": (embedding, images, features)}
+    eager: dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {
+        "embedding": (split.embedding, images, features)
+    }
     if split.classifier is not None and classes is not None:
         classifier, logits = _trace(split.classifier, features, "classifier")
         files["classifier"] = _save(classifier, out / CLASSIFIER_FILE)
         traced["classifier"] = (classifier, features, logits)
+        eager["classifier"] = (split.classifier, features, logits)
         (out / CLASSES_FILE).write_text("\n".join(classes) + "\n", encoding="utf-8")
         files["classes"] = FileEntry(path=CLASSES_FILE, sha256=sha256_file(out / CLASSES_FILE))
     else:  # files of an earlier export that the manifest would no longer vouch for
         (out / CLASSIFIER_FILE).unlink(missing_ok=True)
         (out / CLASSES_FILE).unlink(missing_ok=True)
+    program = export_programs(out, eager)
     derived = {}
     if "openvino" in runtimes:
         artifact = derive_openvino(out, traced)
@@ -145,6 +152,7 @@ def export_split(
         num_classes=split.num_classes if split.classifier is not None else 0,
         files=files,
         runtimes=derived,
+        program=program,
     )
     tmp = out / (MANIFEST_NAME + ".tmp")
     tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
