@@ -177,6 +177,17 @@ class Row:
         return None if first is None or last is None else growth_pct(first, last)
 
     @property
+    def rss_trend_pct(self) -> float | None:
+        """The mean RSS over the last third of the samples against the first third's: the
+        growth without the swing of a single sample (buffers held at that instant)."""
+        values = [value for value in self.rss if value is not None]
+        if self.rss[0] is None or len(values) < 2:  # no baseline, or nothing after it
+            return None
+        third = max(1, len(values) // 3)
+        early, late = sum(values[:third]) / third, sum(values[-third:]) / third
+        return growth_pct(round(early), round(late))
+
+    @property
     def anon_growth_pct(self) -> float | None:
         if not self.anon_first or not self.anon_last:
             return None
@@ -219,17 +230,19 @@ def _pct(value: float | None) -> str:
 
 def table(samples: Sequence[Sample]) -> str:
     """RSS in MB per process after the warm-up and at each later sample, its growth over the
-    run, and anonymous memory (RssAnon) after the warm-up and at the end with its growth.
+    run (the last sample against the first) and its trend (the last third's mean against
+    the first third's), and anonymous memory (RssAnon) after the warm-up and at the end with
+    its growth.
 
     >>> base = Sample(0, [Usage(10, "worker", 500 * MB, 400 * MB)])
     >>> end = Sample(10_000, [Usage(10, "worker", 510 * MB, 404 * MB)])
     >>> print(table([base, end]))
-    process  pid  warm-up  10k  RSS growth  anon warm-up  anon end  anon growth
-    worker   10   500      510  +2.0%       400           404       +1.0%
+    process  pid  warm-up  10k  RSS growth  RSS trend  anon warm-up  anon end  anon growth
+    worker   10   500      510  +2.0%       +2.0%      400           404       +1.0%
     """
     head = ["process", "pid", "warm-up"]
     head += [f"{s.served // 1000}k" if s.served % 1000 == 0 else str(s.served) for s in samples[1:]]
-    head += ["RSS growth", "anon warm-up", "anon end", "anon growth"]
+    head += ["RSS growth", "RSS trend", "anon warm-up", "anon end", "anon growth"]
     lines = [head]
     for row in rows(samples):
         lines.append(
@@ -238,6 +251,7 @@ def table(samples: Sequence[Sample]) -> str:
                 str(row.pid),
                 *map(_mb, row.rss),
                 _pct(row.rss_growth_pct),
+                _pct(row.rss_trend_pct),
                 _mb(row.anon_first or None),
                 _mb(row.anon_last or None),
                 _pct(row.anon_growth_pct),

@@ -195,6 +195,7 @@ def soak(args: argparse.Namespace, store: Path) -> dict[str, Any]:
                 "rss_warmup": r.rss[0],
                 "rss_end": r.rss[-1],
                 "rss_growth_pct": r.rss_growth_pct,
+                "rss_trend_pct": r.rss_trend_pct,
                 "anon_warmup": r.anon_first,
                 "anon_end": r.anon_last,
                 "anon_growth_pct": r.anon_growth_pct,

@@ -7,7 +7,7 @@ import io
 import pytest
 from PIL import Image
 
-from bench.memory import MB, Sample, Usage, classify, growth_pct, rows, table
+from bench.memory import MB, Row, Sample, Usage, classify, growth_pct, rows, table
 from bench.soak import soak_images
 
 PY = "/venv/bin/python"
@@ -63,8 +63,20 @@ def test_rows_follow_each_pid_and_a_restarted_worker_has_no_baseline() -> None:
     assert by_pid[3].rss_growth_pct == 2.0
     lines = table([base, mid, end]).splitlines()
     assert lines[0].split() == ["process", "pid", "warm-up", "10k", "20k", "RSS", "growth",
-                                "anon", "warm-up", "anon", "end", "anon", "growth"]  # fmt: skip
-    assert lines[3].split() == ["worker-1", "5", "200", "-", "-", "-", "-", "-", "-"]
+                                "RSS", "trend", "anon", "warm-up", "anon", "end", "anon",
+                                "growth"]  # fmt: skip
+    assert lines[3].split() == ["worker-1", "5", "200", "-", "-", "-", "-", "-", "-", "-"]
+    assert by_pid[7].rss_trend_pct == 20.0 and by_pid[9].rss_trend_pct is None
+
+
+def test_the_trend_sees_growth_but_not_the_swing_of_one_sample() -> None:
+    def row(mbs: list[int]) -> Row:
+        return Row("http", "http", 3, [mb * MB for mb in mbs], 0, 0)
+
+    swinging = row([113, 119, 115, 110, 111, 114, 121, 120, 112, 105, 121])
+    assert swinging.rss_growth_pct == 7.1 and swinging.rss_trend_pct == -2.6
+    growing = row([100, 104, 108, 112, 116, 120])
+    assert growing.rss_trend_pct == 15.7  # (116 + 120) / 2 against (100 + 104) / 2
 
 
 def test_soak_images_are_distinct_varied_and_reproducible() -> None:
