@@ -172,7 +172,9 @@ def test_no_classifier_exports_the_embedding_only(tmp_path: Path, labels: Path) 
     assert _export("--arch", TIMM_NAME, "--weights", "random", "--no-classifier", "--out", out) == 0
     manifest = read_manifest(out)
     assert (manifest.num_classes, set(manifest.files)) == (0, {"embedding"})
-    assert sorted(p.name for p in out.iterdir()) == ["embedding.pt", "manifest.json", "openvino"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "embedding.pt", "embedding.pt2", "manifest.json", "openvino"
+    ]  # fmt: skip
     # The earlier export's classifier IR went with its TorchScript classifier.
     assert sorted(p.name for p in (out / "openvino").iterdir()) == [
         "embedding.bin",

@@ -113,6 +113,7 @@ def test_a_store_from_before_runtimes_still_loads(tiny_store: Path, tmp_path: Pa
     """A manifest written before ``runtimes`` existed has no such key."""
     manifest = json.loads((tiny_store / "manifest.json").read_text())
     manifest.pop("runtimes", None)
+    manifest.pop("program", None)  # nor programs
     for name in ("embedding.pt", "classifier.pt", "classes.txt"):
         (tmp_path / name).write_bytes((tiny_store / name).read_bytes())
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
