@@ -71,19 +71,23 @@ def malloc_in_use() -> Malloc:
 
 
 def children_environment() -> dict[str, str]:
-    """What a worker process's environment needs to run on jemalloc (nothing if this machine
-    has none, or if ``LD_PRELOAD`` already names an allocator)."""
+    """What a worker process's environment needs to run on jemalloc: nothing if this machine
+    has none; if ``LD_PRELOAD`` already names an allocator (an operator's), only what lets
+    OpenVINO run on it."""
+    # oneTBB (OpenVINO's threading) opens its hwloc binding with RTLD_DEEPBIND, so hwloc frees
+    # with glibc what libc allocated with the preloaded malloc, and aborts; this switch (meant
+    # for sanitizers, which replace malloc too) opens it without. oneTBB issue 1636.
+    tbb = {"TBB_ENABLE_SANITIZERS": os.environ.get("TBB_ENABLE_SANITIZERS", "1")}
     library = jemalloc_library()
     preload = os.environ.get("LD_PRELOAD", "")
-    if library is None or "malloc" in preload:
+    if "malloc" in preload:
+        return tbb
+    if library is None:
         return {}
     return {
         "LD_PRELOAD": f"{library} {preload}".strip(),
         "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF),
-        # oneTBB (OpenVINO's threading) opens its hwloc binding with RTLD_DEEPBIND, so hwloc
-        # frees with glibc what libc allocated with jemalloc, and aborts; this switch (meant
-        # for sanitizers, which replace malloc too) opens it without. oneTBB issue 1636.
-        "TBB_ENABLE_SANITIZERS": "1",
+        **tbb,
     }
 
 

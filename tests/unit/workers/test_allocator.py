@@ -95,8 +95,17 @@ def _report_malloc(queue: multiprocessing.Queue[tuple[str, str | None, str]]) ->
 
 
 @pytest.mark.skipif(allocator.jemalloc_library() is None, reason="needs libjemalloc2")
-def test_a_worker_process_starts_on_jemalloc_with_its_pages_kept_and_runs_openvino() -> None:
-    """What the pool and the broker supervisor do around each worker's start."""
+@pytest.mark.parametrize("preloaded_by", ["us", "the operator"])
+def test_a_worker_process_starts_on_jemalloc_and_runs_openvino(
+    preloaded_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the pool and the broker supervisor do around each worker's start; an operator
+    who preloads jemalloc (or another malloc) themselves keeps theirs, and OpenVINO runs."""
+    conf: str | None = allocator.JEMALLOC_CONF
+    if preloaded_by == "the operator":
+        monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
+        monkeypatch.delenv("MALLOC_CONF", raising=False)
+        conf = None
     context = multiprocessing.get_context("spawn")
     queue: multiprocessing.Queue[tuple[str, str | None, str]] = context.Queue()
     child = context.Process(target=_report_malloc, args=(queue,))
@@ -106,7 +115,7 @@ def test_a_worker_process_starts_on_jemalloc_with_its_pages_kept_and_runs_openvi
     assert dict(os.environ) == before  # the parent's own environment is left as it was
     child.join(timeout=60)
     assert child.exitcode == 0  # -6 when OpenVINO's threading aborted
-    assert queue.get(timeout=5) == ("jemalloc", allocator.JEMALLOC_CONF, "(1, 3, 8, 8)")
+    assert queue.get(timeout=5) == ("jemalloc", conf, "(1, 3, 8, 8)")
     assert allocator.malloc_in_use() == "glibc"  # this process: as it started
 
 
@@ -119,8 +128,8 @@ def test_an_operators_own_allocator_settings_win(monkeypatch: pytest.MonkeyPatch
         "MALLOC_CONF": "narenas:2",
         "TBB_ENABLE_SANITIZERS": "1",
     }
-    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # another allocator: theirs
-    assert allocator.children_environment() == {}
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so")  # another allocator: theirs,
+    assert allocator.children_environment() == {"TBB_ENABLE_SANITIZERS": "1"}  # OpenVINO on it
     monkeypatch.setattr(allocator, "jemalloc_library", lambda: None)
     monkeypatch.delenv("LD_PRELOAD")
     assert allocator.children_environment() == {}  # glibc, tuned and bounded in the worker
