@@ -74,6 +74,11 @@ async def wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
         await asyncio.sleep(0.005)
 
 
+class WorkerCrashed(WorkerStartError):
+    """A worker process exited during its start-up without reporting why (a signal: native
+    code crashed, or the kernel killed it), as opposed to reporting a failure."""
+
+
 class WorkerHandle:
     """A spawned worker process, its socket and its shared buffer.
 
@@ -177,7 +182,7 @@ class WorkerHandle:
             message = await self.conn.recv()
         except (asyncio.IncompleteReadError, OSError):
             await wait_for_exit(self.process, 1.0)
-            raise WorkerStartError(
+            raise WorkerCrashed(
                 f"worker {self.index} on {self.device} exited during start-up "
                 f"(exit code {self.process.exitcode})"
             ) from None

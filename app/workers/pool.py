@@ -9,6 +9,7 @@ and lends threads: ``docs/design.md``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from app.manifest import Manifest
 from app.metrics import BatchRun
 from app.plan import ServingPlan, WorkerConfig
 from app.workers.backoff import RestartBackoff
-from app.workers.handle import WorkerHandle
+from app.workers.handle import WorkerCrashed, WorkerHandle
 from app.workers.lending import batch_threads
 from app.workers.messages import BatchDone, RunBatch
 from app.workers.transfer import results, write_images
@@ -130,7 +131,7 @@ class WorkerPool:
         self._workers = [self._spawn(index) for index in range(len(self.placement.devices))]
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(self._wait_ready(w) for w in self._workers)),
+                asyncio.gather(*(self._wait_ready(w.index) for w in self._workers)),
                 self.start_timeout_s,
             )
         except TimeoutError:
@@ -149,8 +150,28 @@ class WorkerPool:
             ", ".join(f"{w.device} ({w.threads} threads)" for w in self._workers),
         )
 
-    async def _wait_ready(self, worker: WorkerHandle) -> None:
-        await worker.wait_ready()
+    async def _wait_ready(self, index: int) -> WorkerHandle:
+        """Wait until worker ``index`` is ready, and return it. Under ``MB_RUNTIME=auto`` a
+        worker that crashes while it loads and self-tests the runtimes (native code that
+        aborts on this host, which no self-test can catch in-process) is started again with
+        TorchScript alone, and so is every later start of this pool."""
+        worker = self._workers[index]
+        try:
+            await worker.wait_ready()
+        except WorkerCrashed as exc:
+            if self.config.runtime != "auto":
+                raise
+            log.error(
+                "worker %d on %s crashed while loading its runtimes (%s); a runtime other than "
+                "TorchScript may crash on this host: this pool serves with TorchScript only",
+                index,
+                worker.device,
+                exc,
+            )
+            self.config = dataclasses.replace(self.config, runtime="torchscript")
+            await worker.stop(0.0, "crashed during start-up")
+            worker = self._workers[index] = self._spawn(index)
+            await worker.wait_ready()
         if self.config.auto_batch:
             measured = ", ".join(f"{size}: {rate:.1f}" for size, rate in worker.throughput.items())
             log.info(
@@ -160,6 +181,7 @@ class WorkerPool:
                 worker.batch_size,
                 measured,
             )
+        return worker
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (politely, then by force) and release its buffer."""
@@ -271,12 +293,12 @@ class WorkerPool:
                 delay = self._backoff.next_delay(index)
                 log.warning("restarting worker %d on %s in %.1f s", index, dead.device, delay)
                 await asyncio.sleep(delay)
-                worker = self._spawn(index)
-                self._workers[index] = worker
+                self._workers[index] = self._spawn(index)
                 try:
-                    await asyncio.wait_for(self._wait_ready(worker), self.start_timeout_s)
+                    worker = await asyncio.wait_for(self._wait_ready(index), self.start_timeout_s)
                 except (WorkerStartError, TimeoutError) as exc:
                     log.error("worker %d failed to restart: %s", index, exc)
+                    worker = self._workers[index]
                     worker.kill()
                     await worker.stop(1.0, "restart failed")
                     continue

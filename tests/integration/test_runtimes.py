@@ -199,3 +199,51 @@ def test_the_batch_job_serves_with_the_runtime_asked_for_and_says_so(
     for entry in iter_results(out):
         data = images[int(entry["path"].split(".")[0])]
         np.testing.assert_allclose(entry["result"], expected_for(data, tiny_openvino), atol=1e-5)
+
+
+# Fault injection for worker processes: a sitecustomize (imported by every interpreter that
+# has it on its path) that makes loading OpenVINO abort the process, as native code that
+# crashes on a host does. No exception: nothing in the worker can catch it.
+ABORT_ON_OPENVINO = """
+import os
+import app.workers.models as models
+
+def crash(*args, **kwargs):
+    os.abort()
+
+models.LOADERS["openvino"] = crash
+"""
+
+
+@pytest.fixture
+def openvino_aborts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.server import REPO
+
+    (tmp_path / "sitecustomize.py").write_text(ABORT_ON_OPENVINO)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+
+
+@pytest.mark.usefixtures("openvino_aborts")
+async def test_a_runtime_that_crashes_the_worker_is_left_out_under_auto(
+    tiny_openvino: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    async with running_app(
+        model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="auto"
+    ) as (_, client):
+        image = distinct_images(1)[0]
+        vector = await embed(client, image)
+        info = (await client.get("/info")).json()
+    np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
+    assert [worker["runtime"] for worker in info["workers"]] == ["torchscript"]
+    assert "crashed while loading its runtimes" in capfd.readouterr().err
+
+
+@pytest.mark.usefixtures("openvino_aborts")
+async def test_a_runtime_asked_for_by_name_that_crashes_stops_the_start(
+    tiny_openvino: Path,
+) -> None:
+    with pytest.raises(WorkerStartError, match="exited during start-up"):
+        async with running_app(
+            model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="openvino"
+        ):
+            pass
