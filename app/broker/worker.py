@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
@@ -63,8 +64,8 @@ class ConsumerSpec:
         return f"{self.broker.host_name}:{self.index}"
 
 
-def consumer_main(spec: ConsumerSpec) -> None:
-    """Entry point of one broker worker process."""
+def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
+    """Entry point of one broker worker process; sets ``loaded`` once its models are."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -88,6 +89,8 @@ def consumer_main(spec: ConsumerSpec) -> None:
             exc,
         )
         sys.exit(2)
+    if loaded is not None:
+        loaded.set()
     # The consumer retries on its own (and says so in the log); the client does not.
     client = redis.Redis.from_url(
         spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
@@ -133,10 +136,13 @@ class Supervisor:
         self._due: dict[int, float] = {}  # index -> when to restart it
         self._started: dict[int, float] = {}  # index -> when its current life began
         self._signalled: set[int] = set()  # pids told to stop
+        self._loaded: dict[int, EventType] = {}  # index -> set once its current life loaded
 
     def _start(self, spec: ConsumerSpec) -> None:
-        process = mp.get_context("spawn").Process(
-            target=consumer_main, args=(spec,), name=f"model-worker-{spec.index}"
+        context = mp.get_context("spawn")
+        self._loaded[spec.index] = loaded = context.Event()
+        process = context.Process(
+            target=consumer_main, args=(spec, loaded), name=f"model-worker-{spec.index}"
         )
         with allocator.for_children():
             process.start()
@@ -188,6 +194,9 @@ class Supervisor:
             return
         if time.monotonic() - self._started.get(index, 0.0) >= STABLE_S:
             self._backoff.reset(index)  # it served a while: start the backoff afresh
+        crashed = process.exitcode is not None and process.exitcode < 0  # a signal
+        if crashed and not self._loaded[index].is_set():
+            self._leave_runtimes_out(index)
         delay = self._backoff.next_delay(index)
         log.error(
             "worker %s died (exit code %s); restarting it in %.1f s",
@@ -196,6 +205,21 @@ class Supervisor:
             delay,
         )
         self._due[index] = time.monotonic() + delay
+
+    def _leave_runtimes_out(self, index: int) -> None:
+        """Under ``MB_RUNTIME=auto``, a worker that crashed while it loaded and self-tested
+        the runtimes (native code aborting on this host, which no self-test catches
+        in-process): every worker of this host starts with TorchScript alone from now on."""
+        if self.specs[index].config.runtime != "auto":
+            return
+        log.error(
+            "worker %s crashed while loading its runtimes; a runtime other than TorchScript "
+            "may crash on this host: its workers serve with TorchScript only",
+            self.specs[index].name,
+        )
+        self.specs = [
+            replace(spec, config=replace(spec.config, runtime="torchscript")) for spec in self.specs
+        ]
 
     def _restart_due(self) -> None:
         now = time.monotonic()

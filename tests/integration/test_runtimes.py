@@ -247,3 +247,24 @@ async def test_a_runtime_asked_for_by_name_that_crashes_stops_the_start(
             model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="openvino"
         ):
             pass
+
+
+def test_a_broker_worker_that_crashes_on_a_runtime_is_restarted_without_it(
+    tiny_openvino: Path, tmp_path: Path
+) -> None:
+    """The broker supervisor does as the pool does: under ``auto``, a worker that crashed
+    before its models loaded comes back with TorchScript alone."""
+    from tests.broker import RedisServer, Workers
+    from tests.server import REPO
+
+    (tmp_path / "sitecustomize.py").write_text(ABORT_ON_OPENVINO)
+    with (
+        RedisServer() as redis_server,
+        Workers(
+            redis_server, tiny_openvino, count=1, MB_RUNTIME="auto",
+            PYTHONPATH=f"{tmp_path}:{REPO}",
+        ) as workers,
+    ):  # fmt: skip
+        heartbeats = list(workers.live().values())
+    assert [beat["runtime"] for beat in heartbeats] == ["torchscript"]
+    assert "crashed while loading its runtimes" in workers.output
