@@ -52,6 +52,7 @@ class RuntimeArtifact(BaseModel):
     precision: Literal["fp32"] = "fp32"
     versions: dict[str, str]
     max_abs_diff: float = Field(ge=0)
+    source: Literal["program", "torchscript"] = "torchscript"  # what it was converted from
 
 
 class ProgramArtifact(BaseModel):

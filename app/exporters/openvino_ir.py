@@ -1,4 +1,5 @@
-"""Deriving the OpenVINO IR of an export: the same traced models, converted at export time.
+"""Deriving the OpenVINO IR of an export: its ``torch.export`` programs (or, for a model that
+has none, its TorchScript traces), converted at export time.
 
 IR is data (an XML graph and a weights file), not code: a worker that loads it runs nothing
 the export did not check. The export keeps an IR only if it reproduces the TorchScript
@@ -24,13 +25,18 @@ FOLDER = "openvino"
 FP32_TOLERANCE = 1e-3
 
 
-def _convert(module: torch.jit.ScriptModule, example: torch.Tensor, path: Path) -> None:
+Source = torch.export.ExportedProgram | torch.jit.ScriptModule
+
+
+def _convert(source: Source, example: torch.Tensor, path: Path) -> None:
     import openvino as ov
 
-    with quiet_torchscript():
-        model = ov.convert_model(
-            module, example_input=example, input=[ov.PartialShape([-1, *example.shape[1:]])]
-        )
+    shape = [ov.PartialShape([-1, *example.shape[1:]])]  # dynamic batch, the rest fixed
+    if isinstance(source, torch.export.ExportedProgram):
+        model = ov.convert_model(source, input=shape)
+    else:
+        with quiet_torchscript():
+            model = ov.convert_model(source, example_input=example, input=shape)
     # Weights stay fp32 (save_model would compress them to fp16 by default).
     ov.save_model(model, str(path), compress_to_fp16=False)
 
@@ -44,9 +50,10 @@ def _run(path: Path, x: torch.Tensor) -> torch.Tensor:
 
 def derive_openvino(
     out: Path,
-    models: dict[str, tuple[torch.jit.ScriptModule, torch.Tensor, torch.Tensor]],
+    models: dict[str, tuple[Source, torch.Tensor, torch.Tensor]],
 ) -> RuntimeArtifact | None:
-    """Convert each ``role: (traced model, example input, its TorchScript output)`` into
+    """Convert each ``role: (program or traced model, example input, the TorchScript
+    model's output on it)`` into
     ``out/openvino/<role>.xml`` (+ ``.bin``), check the IR against the TorchScript output on
     batches of 1 and of the example's size, and describe the result; ``None`` (with a
     warning, and no files left) where OpenVINO is missing or its IR does not agree."""
@@ -87,7 +94,11 @@ def derive_openvino(
         return None
     versions = {"openvino": ov.__version__.split("-")[0], "torch": torch.__version__}
     versions["machine"] = platform.machine()
-    return RuntimeArtifact(files=files, versions=versions, max_abs_diff=worst)
+    programs = all(
+        isinstance(source, torch.export.ExportedProgram) for source, _, _ in models.values()
+    )
+    source = "program" if programs else "torchscript"
+    return RuntimeArtifact(files=files, versions=versions, max_abs_diff=worst, source=source)
 
 
 def remove_derived(out: Path) -> None:

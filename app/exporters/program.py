@@ -29,15 +29,20 @@ TOLERANCE = 1e-4
 MAX_BATCH = 1 << 16
 
 
+Programs = dict[str, torch.export.ExportedProgram]
+
+
 def export_programs(
     out: Path, models: dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]
-) -> ProgramArtifact | None:
+) -> tuple[ProgramArtifact, Programs] | None:
     """Export each ``role: (eager model, example batch, the TorchScript model's output on it)``
-    to ``out/<role>.pt2`` and check it; describe the result, or return ``None`` (with a
-    warning, and no files left) where any model cannot be exported or does not agree."""
+    to ``out/<role>.pt2`` and check it; describe the result and return the programs, or
+    return ``None`` (with a warning, and no files left) where any model cannot be exported
+    or does not agree."""
     remove_programs(out)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     files: dict[str, FileEntry] = {}
+    programs: Programs = {}
     worst = 0.0
     try:
         for role, (module, example, expected) in models.items():
@@ -46,6 +51,7 @@ def export_programs(
             path = out / f"{role}{SUFFIX}"
             program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
             torch.export.save(program, str(path))
+            programs[role] = program
             loaded = torch.export.load(str(path)).module()
             with torch.no_grad():
                 got, lone = loaded(example), loaded(example[:1])
@@ -67,7 +73,10 @@ def export_programs(
         )
         remove_programs(out)
         return None
-    return ProgramArtifact(files=files, versions={"torch": torch.__version__}, max_abs_diff=worst)
+    artifact = ProgramArtifact(
+        files=files, versions={"torch": torch.__version__}, max_abs_diff=worst
+    )
+    return artifact, programs
 
 
 def remove_programs(out: Path) -> None:

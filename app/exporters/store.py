@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
-from app.exporters.openvino_ir import derive_openvino, remove_derived
+from app.exporters.openvino_ir import Source, derive_openvino, remove_derived
 from app.exporters.program import export_programs
 from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
 from app.workers.models import quiet_torchscript
@@ -136,10 +136,17 @@ def export_split(
     else:  # files of an earlier export that the manifest would no longer vouch for
         (out / CLASSIFIER_FILE).unlink(missing_ok=True)
         (out / CLASSES_FILE).unlink(missing_ok=True)
-    program = export_programs(out, eager)
+    exported = export_programs(out, eager)
+    program, programs = exported if exported is not None else (None, {})
     derived = {}
     if "openvino" in runtimes:
-        artifact = derive_openvino(out, traced)
+        # From the programs where the export has them (the runtime-neutral record), else
+        # from the traces; either way checked against the TorchScript models.
+        sources: dict[str, tuple[Source, torch.Tensor, torch.Tensor]] = {
+            role: (programs.get(role, module), example, expected)
+            for role, (module, example, expected) in traced.items()
+        }
+        artifact = derive_openvino(out, sources)
         if artifact is not None:
             derived["openvino"] = artifact
     else:  # an earlier export's IR, which the manifest would no longer vouch for

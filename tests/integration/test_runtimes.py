@@ -40,6 +40,7 @@ def test_the_export_derives_openvino_ir_and_vouches_for_it(
     artifact = manifest.runtimes["openvino"]
     assert set(artifact.files) == {"embedding", "embedding.bin", "classifier", "classifier.bin"}
     assert artifact.precision == "fp32" and artifact.max_abs_diff < 1e-3
+    assert artifact.source == "program"  # converted from the torch.export programs
     assert artifact.versions["openvino"].startswith("2026.")
     # A changed IR file is refused like a changed TorchScript file.
     copy = tmp_path / "store"

@@ -13,7 +13,7 @@ import torch
 from app.errors import ModelStoreError
 from app.manifest import read_manifest
 from app.workers.models import load_models
-from tests.models import export_poison, export_tiny
+from tests.models import PoisonEmbedding, export_poison, export_test_model, export_tiny
 
 
 def test_the_export_writes_programs_that_agree_with_torchscript_at_any_batch(
@@ -51,6 +51,15 @@ def test_a_model_torch_export_cannot_capture_still_exports_without_programs(
     assert read_manifest(store).program is None
     assert not list(store.glob("*.pt2"))
     assert "no torch.export program for this export" in caplog.text
+
+
+def test_without_programs_the_openvino_ir_comes_from_the_traces(tmp_path: Path) -> None:
+    store = export_test_model(
+        tmp_path / "store", torch.jit.script(PoisonEmbedding()), runtimes=("openvino",)
+    )
+    manifest = read_manifest(store)
+    assert manifest.program is None
+    assert manifest.runtimes["openvino"].source == "torchscript"
 
 
 def test_a_store_from_before_programs_still_loads(tmp_path: Path) -> None:
