@@ -76,7 +76,8 @@ class Settings(BaseSettings):
         description=(
             "What runs the model in each worker: 'auto' self-tests every runtime the store "
             "holds models for against TorchScript on this host and serves with the fastest that "
-            "agrees; 'torchscript' or 'openvino' (CPU) to insist."
+            "agrees (one that crashes a worker is left out); 'torchscript' or 'openvino' (CPU) "
+            "to insist."
         ),
     )
     mb_optimize: bool = Field(
