@@ -132,6 +132,17 @@ def run(module: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
     return y
 
 
+def difference_at_any_batch(
+    model: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, expected: torch.Tensor
+) -> float:
+    """The largest difference of a derived ``model``'s outputs from ``expected`` (the
+    reference's output on ``example``), on the example batch and on its first image alone:
+    a model whose batch dimension got fixed at the example's size fails here."""
+    with torch.no_grad():
+        got, lone = model(example), model(example[:1])
+    return max(float((got - expected).abs().max()), float((lone - expected[:1]).abs().max()))
+
+
 def features_dim(features: torch.Tensor, images: torch.Tensor, what: str) -> int:
     """The embedding size, checking that ``what`` gave one [D] vector per image."""
     if features.ndim != 2 or features.shape[0] != images.shape[0]:

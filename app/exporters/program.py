@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.exporters.base import difference_at_any_batch
 from app.manifest import FileEntry, ProgramArtifact, sha256_file
 
 log = logging.getLogger("app.export")
@@ -53,13 +54,7 @@ def export_programs(
             torch.export.save(program, str(path))
             programs[role] = program
             loaded = torch.export.load(str(path)).module()
-            with torch.no_grad():
-                got, lone = loaded(example), loaded(example[:1])
-            worst = max(
-                worst,
-                float((got - expected).abs().max()),
-                float((lone - expected[:1]).abs().max()),
-            )
+            worst = max(worst, difference_at_any_batch(loaded, example, expected))
             files[role] = FileEntry(path=path.name, sha256=sha256_file(path))
     except Exception as exc:  # anything torch.export refuses: TorchScript still serves
         log.warning("no torch.export program for this export: %s: %s", type(exc).__name__, exc)
