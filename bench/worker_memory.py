@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from app.jobs import Task
@@ -43,8 +44,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def _rss() -> int:
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(psutil.Process().memory_info().rss)
 
 
 def _line(label: str) -> str:

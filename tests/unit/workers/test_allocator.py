@@ -40,16 +40,22 @@ ROUNDS = textwrap.dedent(
 )
 
 
-def page_faults(mode: str) -> int:
-    # A fresh interpreter each: the thresholds are process-wide and must not leak into pytest.
+def run_script(script: str, mode: str, env: dict[str, str] | None = None) -> list[str]:
+    """What ``script`` prints, split, run with ``mode`` in a fresh interpreter: malloc's
+    settings are process-wide and must not leak into pytest."""
     done = subprocess.run(
-        [sys.executable, "-c", ROUNDS, mode],
+        [sys.executable, "-c", script, mode],
         cwd=Path(__file__).resolve().parents[3],  # so that ``app`` imports
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
-    return int(done.stdout.strip())
+    return done.stdout.split()
+
+
+def page_faults(mode: str) -> int:
+    return int(run_script(ROUNDS, mode)[0])
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc only")
@@ -166,15 +172,8 @@ FRAGMENTS = textwrap.dedent(
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="bounds glibc's malloc only")
 def test_a_glibc_worker_hands_back_free_memory_past_its_level_once_per_interval() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", FRAGMENTS, "glibc"],
-        cwd=Path(__file__).resolve().parents[3],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
-    )
-    grown_mb, left_mb, first, second = done.stdout.split()
+    on_glibc = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    grown_mb, left_mb, first, second = run_script(FRAGMENTS, "glibc", on_glibc)
     assert int(grown_mb) >= 390  # the freed chunks stayed resident in the heap
     assert int(left_mb) < 50  # handed back
     assert (first, second) == ("True", "False")  # and not again within the interval
@@ -182,13 +181,5 @@ def test_a_glibc_worker_hands_back_free_memory_past_its_level_once_per_interval(
 
 @pytest.mark.skipif(allocator.jemalloc_library() is None, reason="needs libjemalloc2")
 def test_the_bound_leaves_a_jemalloc_worker_alone() -> None:
-    environment = {**os.environ, **allocator.children_environment()}
-    done = subprocess.run(
-        [sys.executable, "-c", FRAGMENTS, "jemalloc"],
-        cwd=Path(__file__).resolve().parents[3],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=environment,
-    )
-    assert done.stdout.split()[2:] == ["False", "False"]
+    on_jemalloc = {**os.environ, **allocator.children_environment()}
+    assert run_script(FRAGMENTS, "jemalloc", on_jemalloc)[2:] == ["False", "False"]
