@@ -11,7 +11,7 @@ from types import TracebackType
 
 from app.batching import Streamer, Transport
 from app.jobs import BatchKey, ImageJob
-from app.manifest import Manifest, model_version, read_classes, read_manifest, served_model_id
+from app.manifest import Manifest, model_version, read_classes, read_manifest
 from app.metrics import Metrics
 from app.plan import Role, ServingPlan
 from app.services.predictor import Predictor
@@ -30,7 +30,7 @@ def default_transport(
         from app.broker.transport import BrokerTransport
 
         # Streams per export and precision: workers computing in another dtype never answer.
-        served = served_model_id(manifest.model_id, plan.worker.dtype)
+        served = manifest.served_id(plan.worker.dtype)
         return BrokerTransport(
             plan.broker.url,
             Keys(plan.broker.prefix, model_version(served)),
@@ -126,7 +126,7 @@ class Engine:
                 plan.decode,
                 self._decode_pool,
                 max_pixels=plan.worker.max_pixels,
-                model_id=served_model_id(self.manifest.model_id, plan.worker.dtype),
+                model_id=self.manifest.served_id(plan.worker.dtype),
             )
         except BaseException:
             await self.aclose()

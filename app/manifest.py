@@ -40,6 +40,8 @@ class FileEntry(BaseModel):
 
 
 RuntimeName = Literal["openvino"]
+# The int8 models' roles in a runtime's files: ``embedding+int8`` (and ``embedding+int8.bin``).
+INT8_SUFFIX = "+int8"
 
 
 class RuntimeArtifact(BaseModel):
@@ -66,10 +68,63 @@ class ProgramArtifact(BaseModel):
     max_abs_diff: float = Field(ge=0)
 
 
+# The precisions an export can be made to serve in, and MB_DTYPE's name for each.
+Precision = Literal["fp32", "bf16", "int8"]
+DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+
+
+class Agreement(BaseModel):
+    """How models in a precision below fp32 agree with the fp32 models on the same real
+    images: the share of images given the same top-1 class, the mean overlap of the top-5
+    classes (both None without a classifier), and the cosine of the embeddings."""
+
+    images: int = Field(gt=0)
+    top1: float | None = Field(None, ge=0, le=1)
+    top5: float | None = Field(None, ge=0, le=1)
+    cosine_mean: float
+    cosine_min: float
+
+
+class Gate(BaseModel):
+    """The least agreement with fp32 (``Agreement``) an export accepts for a precision."""
+
+    top1: float = Field(ge=0, le=1)
+    cosine_mean: float = Field(ge=-1, le=1)
+
+    def failures(self, measured: Agreement) -> list[str]:
+        """What ``measured`` falls short of (nothing: it passes)."""
+        short = []
+        if measured.top1 is not None and measured.top1 < self.top1:
+            short.append(f"top-1 agreement {measured.top1:.3f} < {self.top1}")
+        if measured.cosine_mean < self.cosine_mean:
+            short.append(f"mean embedding cosine {measured.cosine_mean:.4f} < {self.cosine_mean}")
+        return short
+
+
+class Calibration(BaseModel):
+    """How the export's precision below fp32 was made and checked: on ``images`` of the
+    user's photos (``calibration_images`` of them to quantize with, the rest held back),
+    what ``runtime`` measured on the held-back ones against the gate, and the self-test
+    images (``golden``: uint8 pixels, a .npy) with what they measured, which a worker
+    reproduces on its own host before it serves in this precision."""
+
+    precision: Literal["bf16", "int8"]
+    runtime: str
+    method: str
+    calibration_images: int = Field(ge=0)
+    held_back: Agreement
+    gate: Gate
+    passed: bool  # False: written anyway, with --accept-accuracy-loss
+    golden: FileEntry
+    golden_agreement: Agreement
+
+
 class Manifest(BaseModel):
     """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
     ``classifier`` or ``classes`` file. ``runtimes`` lists the artifacts derived for other
-    runtimes (none in a store exported before they existed: it serves with TorchScript)."""
+    runtimes (none in a store exported before they existed: it serves with TorchScript).
+    ``precision``: what the store serves in unless MB_DTYPE says otherwise (fp32 for a
+    store from before precisions); below fp32, with what ``calibration`` measured."""
 
     format_version: Literal[1] = FORMAT_VERSION
     format: Literal["torchscript"] = "torchscript"
@@ -81,6 +136,8 @@ class Manifest(BaseModel):
     files: dict[Literal["embedding", "classifier", "classes"], FileEntry]
     runtimes: dict[RuntimeName, RuntimeArtifact] = Field(default_factory=dict)
     program: ProgramArtifact | None = None  # absent from older stores and uncapturable models
+    precision: Precision = "fp32"
+    calibration: Calibration | None = None
     # sha256 of manifest.json as read (not part of it): the export's identity.
     digest: str = Field(default="", exclude=True)
 
@@ -91,11 +148,35 @@ class Manifest(BaseModel):
             raise ValueError("the embedding model is missing from files")
         if has_head != ("classes" in self.files) or has_head != (self.num_classes > 0):
             raise ValueError("a classifier comes with its classes file and num_classes > 0")
+        if self.calibration is not None and self.calibration.precision != self.precision:
+            raise ValueError("the calibration is for another precision than the export's")
+        if self.precision == "int8" and (self.calibration is None or not self.int8_files):
+            raise ValueError("an int8 export comes with its calibration and int8 models")
         return self
 
     @property
     def has_classifier(self) -> bool:
         return "classifier" in self.files
+
+    @property
+    def int8_files(self) -> dict[str, FileEntry]:
+        """The int8 models by role (OpenVINO IR; the embedding model: the classifier head
+        stays fp32); empty unless the export was quantized."""
+        openvino = self.runtimes.get("openvino")
+        files = openvino.files if openvino is not None else {}
+        return {
+            role.removesuffix(INT8_SUFFIX): entry
+            for role, entry in files.items()
+            if role.endswith(INT8_SUFFIX)
+        }
+
+    def serving_dtype(self, setting: str) -> str:
+        """MB_DTYPE resolved for this store: ``auto`` is the precision it was exported for."""
+        return DTYPES[self.precision] if setting == "auto" else setting
+
+    def served_id(self, setting: str) -> str:
+        """The id answers carry when this export is served under MB_DTYPE=``setting``."""
+        return served_model_id(self.model_id, self.serving_dtype(setting))
 
     @property
     def version(self) -> str:
@@ -111,7 +192,7 @@ class Manifest(BaseModel):
 
 # A precision below fp32 is part of the id of what answers (``X-Model-Id``, /info, the
 # broker's streams), so vectors of two precisions are never taken for one another.
-PRECISION_TAGS = {"float32": "", "bfloat16": "+bf16", "float16": "+fp16"}
+PRECISION_TAGS = {"float32": "", "bfloat16": "+bf16", "float16": "+fp16", "int8": "+int8"}
 
 
 def served_model_id(model_id: str, dtype: str) -> str:
@@ -170,6 +251,8 @@ def read_manifest(
             checked |= {f"{runtime} {role}": entry for role, entry in artifact.files.items()}
         if manifest.program is not None:
             checked |= {f"program {role}": entry for role, entry in manifest.program.files.items()}
+        if manifest.calibration is not None:
+            checked["golden"] = manifest.calibration.golden
         for role, entry in checked.items():
             if roles is not None and role not in roles:
                 continue

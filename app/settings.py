@@ -68,8 +68,13 @@ class Settings(BaseSettings):
         ),
     )
     mb_auto_batch_max: int = Field(64, ge=1, le=4096, description="Upper bound for 'auto'.")
-    mb_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Model precision in the workers (bfloat16/float16: opt-in)."
+    mb_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
+        "auto",
+        description=(
+            "Model precision in the workers: 'auto' is the one the store was exported for "
+            "(python -m app.export --precision; float32 by default); bfloat16/float16 opt in "
+            "on any store; int8 needs a store exported with --precision int8 (OpenVINO, CPU)."
+        ),
     )
     mb_runtime: Literal["auto", "torchscript", "openvino"] = Field(
         "auto",

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from app.export import SplitModel, export_split
+from app.export import PrecisionRequest, SplitModel, export_split
 from app.manifest import InputSpec
 
 TINY_DIM = 48
@@ -35,6 +35,20 @@ class TinyEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pooled: torch.Tensor = self.pool(x)
+        return pooled.flatten(1)
+
+
+class ConvEmbedding(nn.Module):
+    """A convolution, then TinyEmbedding's pooling: a model with weights for int8 to quantize
+    (the pooling alone has none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, kernel_size=3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled: torch.Tensor = self.pool(torch.relu(self.conv(x)))
         return pooled.flatten(1)
 
 
@@ -86,6 +100,7 @@ def export_test_model(
     embedding: nn.Module,
     arch: str = "tiny-test",
     runtimes: Collection[str] = (),
+    precision: PrecisionRequest | None = None,
 ) -> Path:
     """A test store: TorchScript only unless ``runtimes`` asks for more (the tests that lean
     on a test model's timing, the slow one's say, must run it as TorchScript runs it)."""
@@ -97,7 +112,15 @@ def export_test_model(
         embedding_dim=TINY_DIM,
         num_classes=1000,
     )
-    export_split(split, arch=arch, weights="random", out=out, classes=CLASSES, runtimes=runtimes)
+    export_split(
+        split,
+        arch=arch,
+        weights="random",
+        out=out,
+        classes=CLASSES,
+        runtimes=runtimes,
+        precision=precision,
+    )
     return out
 
 

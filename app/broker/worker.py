@@ -31,7 +31,7 @@ from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
-from app.manifest import model_version, read_manifest, served_model_id
+from app.manifest import model_version, read_manifest
 from app.plan import BrokerPlan, Role, ServingPlan, WorkerConfig, plan_serving
 from app.settings import get_settings
 from app.workers import allocator
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_serving(settings, Role.WORKERS)
         manifest = read_manifest(plan.model_store, verify=True)  # fail here, once
-        model_id = served_model_id(manifest.model_id, plan.worker.dtype)
+        model_id = manifest.served_id(plan.worker.dtype)
         specs = consumer_specs(plan, model_id)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

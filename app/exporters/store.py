@@ -12,6 +12,7 @@ from torch import nn
 
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
 from app.exporters.openvino_ir import Source, derive_openvino, remove_derived
+from app.exporters.precision import GOLDEN_FILE, PrecisionRequest, lower_precision
 from app.exporters.program import export_programs
 from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
 from app.workers.models import quiet_torchscript
@@ -105,18 +106,27 @@ def export_split(
     out: Path,
     classes: list[str] | None = None,
     runtimes: Collection[str] = DERIVED_RUNTIMES,
+    precision: PrecisionRequest | None = None,
 ) -> Manifest:
     """Trace the embedding model (and the classifier, if any), write them with ``classes``
     into ``out`` with their ``torch.export`` programs, derive the other ``runtimes``' models
     from the traces (each only if it agrees with them), and write the manifest last (so a
     half-written store is never taken for a valid one). An embedding-only split takes no
-    ``classes``."""
+    ``classes``. With a ``precision`` below fp32, the fp32 store is then made that
+    precision (``app.exporters.precision``; a refusal leaves it fp32)."""
     if split.classifier is None and classes:
         raise ExportError(f"{len(classes)} class names for a model without a classifier")
     if split.classifier is not None and (classes is None or len(classes) != split.num_classes):
         raise ExportError(f"{len(classes or [])} class names for {split.num_classes} classes")
+    precision = precision or PrecisionRequest()
+    if precision.precision == "int8" and "openvino" not in runtimes:
+        raise ExportError(
+            "--precision int8 quantizes the OpenVINO models: keep --runtimes openvino"
+        )
+    calibration_images = precision.read_images(split.input)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)
+    (out / GOLDEN_FILE).unlink(missing_ok=True)
     images = random_images(split.input)
     embedding, features = _trace(split.embedding, images, "embedding")
     if features.shape != (len(images), split.embedding_dim):
@@ -161,10 +171,17 @@ def export_split(
         runtimes=derived,
         program=program,
     )
+    _write_manifest(out, manifest)
+    if precision.precision != "fp32":
+        manifest = lower_precision(out, manifest, precision, calibration_images)
+        _write_manifest(out, manifest)
+    return manifest
+
+
+def _write_manifest(out: Path, manifest: Manifest) -> None:
     tmp = out / (MANIFEST_NAME + ".tmp")
     tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
     tmp.replace(out / MANIFEST_NAME)
-    return manifest
 
 
 def export_module(
@@ -177,6 +194,7 @@ def export_module(
     arch: str,
     weights: str = "custom",
     runtimes: Collection[str] = DERIVED_RUNTIMES,
+    precision: PrecisionRequest | None = None,
 ) -> Manifest:
     """Export any model that timm and torchvision do not build: ``embedding`` maps normalised
     images [N, 3, S, S] (S = ``input.crop_size``) to features [N, D]; the optional
@@ -219,5 +237,11 @@ def export_module(
         num_classes=num_classes,
     )
     return export_split(
-        split, arch=arch, weights=weights, out=out, classes=classes, runtimes=runtimes
+        split,
+        arch=arch,
+        weights=weights,
+        out=out,
+        classes=classes,
+        runtimes=runtimes,
+        precision=precision,
     )

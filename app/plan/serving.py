@@ -44,7 +44,7 @@ class WorkerConfig:
     model_store: str
     max_batch_size: int
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
-    dtype: str = "float32"
+    dtype: str = "auto"  # MB_DTYPE; "auto": the store's own precision (Manifest.serving_dtype)
     runtime: RuntimeSetting = "auto"  # MB_RUNTIME: see app.workers.runtimes
     optimize: bool = True
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode

@@ -64,7 +64,7 @@ async def info(request: Request, predictor: PredictorDep) -> dict[str, Any]:
             "max_queue": streamer.max_queue_size,
             "request_timeout_s": plan.limits.request_timeout_s,
             "batch_timeout_s": plan.limits.batch_timeout_s,
-            "dtype": plan.worker.dtype,
+            "dtype": predictor.manifest.serving_dtype(plan.worker.dtype),
             "optimize": plan.worker.optimize,
             "decode": plan.decode.describe(),
             "transport": plan.describe(),

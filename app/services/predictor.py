@@ -63,7 +63,7 @@ class Predictor:
             raise ValueError("a decode pool is needed exactly when the plan decodes here")
         self._streamer = streamer
         self.manifest = manifest
-        # What answers: the export, computed at the workers' precision (served_model_id).
+        # What answers: the export, computed at the workers' precision (Manifest.served_id).
         self.model_id = model_id or manifest.model_id
         self.classes = classes
         self._plan = plan

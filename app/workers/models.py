@@ -53,6 +53,8 @@ class LoadOptions:
 
 
 def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) -> Model:
+    if options.dtype == torch.int8:
+        raise ModelStoreError("TorchScript has no int8 models: int8 runs on OpenVINO")
     with quiet_torchscript():
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
         module.eval()
@@ -81,7 +83,8 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
     import openvino as ov
 
     # Several worker processes share the cores: no pinning, each its own thread count. The
-    # precision is pinned, or OpenVINO may compute in bf16 on CPUs that have it.
+    # precision is pinned, or OpenVINO may compute in bf16 on CPUs that have it (an int8
+    # model's layers left unquantized run in f32).
     precision = "bf16" if options.dtype == torch.bfloat16 else "f32"
     config = {
         "INFERENCE_NUM_THREADS": options.threads,
@@ -106,8 +109,9 @@ def load_models(
     runtime: Runtime = "torchscript",
 ) -> LoadedModels:
     """Verify ``store`` against its manifest, then load its models (the embedding model, and
-    the classifier head unless the export has none) for ``runtime`` onto ``device``.
-    ``ModelStoreError`` when the store holds no models for that runtime."""
+    the classifier head unless the export has none) for ``runtime`` onto ``device``, in
+    ``options.dtype`` (``torch.int8``: the export's int8 models). ``ModelStoreError`` when
+    the store holds no models for that runtime and precision."""
     options = options or LoadOptions()
     manifest = read_manifest(store, verify=True)
     files: dict[str, str] = {role: entry.path for role, entry in manifest.files.items()}
@@ -119,6 +123,13 @@ def load_models(
                 f"{store} holds no {runtime} models: re-export it with `python -m app.export`"
             )
         files = {role: entry.path for role, entry in artifact.files.items()}
+        if options.dtype == torch.int8:
+            if not manifest.int8_files:
+                raise ModelStoreError(
+                    f"{store} holds no int8 models: export it with `python -m app.export "
+                    "--precision int8 --calibrate DIR`"
+                )
+            files |= {role: entry.path for role, entry in manifest.int8_files.items()}
         dtype = torch.float32  # the derived models take float32 whatever they compute in
     load = LOADERS[runtime]
     return LoadedModels(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from app.logs import configure_logging
+from app.manifest import read_manifest
 from app.plan import WorkerConfig
 from app.workers.allocator import ResidentBound, retain_freed_memory
 from app.workers.buffer import InputBuffer
@@ -68,10 +69,10 @@ def prepare(config: WorkerConfig, device_name: str, threads: int) -> PreparedWor
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    options = LoadOptions(
-        dtype=getattr(torch, config.dtype), optimize=config.optimize, threads=threads
-    )
-    choice = choose_runtime(Path(config.model_store), device, options, config.runtime)
+    store = Path(config.model_store)
+    dtype = read_manifest(store, verify=False).serving_dtype(config.dtype)
+    options = LoadOptions(dtype=getattr(torch, dtype), optimize=config.optimize, threads=threads)
+    choice = choose_runtime(store, device, options, config.runtime)
     if choice.images_per_s:
         measured = ", ".join(f"{name}: {rate:.1f}" for name, rate in choice.images_per_s.items())
         log.info(

@@ -1,12 +1,14 @@
 """Which runtime a worker serves with (``MB_RUNTIME``), chosen on its own host at start-up.
 
-TorchScript, which every store holds, is the reference. Each other runtime the store holds
-models for (``Manifest.runtimes``) is loaded and must pass a self-test against it on the
-same inputs (the same top-5 classes; embeddings within cosine ``MIN_COSINE``); with
-``auto``, those that pass are timed with the reference, the way ``MB_BATCH_SIZE=auto`` times
-batch sizes, and the fastest serves. A runtime that fails to load or to agree (OpenVINO is
-not officially supported on every CPU) is skipped with one log line; asked for by name, it
-stops the worker's start instead. Measured figures: docs/performance.md.
+TorchScript in fp32, which every store holds, is the reference. Each other runtime the
+store holds models for (``Manifest.runtimes``) is loaded in the precision served (MB_DTYPE)
+and must pass a self-test against it on the same images (``SelfTest``: the store's golden
+photos where its export saved some); with ``auto``, those that pass are timed with
+TorchScript, the way ``MB_BATCH_SIZE=auto`` times batch sizes, and the fastest serves. A
+runtime that fails to load or to agree (OpenVINO is not officially supported on every CPU)
+is skipped with one log line; asked for by name, it stops the worker's start instead. int8
+has no TorchScript to fall back on: its runtime failing stops the start, saying so.
+Measured figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ import numpy.typing as npt
 import torch
 
 from app.errors import WorkerStartError
+from app.manifest import DTYPES, Agreement, Manifest, read_manifest
 from app.plan.serving import RuntimeSetting
+from app.workers.agreement import measure
 from app.workers.models import LoadedModels, LoadOptions, Runtime, load_models
 from app.workers.runner import BatchRunner
 
 log = logging.getLogger("app.worker")
 
-# Agreement with the fp32 TorchScript reference that a runtime must show to serve: every
-# self-test embedding this close (cosine), and the same top-5 classes (in fp32; top-1 in a
-# lower precision, whose near-ties may swap).
-MIN_COSINE = {torch.float32: 0.9999, torch.bfloat16: 0.99, torch.float16: 0.99}
+# Agreement with the fp32 TorchScript reference that a runtime must show to serve, on the
+# self-test images (``Agreement``). In fp32: every embedding this close (cosine) and the same
+# top-5 classes. Below fp32, on a store whose export measured that precision on its golden
+# images: what the export measured, less SLACK_COSINE and one image's top-1 (the host's
+# instruction set may round differently); on any other store: embeddings within
+# MIN_COSINE_BELOW_FP32 and the same top-1 class (lower precisions may swap near-ties).
+MIN_COSINE_FP32 = 0.9999
+MIN_COSINE_BELOW_FP32 = 0.99
+SLACK_COSINE = 0.01
 SELF_TEST_IMAGES = 4
 TIMING_BATCH = 8
 TIMING_ROUNDS = 3
@@ -52,7 +61,8 @@ def self_test_images(
     shape: tuple[int, int, int], count: int = SELF_TEST_IMAGES
 ) -> npt.NDArray[np.uint8]:
     """Deterministic uint8 images with structure (gradients, stripes) and noise, so the
-    models' outputs are spread out rather than near ties."""
+    models' outputs are spread out rather than near ties: the self-test of a store that
+    holds no golden images of its own."""
     height, width, _ = shape
     rng = np.random.default_rng(20261125)
     y, x = np.mgrid[0:height, 0:width]
@@ -66,31 +76,48 @@ def self_test_images(
     return np.stack(images)
 
 
-def disagreement(
-    reference: LoadedModels,
-    candidate: LoadedModels,
-    pixels: npt.NDArray[np.uint8],
-    dtype: torch.dtype,
-) -> str | None:
-    """Why ``candidate`` does not agree with ``reference`` on ``pixels``; None if it does."""
-    device = torch.device("cpu")
-    ref, got = BatchRunner(reference, device), BatchRunner(candidate, device)
-    with torch.inference_mode():
-        ref_features = reference.embedding(ref.to_input(pixels)).float()
-        features = candidate.embedding(got.to_input(pixels)).float()
-        if features.shape != ref_features.shape:
-            return f"embedding shape {tuple(features.shape)}, expected {tuple(ref_features.shape)}"
-        cosine = float(torch.nn.functional.cosine_similarity(features, ref_features).min())
-        if not cosine >= MIN_COSINE[dtype]:
-            return f"embedding cosine {cosine:.6f} < {MIN_COSINE[dtype]}"
-        if reference.classifier is None or candidate.classifier is None:
+@dataclass(frozen=True)
+class SelfTest:
+    """What a runtime is checked on in one precision: the images, and for a precision below
+    fp32 the agreement its export measured on them (None: the fixed thresholds)."""
+
+    images: npt.NDArray[np.uint8]
+    dtype: torch.dtype
+    expected: Agreement | None = None
+
+    @classmethod
+    def for_store(cls, store: Path, manifest: Manifest, dtype: torch.dtype) -> SelfTest:
+        """The store's golden images (real photos) where its export saved some, else
+        synthetic ones; the export's measured agreement where it measured this ``dtype``."""
+        calibration = manifest.calibration
+        if calibration is None:
+            return cls(self_test_images(manifest.input.image_shape), dtype)
+        images = np.load(store / calibration.golden.path, allow_pickle=False)
+        same = DTYPES[calibration.precision] == str(dtype).removeprefix("torch.")
+        return cls(images, dtype, calibration.golden_agreement if same else None)
+
+    def failure(self, measured: Agreement) -> str | None:
+        """Why ``measured`` does not pass; None if it does."""
+        one_image = 1.0 / measured.images
+        if self.dtype == torch.float32:
+            if measured.cosine_min < MIN_COSINE_FP32:
+                return f"embedding cosine {measured.cosine_min:.6f} < {MIN_COSINE_FP32}"
+            if measured.top5 is not None and measured.top5 < 1.0:
+                return "top-5 classes differ from TorchScript's"
             return None
-        k = min(5 if dtype == torch.float32 else 1, reference.manifest.num_classes)
-        expected = torch.topk(reference.classifier(ref_features.to(reference.dtype)).float(), k)
-        top = torch.topk(candidate.classifier(features.to(candidate.dtype)).float(), k)
-        if not torch.equal(expected.indices, top.indices):
-            return f"top-{k} classes differ from TorchScript's"
-    return None
+        if self.expected is not None:
+            least = self.expected.cosine_mean - SLACK_COSINE
+            if measured.cosine_mean < least:
+                return f"mean embedding cosine {measured.cosine_mean:.4f} < {least:.4f}"
+            top1, expected = measured.top1, self.expected.top1
+            if top1 is not None and expected is not None and top1 < expected - one_image - 1e-9:
+                return f"top-1 agreement {top1:.3f}, the export measured {expected:.3f}"
+            return None
+        if measured.cosine_min < MIN_COSINE_BELOW_FP32:
+            return f"embedding cosine {measured.cosine_min:.6f} < {MIN_COSINE_BELOW_FP32}"
+        if measured.top1 is not None and measured.top1 < 1.0:
+            return "top-1 classes differ from TorchScript's"
+        return None
 
 
 def images_per_s(
@@ -113,49 +140,69 @@ def images_per_s(
 def choose_runtime(
     store: Path, device: torch.device, options: LoadOptions, setting: RuntimeSetting
 ) -> RuntimeChoice:
-    """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``."""
-    reference = load_models(store, device, options)
+    """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``, in
+    ``options.dtype``."""
+    int8 = options.dtype == torch.int8
+    # TorchScript has every model but int8 ones; it is the reference, and the fallback.
+    reference = None if int8 else load_models(store, device, options)
     if setting == "torchscript":
+        if reference is None:
+            raise WorkerStartError("MB_RUNTIME=torchscript cannot serve int8: set MB_RUNTIME=auto")
         return RuntimeChoice(reference)
-    held: Sequence[Runtime] = list(reference.manifest.runtimes)
+    manifest = read_manifest(store, verify=False)
+    held: Sequence[Runtime] = list(manifest.runtimes)
+    if int8:
+        held = ["openvino"] if manifest.int8_files else []
     if setting != "auto" and setting not in held:
         raise WorkerStartError(
-            f"MB_RUNTIME={setting}, but {store} holds no {setting} models: re-export it with "
-            "`python -m app.export` (with openvino installed), or set MB_RUNTIME=auto"
+            f"MB_RUNTIME={setting}, but {store} holds no {setting} models"
+            f"{' in int8' if int8 else ''}: re-export it with `python -m app.export` (with "
+            "openvino installed), or set MB_RUNTIME=auto"
         )
     candidates = held if setting == "auto" else [setting]
+    if int8 and not candidates:
+        raise WorkerStartError(
+            f"MB_DTYPE=int8, but {store} holds no int8 models: export it with `python -m "
+            "app.export --precision int8 --calibrate DIR`, or set MB_DTYPE=float32"
+        )
     if device.type != "cpu":
-        if setting != "auto":
-            raise WorkerStartError(f"MB_RUNTIME={setting} runs on the CPU only, not on {device}")
+        if setting != "auto" or reference is None:
+            raise WorkerStartError(
+                f"MB_RUNTIME={candidates[0]}{' (int8)' if int8 else ''} runs on the CPU only, "
+                f"not on {device}"
+            )
         return RuntimeChoice(reference, skipped={name: f"not on {device}" for name in held})
-    choice = RuntimeChoice(reference)
     # The agreement is checked against the fp32 reference, whatever MB_DTYPE asks.
     fp32 = reference
-    if options.dtype != torch.float32:
+    if options.dtype != torch.float32 or fp32 is None:
         fp32 = load_models(store, device, LoadOptions(threads=options.threads))
-    checks = self_test_images(reference.manifest.input.image_shape)
+    test = SelfTest.for_store(store, manifest, options.dtype)
     passing: list[LoadedModels] = []
+    skipped: dict[str, str] = {}
     for name in candidates:
         try:
             models = load_models(store, device, options, runtime=name)
-            reason = disagreement(fp32, models, checks, options.dtype)
+            reason = test.failure(measure(fp32, models, test.images))
         except Exception as exc:  # a crash in a runtime must not stop a worker that has another
             reason = f"{type(exc).__name__}: {exc}"
         if reason is not None:
-            if setting != "auto":
-                raise WorkerStartError(f"MB_RUNTIME={name} failed its self-test here: {reason}")
+            if setting != "auto" or reference is None:
+                raise WorkerStartError(
+                    f"MB_RUNTIME={name}{' (int8)' if int8 else ''} failed its self-test here: "
+                    f"{reason}{'; serve this store in fp32 with MB_DTYPE=float32' if int8 else ''}"
+                )
             log.warning("runtime %s skipped on this host: %s", name, reason[:300])
-            choice.skipped[name] = reason
+            skipped[name] = reason
             continue
         passing.append(models)
-    if setting != "auto":
-        choice.models = passing[0]
-        return choice
+    if reference is None or setting != "auto":
+        return RuntimeChoice(passing[0])
+    choice = RuntimeChoice(reference, skipped=skipped)
     if not passing:
         return choice
-    timing = np.concatenate([checks] * (TIMING_BATCH // len(checks) + 1))[:TIMING_BATCH]
+    timing = np.concatenate([test.images] * (TIMING_BATCH // len(test.images) + 1))
     for models in [reference, *passing]:
-        choice.images_per_s[models.runtime] = images_per_s(models, device, timing)
+        choice.images_per_s[models.runtime] = images_per_s(models, device, timing[:TIMING_BATCH])
     fastest = max(choice.images_per_s, key=lambda name: choice.images_per_s[name])
     choice.models = next(m for m in [reference, *passing] if m.runtime == fastest)
     return choice

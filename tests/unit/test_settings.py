@@ -58,7 +58,7 @@ def test_dotenv_file_is_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         ("MB_BATCH_SIZE", "0"),
         ("MB_BATCH_SIZE", "lots"),
         ("MB_BATCH_SIZE", "5000"),
-        ("MB_DTYPE", "int8"),
+        ("MB_DTYPE", "int4"),
         ("MB_MAX_LATENCY", "-1"),
         ("MB_WORKER_NUM", "0"),
         ("MB_MAX_QUEUE", "0"),

@@ -75,6 +75,7 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
         raise RuntimeError("no model here")
 
     monkeypatch.setattr(process, "retain_freed_memory", lambda: calls.append("allocator"))
+    monkeypatch.setattr(process, "read_manifest", fail_to_load)  # the first read of the store
     monkeypatch.setattr(process, "choose_runtime", fail_to_load)
     ours, theirs = multiprocessing.Pipe()
     config = WorkerConfig(model_store="unused", max_batch_size=8)

@@ -1,0 +1,64 @@
+"""How far one set of loaded models is from another on the same images: what the export
+measures a precision below fp32 by (its gate), and what a worker measures a runtime by
+before it serves with it (its self-test). One measurement, so the two always agree on what
+they compare."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.manifest import Agreement
+from app.workers.models import LoadedModels
+from app.workers.runner import BatchRunner
+
+CPU = torch.device("cpu")
+CHUNK = 16  # images per model call while measuring
+TOP_K = 5
+
+
+def _outputs(
+    models: LoadedModels, pixels: npt.NDArray[np.uint8]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The embeddings (float32) and, with a classifier, the logits of ``pixels``."""
+    runner = BatchRunner(models, CPU)
+    features, logits = [], []
+    with torch.inference_mode():
+        for start in range(0, len(pixels), CHUNK):
+            batch = models.embedding(runner.to_input(pixels[start : start + CHUNK]))
+            features.append(batch.float())
+            if models.classifier is not None:
+                logits.append(models.classifier(batch.to(models.dtype)).float())
+    return torch.cat(features), (torch.cat(logits) if logits else None)
+
+
+def measure(
+    reference: LoadedModels, candidate: LoadedModels, pixels: npt.NDArray[np.uint8]
+) -> Agreement:
+    """``candidate``'s agreement with ``reference`` on ``pixels`` (uint8 [n, H, W, 3]).
+    ValueError if their embeddings or logits differ in shape."""
+    ref_features, ref_logits = _outputs(reference, pixels)
+    features, logits = _outputs(candidate, pixels)
+    if features.shape != ref_features.shape:
+        raise ValueError(
+            f"embedding shape {tuple(features.shape)}, expected {tuple(ref_features.shape)}"
+        )
+    cosine = torch.nn.functional.cosine_similarity(features, ref_features)
+    top1 = top5 = None
+    if ref_logits is not None and logits is not None:
+        if logits.shape != ref_logits.shape:
+            shapes = tuple(logits.shape), tuple(ref_logits.shape)
+            raise ValueError("logits shape {}, expected {}".format(*shapes))
+        k = min(TOP_K, ref_logits.shape[1])
+        expected, got = ref_logits.topk(k).indices, logits.topk(k).indices
+        top1 = float((expected[:, 0] == got[:, 0]).float().mean())
+        overlap = (expected.unsqueeze(2) == got.unsqueeze(1)).any(dim=2).float().sum(dim=1) / k
+        top5 = float(overlap.mean())
+    return Agreement(
+        images=len(pixels),
+        top1=top1,
+        top5=top5,
+        cosine_mean=float(cosine.mean()),
+        cosine_min=float(cosine.min()),
+    )
