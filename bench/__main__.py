@@ -33,6 +33,7 @@ from bench.systems import (
     bench_jpegs,
     decode_cpu_ms,
     export_bench_model,
+    runtime_variants,
     serve,
 )
 from bench.verdicts import ratios
@@ -106,40 +107,54 @@ def run_model(
             f"{result.batch_p50_ms:8.1f} ms/batch",
             flush=True,
         )
-    # The runtime axis: each other runtime the export holds, raw and served.
-    for runtime in read_manifest(store).runtimes:
-        other = RawPipeline(store, jpegs, args.threads, runtime)
-        rows = report.raw_runtimes.setdefault(runtime, {})
+    # The runtime axis: each other runtime the export holds, and the precisions below fp32,
+    # raw and served.
+    variants = runtime_variants(model, store, args.precisions)
+    for variant in variants:
+        other = RawPipeline(variant.store, jpegs, args.threads, variant.runtime, variant.dtype)
+        rows = report.raw_runtimes.setdefault(variant.label, {})
         for batch_size in sorted({1, 8, args.batch_size}):
             result = other.run(batch_size, args.raw_seconds)
             rows[batch_size] = (result.images_per_s, result.batch_p50_ms)
             print(
-                f"  raw {runtime} bs={batch_size:<3} {result.images_per_s:7.1f} img/s  "
+                f"  raw {variant.label} bs={batch_size:<3} {result.images_per_s:7.1f} img/s  "
                 f"{result.batch_p50_ms:8.1f} ms/batch",
                 flush=True,
             )
-    # "ours" runs TorchScript, as the peers and the raw loop do; "ours+<runtime>" the others.
-    torchscript = {"MB_RUNTIME": "torchscript"}
-    systems = [("ours", str(args.batch_size), "ours", 1, torchscript)]
+        calibration = read_manifest(variant.store).calibration
+        if calibration is not None and variant.dtype == "int8":
+            report.accuracy[variant.label] = calibration.held_back.model_dump()
+            print(f"  {variant.label} against fp32: {calibration.held_back}", flush=True)
+    # "ours" runs TorchScript in fp32, as the peers and the raw loop do; "ours+<label>" the
+    # runtime axis.
+    torchscript = {"MB_RUNTIME": "torchscript", "MB_DTYPE": "float32"}
+    systems = [("ours", str(args.batch_size), "ours", 1, torchscript, store)]
     systems += [
-        ("ours", str(args.batch_size), f"ours+{runtime}", 1, {"MB_RUNTIME": runtime})
-        for runtime in report.raw_runtimes
+        (
+            "ours",
+            str(args.batch_size),
+            f"ours+{variant.label}",
+            1,
+            {"MB_RUNTIME": variant.runtime, "MB_DTYPE": variant.dtype},
+            variant.store,
+        )
+        for variant in variants
     ]
     if args.auto:
         if not args.quick:
-            systems.append(("ours", "auto", "ours-auto", 1, torchscript))
+            systems.append(("ours", "auto", "ours-auto", 1, torchscript, store))
         if args.threads > 1:  # the same thread budget as one worker per thread
             systems.append(
-                ("ours", "auto", f"ours-auto-{args.threads}w", args.threads, torchscript)
+                ("ours", "auto", f"ours-auto-{args.threads}w", args.threads, torchscript, store)
             )
     systems += [
-        ("service-streamer", str(args.batch_size), "service-streamer", 1, {}),
-        ("plain", str(args.batch_size), "plain", 1, {}),
+        ("service-streamer", str(args.batch_size), "service-streamer", 1, {}, store),
+        ("plain", str(args.batch_size), "plain", 1, {}, store),
     ]
-    for kind, batch_size, label, workers, settings in systems:
+    for kind, batch_size, label, workers, settings, served_store in systems:
         with serve(
             kind,
-            store,
+            served_store,
             batch_size=batch_size,
             max_latency=args.max_latency,
             threads=args.threads,
@@ -248,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the MB_BATCH_SIZE=auto run of this server",
     )
+    parser.add_argument(
+        "--precisions",
+        help="precisions below fp32 on the runtime axis: bf16 (CPUs with it), int8 (an export "
+        "calibrated on photo views); default 'bf16,int8', none with --quick",
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of throughput and latency")
     parser.add_argument("--json", type=Path, help="write every figure as JSON")
     args = parser.parse_args(argv)
@@ -259,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             1.5,
         )
     args.clients = [int(c) for c in args.clients.split(",")]
+    if args.precisions is None:
+        args.precisions = "" if args.quick else "bf16,int8"
+    args.precisions = [p for p in args.precisions.split(",") if p]
     started = time.monotonic()
     jpegs = bench_jpegs()
     print(

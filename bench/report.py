@@ -24,6 +24,7 @@ def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -
                             runtime: {str(k): v for k, v in rows.items()}
                             for runtime, rows in r.raw_runtimes.items()
                         },
+                        "accuracy": r.accuracy,
                         "points": [asdict(p) for p in r.points],
                         "idle_p50_ms": {
                             label: {"server": served, "raw": alone}

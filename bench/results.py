@@ -27,9 +27,12 @@ class ModelReport:
 
     model: str
     raw: dict[int, tuple[float, float]] = field(default_factory=dict)  # bs -> (img/s, ms)
-    # The runtime axis: the raw pipeline of every other runtime the export holds (runtime ->
-    # bs -> (img/s, ms)); this server with it is the system "ours+<runtime>".
+    # The runtime axis: the raw pipeline of every other runtime the export holds and of the
+    # precisions below fp32 (label, e.g. "openvino+int8" -> bs -> (img/s, ms)); this server
+    # with it is the system "ours+<label>".
     raw_runtimes: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    # label -> its agreement with fp32 on held-back images (an ``Agreement``'s fields)
+    accuracy: dict[str, dict[str, float | None]] = field(default_factory=dict)
     points: list[Point] = field(default_factory=list)
     # label -> p50 ms of that configuration at 1 client and of the raw loop at batch 1,
     # measured in turns

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from app.export import SplitModel, export, export_split
+from app.export import PrecisionRequest, SplitModel, export, export_split
 from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
@@ -51,6 +51,74 @@ def bench_jpegs(count: int = 8) -> list[bytes]:
     return jpegs
 
 
+# scikit-image's photos that ship with it (no download), colour or grey.
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat", "hubble_deep_field", "horse", "camera")
+
+
+def photo_views(folder: Path, count: int) -> Path:
+    """``count`` JPEGs in ``folder``: random crops (half to all of each side) and mirror
+    images of scikit-image's photos, in turn; deterministic. Calibration images for int8."""
+    from skimage import data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    photos = []
+    for name in PHOTOS:
+        array = np.asarray(getattr(data, name)())
+        if array.dtype == bool:
+            array = array.astype(np.uint8) * 255
+        photos.append(np.stack([array] * 3, -1) if array.ndim == 2 else array[..., :3])
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        height, width, _ = photo.shape
+        h, w = (int(side * rng.uniform(0.5, 1.0)) for side in (height, width))
+        top, left = rng.integers(0, height - h + 1), rng.integers(0, width - w + 1)
+        view = photo[top : top + h, left : left + w]
+        if rng.random() < 0.5:
+            view = view[:, ::-1]
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(view)).save(buffer, format="JPEG", quality=92)
+        (folder / f"{i:04d}.jpg").write_bytes(buffer.getvalue())
+    return folder
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One point of the runtime axis: ``runtime`` computing in ``dtype`` (MB_DTYPE) on
+    ``store``; the server with it is the system ``ours+<label>``."""
+
+    label: str
+    store: Path
+    runtime: Runtime
+    dtype: str = "float32"
+
+
+def has_bf16() -> bool:
+    """Whether OpenVINO computes bf16 on this CPU (avx512_bf16 or AMX); elsewhere it would
+    silently run fp32."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def runtime_variants(name: str, store: Path, precisions: list[str]) -> list[Variant]:
+    """Every other runtime ``store`` holds, in fp32, and in each of ``precisions`` (bf16
+    where the CPU has it; int8 from an export of the same model calibrated on photo views,
+    kept whatever its gate says, which it prints)."""
+    variants = [Variant(runtime, store, runtime) for runtime in read_manifest(store).runtimes]
+    if "openvino" not in read_manifest(store).runtimes:
+        return variants
+    if "bf16" in precisions and has_bf16():
+        variants.append(Variant("openvino+bf16", store, "openvino", "bfloat16"))
+    if "int8" in precisions:
+        int8 = store.with_name(f"{store.name}-int8")
+        photos = photo_views(store.with_name("photos"), 150)
+        request = PrecisionRequest("int8", photos, accept_accuracy_loss=True)
+        export_bench_model(name, int8, request)
+        variants.append(Variant("openvino+int8", int8, "openvino", "int8"))
+    return variants
+
+
 class Passthrough(nn.Module):
     """A model with no real compute (channel means): isolates the serving machinery."""
 
@@ -58,8 +126,9 @@ class Passthrough(nn.Module):
         return x.mean(dim=(2, 3))
 
 
-def export_bench_model(name: str, out: Path) -> Path:
-    """Export ``efficientnet_lite0`` (real weights), ``resnet50`` (random) or ``passthrough``."""
+def export_bench_model(name: str, out: Path, precision: PrecisionRequest | None = None) -> Path:
+    """Export ``efficientnet_lite0`` (real weights), ``resnet50`` (random) or ``passthrough``
+    (fp32 unless ``precision`` says otherwise)."""
     if name == "passthrough":
         torch.manual_seed(0)
         split = SplitModel(
@@ -79,7 +148,8 @@ def export_bench_model(name: str, out: Path) -> Path:
             classes=[str(i) for i in range(1000)],
         )
     else:
-        export(name, "pretrained" if name == "efficientnet_lite0" else "random", out)
+        weights = "pretrained" if name == "efficientnet_lite0" else "random"
+        export(name, weights, out, precision=precision)
     return out
 
 
@@ -109,14 +179,20 @@ class RawPipeline:
     in this process, with the same allocator tuning as a worker."""
 
     def __init__(
-        self, store: Path, jpegs: list[bytes], threads: int, runtime: Runtime = "torchscript"
+        self,
+        store: Path,
+        jpegs: list[bytes],
+        threads: int,
+        runtime: Runtime = "torchscript",
+        dtype: str = "float32",
     ) -> None:
         retain_freed_memory()
         torch.set_num_threads(threads)
         self.jpegs = jpegs
         self.spec = read_manifest(store).input
         cpu = torch.device("cpu")
-        models = load_models(store, cpu, LoadOptions(threads=threads), runtime)
+        options = LoadOptions(dtype=getattr(torch, dtype), threads=threads)
+        models = load_models(store, cpu, options, runtime)
         self.runner = BatchRunner(models, cpu)
         self._next = 0
 

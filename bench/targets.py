@@ -25,6 +25,8 @@ class Metric(StrEnum):
     VS_STREAMER_P50 = "p50 vs service-streamer"  # ours / theirs, same clients
     MACHINERY = "machinery"  # passthrough model requests/s / the bare FastAPI upload's
     RUNTIME_SATURATION = "runtime saturation"  # ours+<runtime>@64 / that runtime's raw best
+    RUNTIME_GAIN = "runtime gain"  # ours+<runtime>@64 / ours (TorchScript fp32)@64
+    RUNTIME_IDLE = "runtime idle"  # p50 of ours+<runtime>@1 / ours (TorchScript fp32)@1
 
     @property
     def higher_is_better(self) -> bool:
@@ -32,14 +34,21 @@ class Metric(StrEnum):
 
 
 _HIGHER_IS_BETTER = frozenset(
-    {Metric.SATURATION, Metric.RUNTIME_SATURATION, Metric.VS_STREAMER_THROUGHPUT, Metric.MACHINERY}
+    {
+        Metric.SATURATION,
+        Metric.RUNTIME_SATURATION,
+        Metric.RUNTIME_GAIN,
+        Metric.VS_STREAMER_THROUGHPUT,
+        Metric.MACHINERY,
+    }
 )
 
 
 @dataclass(frozen=True)
 class Target:
     """``bound`` for ``metric`` (at least, or at most where lower is better), for ``model``
-    at ``clients`` concurrent clients; ``None`` matches any.
+    at ``clients`` concurrent clients, on the runtime axis's ``runtime``; ``None`` matches
+    any.
 
         >>> Target(Metric.MACHINERY, 0.70).met(0.72)
         True
@@ -49,15 +58,19 @@ class Target:
     bound: float
     model: str | None = None
     clients: int | None = None
+    runtime: str | None = None
 
     def met(self, value: float) -> bool:
         return value >= self.bound if self.metric.higher_is_better else value <= self.bound
 
-    def matches(self, metric: Metric, model: str | None, clients: int | None) -> bool:
+    def matches(
+        self, metric: Metric, model: str | None, clients: int | None, runtime: str | None
+    ) -> bool:
         return (
             self.metric == metric
             and self.model in (None, model)
             and self.clients in (None, clients)
+            and self.runtime in (None, runtime)
         )
 
 
@@ -72,13 +85,25 @@ TARGETS: tuple[Target, ...] = (
     Target(Metric.VS_STREAMER_P50, 0.5, model="efficientnet_lite0", clients=1),
     Target(Metric.MACHINERY, 0.70),
     Target(Metric.RUNTIME_SATURATION, 0.90),
+    Target(Metric.RUNTIME_GAIN, 1.0),  # another runtime is worth serving only if faster
+    Target(Metric.RUNTIME_GAIN, 1.5, model="efficientnet_lite0", runtime="openvino"),
+    Target(Metric.RUNTIME_GAIN, 2.0, model="efficientnet_lite0", runtime="openvino+bf16"),
+    Target(Metric.RUNTIME_GAIN, 2.5, model="efficientnet_lite0", runtime="openvino+int8"),
+    Target(Metric.RUNTIME_GAIN, 1.8, model="resnet50", runtime="openvino+bf16"),
+    Target(Metric.RUNTIME_IDLE, 1.0),
 )
 
 
-def target(metric: Metric, model: str | None = None, clients: int | None = None) -> Target:
-    """The row of :data:`TARGETS` for ``metric`` that fits ``model`` at ``clients`` best:
-    model and concurrency, then model alone, then concurrency alone, then the default."""
-    rows = [row for row in TARGETS if row.matches(metric, model, clients)]
+def target(
+    metric: Metric,
+    model: str | None = None,
+    clients: int | None = None,
+    runtime: str | None = None,
+) -> Target:
+    """The row of :data:`TARGETS` for ``metric`` that fits ``model`` at ``clients`` (and
+    ``runtime``) best: model and concurrency, then model alone, then concurrency alone, then
+    the default. LookupError where none fits."""
+    rows = [row for row in TARGETS if row.matches(metric, model, clients, runtime)]
     if not rows:
         raise LookupError(f"no target for {metric} (model {model}, {clients} clients)")
     return max(rows, key=lambda row: 2 * (row.model is not None) + (row.clients is not None))

@@ -40,11 +40,21 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
                 continue
             own = with_runtime.images_per_s / report.best_raw(runtime)
             gain = with_runtime.images_per_s / ours_ts.images_per_s
-            lines.append(
+            line = (
                 f"{m}: ours+{runtime}@64 / its own raw best = {own:.2f}  "
                 f"(target >= {own_target.bound:.2f})  {_verdict(own_target.met(own))}; "
-                f"vs ours (TorchScript)@64 = x{gain:.2f}"
+                f"vs ours (TorchScript fp32)@64 = x{gain:.2f}"
             )
+            need = target(Metric.RUNTIME_GAIN, m, 64, runtime)
+            line += f"  (target >= x{need.bound:g})  {_verdict(need.met(gain))}"
+            lone, ours_lone = report.point(f"ours+{runtime}", 1), report.point("ours", 1)
+            if lone is not None and ours_lone is not None:
+                idle = target(Metric.RUNTIME_IDLE, m, 1, runtime)
+                r = lone.p50_ms / ours_lone.p50_ms
+                line += (
+                    f"; p50@1 / ours' = {r:.2f} (target <= {idle.bound:g})  {_verdict(idle.met(r))}"
+                )
+            lines.append(line)
         idle_ratio = target(Metric.IDLE_RATIO, m, clients=1)
         idle_added = target(Metric.IDLE_ADDED_MS, m, clients=1)
         for label, (served, alone) in report.idle.items():

@@ -123,32 +123,3 @@ async def images_run(client: Any) -> float:
 def expected_for(data: bytes, store: Path) -> np.ndarray:
     """What a tiny (or slow) test model's embedding of ``data`` must be."""
     return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
-
-
-# scikit-image's photos that ship with it (no download), colour or grey.
-PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat", "hubble_deep_field", "horse", "camera")
-
-
-def photo_views(folder: Path, count: int) -> Path:
-    """``count`` JPEGs in ``folder``: random crops (half to all of each side) and mirror
-    images of scikit-image's photos, in turn; deterministic. Calibration images for tests."""
-    from skimage import data
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(7)
-    photos = []
-    for name in PHOTOS:
-        array = np.asarray(getattr(data, name)())
-        if array.dtype == bool:
-            array = array.astype(np.uint8) * 255
-        photos.append(np.stack([array] * 3, -1) if array.ndim == 2 else array[..., :3])
-    for i in range(count):
-        photo = photos[i % len(photos)]
-        height, width, _ = photo.shape
-        h, w = (int(side * rng.uniform(0.5, 1.0)) for side in (height, width))
-        top, left = rng.integers(0, height - h + 1), rng.integers(0, width - w + 1)
-        view = photo[top : top + h, left : left + w]
-        if rng.random() < 0.5:
-            view = view[:, ::-1]
-        (folder / f"{i:04d}.jpg").write_bytes(jpeg(np.ascontiguousarray(view)))
-    return folder

@@ -111,29 +111,33 @@ def _normaliser(models: LoadedModels) -> Callable[[npt.NDArray[np.uint8]], np.nd
 
 
 # What int8 quantization tries, in turn, until one passes the gate: nncf's defaults (fast
-# bias correction), then with the depthwise convolutions kept fp32 (per-tensor activation
-# ranges suit them worst). EfficientNet-Lite0 on one AMD EPYC (docs/performance.md): the
-# defaults run 2.7x OpenVINO fp32, the second 1.35x. nncf's accuracy control was tried too: it
-# reached the gate by reverting so many layers that it ran at fp32's speed.
-QUANTIZATIONS: tuple[tuple[str, dict[str, object]], ...] = (
-    ("nncf defaults", {}),
-    ("depthwise convolutions kept fp32", {"ignored_types": ["GroupConvolution"]}),
+# bias correction); then the first convolution kept fp32 (it sees the normalised pixels,
+# whose one per-tensor range fits them worst); then the depthwise convolutions too. Measured
+# on EfficientNet-Lite0 (docs/performance.md): the first two run about 2.5x OpenVINO fp32,
+# the third 1.35x. nncf's accuracy control was tried as well: it reached the gate by
+# reverting so many layers that it ran at fp32's speed.
+QUANTIZATIONS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("nncf defaults", frozenset()),
+    ("first convolution kept fp32", frozenset({"first"})),
+    ("first and depthwise convolutions kept fp32", frozenset({"first", "depthwise"})),
 )
 
 
-def _quantize(
-    source: Path, target: Path, inputs: list[np.ndarray], options: dict[str, object]
-) -> str:
+def _quantize(source: Path, target: Path, inputs: list[np.ndarray], kept: frozenset[str]) -> str:
     """Quantize the OpenVINO model at ``source`` to int8 on ``inputs`` (one normalised image
-    each) into ``target`` with one of ``QUANTIZATIONS``; nncf's version."""
+    each) into ``target``, keeping the ``kept`` layers of one of ``QUANTIZATIONS`` fp32;
+    nncf's version."""
     try:
         import nncf
         import openvino as ov
     except ImportError as exc:
         raise ExportError(f"--precision int8 needs nncf and openvino: {exc}") from None
+    logging.getLogger("nncf").setLevel(logging.WARNING)  # not every layer's decision
     model = ov.Core().read_model(str(source))
-    ignored = options.get("ignored_types")
-    scope = nncf.IgnoredScope(types=list(ignored), validate=False) if ignored else None  # type: ignore[call-overload]
+    convolutions = [op for op in model.get_ordered_ops() if op.get_type_name() == "Convolution"]
+    names = [convolutions[0].get_friendly_name()] if "first" in kept and convolutions else []
+    types = ["GroupConvolution"] if "depthwise" in kept else []
+    scope = nncf.IgnoredScope(names=names, types=types, validate=False) if kept else None
     quantized = nncf.quantize(
         model, nncf.Dataset(inputs), subset_size=len(inputs), ignored_scope=scope
     )
@@ -179,7 +183,7 @@ def _int8_tries(
         embedding = LOADERS["openvino"](target, CPU, options)
         models = LoadedModels(manifest, embedding, classifier, runtime="openvino")
         agreement = measure(fp32, models, pixels[held])
-        method = f"nncf {version} post-training quantization ({name}), {len(inputs)} images"
+        method = f"nncf {version} post-training quantization ({name})"
         yield _Tried(method, models, agreement, gate.failures(agreement))
 
 
@@ -267,7 +271,7 @@ def _report(tried: _Tried, gate: Gate, calibrated: int) -> None:
 
     agreement = tried.agreement
     log.info(
-        "%s against fp32 on %d held-back images (%d calibrated with): top-1 agreement %s "
+        "%s, against fp32 on %d held-back images (%d calibrated with): top-1 agreement %s "
         "(gate %s), top-5 overlap %s, embedding cosine mean %.4f (gate %s), min %.4f%s",
         tried.method,
         agreement.images,

@@ -21,7 +21,8 @@ from app.workers import agreement as agreement_module
 from app.workers.models import LoadOptions, load_models
 from app.workers.runner import BatchRunner
 from app.workers.runtimes import choose_runtime
-from tests.conftest import distinct_images, embed, photo_views, running_app
+from bench.systems import photo_views
+from tests.conftest import distinct_images, embed, running_app
 from tests.models import ConvEmbedding, export_test_model
 
 pytestmark = pytest.mark.slow

@@ -74,8 +74,8 @@ def test_targets_table_picks_the_most_specific_row_and_falls_back_to_the_default
 def test_every_metric_has_a_default_row_and_no_two_rows_collide() -> None:
     for metric in Metric:
         default = target(metric)
-        assert (default.model, default.clients) == (None, None), metric
-    keys = [(row.metric, row.model, row.clients) for row in TARGETS]
+        assert (default.model, default.clients, default.runtime) == (None, None, None), metric
+    keys = [(row.metric, row.model, row.clients, row.runtime) for row in TARGETS]
     assert len(keys) == len(set(keys))
 
 
@@ -97,12 +97,28 @@ def test_a_target_is_met_at_its_bound_in_the_direction_of_its_metric(
 
 def test_another_runtime_is_judged_against_its_own_raw_loop_not_torchscripts() -> None:
     report = ModelReport("efficientnet_lite0", raw={1: (70.0, 14.0), 8: (80.0, 100.0)})
-    report.raw_runtimes = {"openvino": {1: (130.0, 7.7), 8: (160.0, 50.0)}}
-    report.points = [_point("ours", 64, 76.0, 800.0), _point("ours+openvino", 64, 152.0, 400.0)]
+    report.raw_runtimes = {
+        "openvino": {1: (130.0, 7.7), 8: (160.0, 50.0)},
+        "openvino+int8": {1: (300.0, 3.3), 8: (400.0, 20.0)},
+    }
+    report.points = [
+        _point("ours", 64, 76.0, 800.0),
+        _point("ours+openvino", 64, 152.0, 400.0),
+        _point("ours+openvino+int8", 64, 180.0, 300.0),
+        _point("ours", 1, 70.0, 14.0),
+        _point("ours+openvino", 1, 100.0, 10.0),
+    ]
     lines = ratios([report], {})
     # The TorchScript saturation ignores ours+openvino (which beats the TorchScript loop).
     assert lines[0].startswith("efficientnet_lite0: saturation (ours@64 / raw best) = 0.95")
+    # Each runtime against its own raw loop, its gain against its own target (x1.5 for
+    # OpenVINO fp32, x2.5 for int8), and a lone request's p50 against TorchScript's.
     assert lines[1] == (
         "efficientnet_lite0: ours+openvino@64 / its own raw best = 0.95  (target >= 0.90)  PASS;"
-        " vs ours (TorchScript)@64 = x2.00"
+        " vs ours (TorchScript fp32)@64 = x2.00  (target >= x1.5)  PASS; p50@1 / ours' = 0.71"
+        " (target <= 1)  PASS"
+    )
+    assert lines[2] == (
+        "efficientnet_lite0: ours+openvino+int8@64 / its own raw best = 0.45  (target >= 0.90)"
+        "  MISS; vs ours (TorchScript fp32)@64 = x2.37  (target >= x2.5)  MISS"
     )
