@@ -51,6 +51,7 @@ from app.exporters.precision import PrecisionRequest
 from app.exporters.registry import build_model, list_names, resolve
 from app.exporters.store import (
     DERIVED_RUNTIMES,
+    KNOWN_RUNTIMES,
     export_module,
     export_split,
     labels_for,
@@ -184,7 +185,7 @@ def _triple(text: str) -> tuple[float, float, float]:
 
 def _runtimes(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip() not in ("", "none"))
-    unknown = set(names) - set(DERIVED_RUNTIMES)
+    unknown = set(names) - set(KNOWN_RUNTIMES)
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown runtime(s): {', '.join(sorted(unknown))}")
     return names
@@ -228,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         default=DERIVED_RUNTIMES,
         metavar="LIST",
         help="runtimes to derive models for besides TorchScript: 'openvino' (the default, when "
-        "installed) or 'none'",
+        "installed), 'aoti' (AOTInductor, for this CPU; needs a C++ compiler, takes minutes), "
+        "a list ('openvino,aoti') or 'none'",
     )
     lower = parser.add_argument_group(
         "a precision below fp32 (served unless MB_DTYPE says otherwise)"

@@ -39,7 +39,7 @@ class FileEntry(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-RuntimeName = Literal["openvino"]
+RuntimeName = Literal["openvino", "aoti"]
 # The int8 models' roles in a runtime's files: ``embedding+int8`` (and ``embedding+int8.bin``).
 INT8_SUFFIX = "+int8"
 
@@ -53,6 +53,9 @@ class RuntimeArtifact(BaseModel):
     files: dict[str, FileEntry]
     precision: Literal["fp32"] = "fp32"
     versions: dict[str, str]
+    # The host it runs on, for native code (AOTInductor: machine, vector ISA, threads); a
+    # worker refuses a package built for a host it is not. Empty: runs anywhere (IR).
+    built_for: dict[str, str] = Field(default_factory=dict)
     max_abs_diff: float = Field(ge=0)
     source: Literal["program", "torchscript"] = "torchscript"  # what it was converted from
 

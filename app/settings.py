@@ -76,13 +76,13 @@ class Settings(BaseSettings):
             "on any store; int8 needs a store exported with --precision int8 (OpenVINO, CPU)."
         ),
     )
-    mb_runtime: Literal["auto", "torchscript", "openvino"] = Field(
+    mb_runtime: Literal["auto", "torchscript", "openvino", "aoti"] = Field(
         "auto",
         description=(
             "What runs the model in each worker: 'auto' self-tests every runtime the store "
             "holds models for against TorchScript on this host and serves with the fastest that "
-            "agrees (one that crashes a worker is left out); 'torchscript' or 'openvino' (CPU) "
-            "to insist."
+            "agrees (one that crashes a worker is left out); 'torchscript', 'openvino' or 'aoti' "
+            "(CPU) to insist."
         ),
     )
     mb_optimize: bool = Field(

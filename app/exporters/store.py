@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.exporters.aoti import derive_aoti, remove_aoti
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
 from app.exporters.openvino_ir import Source, derive_openvino, remove_derived
 from app.exporters.precision import GOLDEN_FILE, PrecisionRequest, lower_precision
@@ -20,7 +21,9 @@ from app.workers.models import quiet_torchscript
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 IMAGENET_CLASSES = REPO_ROOT / "imagenet_classes.txt"
 EMBEDDING_FILE, CLASSIFIER_FILE, CLASSES_FILE = "embedding.pt", "classifier.pt", "classes.txt"
-DERIVED_RUNTIMES = ("openvino",)  # models derived from the traces, besides TorchScript
+DERIVED_RUNTIMES = ("openvino",)  # models derived by default, besides TorchScript
+# AOTInductor compiles for minutes and needs a C++ compiler: asked for (--runtimes).
+KNOWN_RUNTIMES = ("openvino", "aoti")
 
 
 def read_labels(path: Path) -> list[str]:
@@ -161,6 +164,12 @@ def export_split(
             derived["openvino"] = artifact
     else:  # an earlier export's IR, which the manifest would no longer vouch for
         remove_derived(out)
+    if "aoti" in runtimes:
+        compiled = derive_aoti(out, {role: (programs[role], *eager[role][1:]) for role in programs})
+        if compiled is not None:
+            derived["aoti"] = compiled
+    else:
+        remove_aoti(out)
     manifest = Manifest(
         arch=arch,
         weights=weights,

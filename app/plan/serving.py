@@ -26,7 +26,7 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-RuntimeSetting = Literal["auto", "torchscript", "openvino"]
+RuntimeSetting = Literal["auto", "torchscript", "openvino", "aoti"]
 
 
 class Role(enum.Enum):

@@ -95,10 +95,53 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
     return _OpenVinoModel(ov.Core().compile_model(str(path), "CPU", config))
 
 
+class _AotiModel:
+    """An AOTInductor package as a ``Model``: it was compiled for contiguous NCHW float32."""
+
+    def __init__(self, package: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._package = package
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._package(x.float().contiguous())
+
+
+def _load_aoti(path: Path, device: torch.device, options: LoadOptions) -> Model:
+    if device.type != "cpu":
+        raise ValueError(f"the AOTInductor packages are compiled for the CPU, not {device}")
+    from torch._inductor import aoti_load_package
+
+    return _AotiModel(aoti_load_package(str(path)))
+
+
+def host_mismatch(built_for: dict[str, str]) -> str | None:
+    """Why native code built for ``built_for`` (``RuntimeArtifact.built_for``) must not run
+    on this host; None if it may. Reads the CPU's features, compiling nothing."""
+    import platform
+
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    machine = built_for.get("machine")
+    if machine is not None and machine != platform.machine():
+        return f"built for {machine}, this host is {platform.machine()}"
+    if platform.machine() in ("x86_64", "AMD64"):
+        have = x86_isa_checker()
+        missing = [name for name in built_for.get("isa", "").split() if name not in have]
+        if missing:
+            return (
+                f"built for {' '.join(missing)}, which this CPU lacks (it has "
+                f"{' '.join(have) or 'none of avx2, avx512'})"
+            )
+    threads = built_for.get("threads", "dynamic")
+    if threads != "dynamic":
+        return f"built for {threads} threads, not for the worker's own"
+    return None
+
+
 # By runtime: how to load one model file of it.
 LOADERS: dict[Runtime, Callable[[Path, torch.device, LoadOptions], Model]] = {
     "torchscript": _load_torchscript,
     "openvino": _load_openvino,
+    "aoti": _load_aoti,
 }
 
 
@@ -122,6 +165,14 @@ def load_models(
             raise ModelStoreError(
                 f"{store} holds no {runtime} models: re-export it with `python -m app.export`"
             )
+        mismatch = host_mismatch(artifact.built_for)
+        if mismatch is not None:
+            raise ModelStoreError(
+                f"{store}'s {runtime} models were not built for this host ({mismatch}): "
+                "re-export them here, or serve with another MB_RUNTIME"
+            )
+        if runtime == "aoti" and options.dtype != torch.float32:
+            raise ModelStoreError("the AOTInductor packages compute in float32 only")
         files = {role: entry.path for role, entry in artifact.files.items()}
         if options.dtype == torch.int8:
             if not manifest.int8_files:

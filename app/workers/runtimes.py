@@ -153,6 +153,8 @@ def choose_runtime(
     held: Sequence[Runtime] = list(manifest.runtimes)
     if int8:
         held = ["openvino"] if manifest.int8_files else []
+    elif options.dtype != torch.float32:  # AOTInductor packages compute in float32 only
+        held = [name for name in held if name != "aoti"]
     if setting != "auto" and setting not in held:
         raise WorkerStartError(
             f"MB_RUNTIME={setting}, but {store} holds no {setting} models"
