@@ -124,7 +124,12 @@ def run_model(
         calibration = read_manifest(variant.store).calibration
         if calibration is not None and variant.dtype == "int8":
             report.accuracy[variant.label] = calibration.held_back.model_dump()
-            print(f"  {variant.label} against fp32: {calibration.held_back}", flush=True)
+            verdict = "passed" if calibration.passed else "FAILED (kept for the figures)"
+            print(
+                f"  {variant.label}: {calibration.method}; against fp32 on held-back photos "
+                f"{calibration.held_back}; gate {verdict}",
+                flush=True,
+            )
     # "ours" runs TorchScript in fp32, as the peers and the raw loop do; "ours+<label>" the
     # runtime axis.
     torchscript = {"MB_RUNTIME": "torchscript", "MB_DTYPE": "float32"}
