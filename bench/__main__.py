@@ -177,6 +177,13 @@ def run_model(
                     f"batch {point.mean_batch:5.1f}  non-200 {point.errors}",
                     flush=True,
                 )
+            if kind == "ours":
+                report.startup[label] = (server.start_s, server.worker_rss_mb())
+                print(
+                    f"  {label}: ready {server.start_s:.1f} s after launch, largest worker "
+                    f"{report.startup[label][1]:.0f} MB resident",
+                    flush=True,
+                )
             # Idle latency, in turns with the raw loop: for the default configuration (batch
             # 32, one worker with every thread) and the one recommended for CPUs.
             if label == "ours" or workers > 1:

@@ -25,6 +25,7 @@ def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -
                             for runtime, rows in r.raw_runtimes.items()
                         },
                         "accuracy": r.accuracy,
+                        "startup_s_and_worker_rss_mb": r.startup,
                         "points": [asdict(p) for p in r.points],
                         "idle_p50_ms": {
                             label: {"server": served, "raw": alone}

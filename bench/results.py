@@ -31,6 +31,8 @@ class ModelReport:
     # precisions below fp32 (label, e.g. "openvino+int8" -> bs -> (img/s, ms)); this server
     # with it is the system "ours+<label>".
     raw_runtimes: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    # label -> (seconds from launch to ready, the largest worker's RSS in MB after the run)
+    startup: dict[str, tuple[float, float]] = field(default_factory=dict)
     # label -> its agreement with fp32 on held-back images (an ``Agreement``'s fields)
     accuracy: dict[str, dict[str, float | None]] = field(default_factory=dict)
     points: list[Point] = field(default_factory=list)

@@ -240,6 +240,16 @@ class RunningServer:
     port: int
     process: subprocess.Popen[bytes]
     stats_path: str  # "/readyz" (ours) or "/stats" (service-streamer) or "" (none)
+    start_s: float = 0.0  # from launch until it answered its probe
+
+    def worker_rss_mb(self) -> float:
+        """The resident memory of the largest process under the server: a model worker's."""
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        sizes = []
+        for process in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                sizes.append(process.memory_info().rss)
+        return max(sizes, default=0) / 2**20
 
     def batches_and_items(self) -> tuple[int, int] | None:
         if not self.stats_path:
@@ -347,6 +357,7 @@ def serve(
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        launched = time.monotonic()
         try:
             deadline = time.monotonic() + 300
             while True:
@@ -361,7 +372,7 @@ def serve(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{kind} server did not start")
                 time.sleep(0.2)
-            yield RunningServer(kind, port, process, stats_path)
+            yield RunningServer(kind, port, process, stats_path, time.monotonic() - launched)
         finally:
             process.terminate()
             try:

@@ -15,9 +15,10 @@ import torch
 
 from app.errors import ModelStoreError, WorkerStartError
 from app.exporters import aoti
+from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_manifest
-from app.workers.models import LoadOptions, host_mismatch, load_models
+from app.workers.models import LOADERS, LoadOptions, host_mismatch, load_models
 from app.workers.runner import BatchRunner
 from app.workers.runtimes import choose_runtime, self_test_images
 from tests.conftest import distinct_images, embed, expected_for, running_app
@@ -105,6 +106,13 @@ def test_a_package_built_for_another_host_is_refused_not_run(
     assert ran == []  # never loaded, let alone run
 
 
+def test_a_gpu_worker_refuses_the_cpu_packages(aoti_store: Path) -> None:
+    """Up to the device boundary (no GPU here): the packages are compiled for the CPU."""
+    path = aoti_store / read_manifest(aoti_store).runtimes["aoti"].files["embedding"].path
+    with pytest.raises(ValueError, match="compiled for the CPU, not cuda:0"):
+        LOADERS["aoti"](path, torch.device("cuda", 0), LoadOptions())
+
+
 def test_without_a_compiler_the_export_says_so_and_still_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -132,3 +140,20 @@ async def test_the_app_serves_with_aoti_and_says_so(aoti_store: Path) -> None:
         info = (await client.get("/info")).json()
     np.testing.assert_allclose(vector, expected_for(image, aoti_store), atol=1e-5)
     assert [worker["runtime"] for worker in info["workers"]] == ["aoti"]
+
+
+def test_the_real_model_compiled_tags_the_photos_like_torchscript(
+    tmp_path: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    from app.export import export
+
+    export("efficientnet_lite0", "pretrained", tmp_path, runtimes=("aoti",))
+    spec = read_manifest(tmp_path).input
+    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    reference = BatchRunner(load_models(tmp_path, CPU), CPU)
+    package = BatchRunner(load_models(tmp_path, CPU, LoadOptions(), "aoti"), CPU)
+    tags, got = (runner.run(Task.TAG, pixels, 5) for runner in (reference, package))
+    assert (tags["indices"] == got["indices"]).all()
+    classes = (tmp_path / "classes.txt").read_text().splitlines()
+    assert "cat" in classes[int(got["indices"][0][0])]
+    assert "espresso" in classes[int(got["indices"][1][0])]

@@ -150,6 +150,14 @@ def test_the_real_model_tags_the_photos_alike_on_every_runtime(
     embeddings = (runner.run(Task.EMBEDDING, pixels, 0)["embedding"] for runner in (reference, ir))
     first, second = (torch.from_numpy(e) for e in embeddings)
     assert float(torch.nn.functional.cosine_similarity(first, second).min()) >= 0.9999
+    # bf16 (computed in bf16 where the CPU has it): the same tags, within its gate.
+    bf16 = LoadOptions(dtype=torch.bfloat16, threads=2)
+    for runtime in ("torchscript", "openvino"):
+        lower = BatchRunner(load_models(default_store, CPU, bf16, runtime), CPU)
+        lower_tags = lower.run(Task.TAG, pixels, 1)
+        assert (lower_tags["indices"][:, 0] == tags["indices"][:, 0]).all(), runtime
+        vectors = torch.from_numpy(lower.run(Task.EMBEDDING, pixels, 0)["embedding"])
+        assert float(torch.nn.functional.cosine_similarity(vectors, first).min()) >= 0.99
 
 
 async def test_broker_workers_choose_their_runtime_on_their_own_host(tiny_openvino: Path) -> None:
