@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,7 @@ from app.manifest import (
     sha256_file,
 )
 from app.workers.agreement import measure
-from app.workers.models import LOADERS, LoadedModels, LoadOptions, Runtime, load_models
+from app.workers.models import LOADERS, PIXELS_IN, LoadedModels, LoadOptions, Runtime, load_models
 
 log = logging.getLogger("app.export")
 
@@ -180,8 +180,13 @@ def _int8_tries(
         classifier = LOADERS["openvino"](out / openvino.files["classifier"].path, CPU, options)
     for name, settings in QUANTIZATIONS:
         version = _quantize(source, target, inputs, settings)
-        embedding = LOADERS["openvino"](target, CPU, options)
-        models = LoadedModels(manifest, embedding, classifier, runtime="openvino")
+        # Loaded as a worker loads it (its embedding model may normalise the pixels itself).
+        pixels_in = "openvino" in PIXELS_IN
+        first = replace(options, normalise=manifest.input) if pixels_in else options
+        embedding = LOADERS["openvino"](target, CPU, first)
+        models = LoadedModels(
+            manifest, embedding, classifier, runtime="openvino", pixels_in=pixels_in
+        )
         agreement = measure(fp32, models, pixels[held])
         method = f"nncf {version} post-training quantization ({name})"
         yield _Tried(method, models, agreement, gate.failures(agreement))

@@ -26,7 +26,7 @@ def _outputs(
     features, logits = [], []
     with torch.inference_mode():
         for start in range(0, len(pixels), CHUNK):
-            batch = models.embedding(runner.to_input(pixels[start : start + CHUNK]))
+            batch = runner.features(pixels[start : start + CHUNK])
             features.append(batch.float())
             if models.classifier is not None:
                 logits.append(models.classifier(batch.to(models.dtype)).float())

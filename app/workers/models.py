@@ -7,14 +7,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from app.errors import ModelStoreError
-from app.manifest import Manifest, RuntimeName, read_manifest
+from app.manifest import InputSpec, Manifest, RuntimeName, read_manifest
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 Runtime = Literal["torchscript"] | RuntimeName
@@ -39,6 +39,8 @@ class LoadedModels:
     classifier: Model | None  # None: an embedding-only export
     dtype: torch.dtype = torch.float32  # what the models take as input
     runtime: Runtime = "torchscript"
+    # The embedding model takes the uint8 [n, H, W, 3] pixels and normalises them itself.
+    pixels_in: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class LoadOptions:
     # layouts on CPU): much faster small batches on a CPU (docs/performance.md).
     optimize: bool = True
     threads: int = 1  # for runtimes that fix their thread count when they compile (OpenVINO)
+    # Set for an embedding model of a runtime in PIXELS_IN: the model takes uint8 NHWC pixels
+    # and normalises them as this says, inside its compiled graph.
+    normalise: InputSpec | None = None
 
 
 def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) -> Model:
@@ -66,15 +71,33 @@ def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) ->
 
 
 class _OpenVinoModel:
-    """An OpenVINO compiled model as a ``Model``: float32 NCHW in, float32 out. One infer
-    request, reused: a worker runs one batch at a time."""
+    """An OpenVINO compiled model as a ``Model``: float32 NCHW in (or, normalising inside,
+    uint8 NHWC pixels), float32 out. One infer request, reused: a worker runs one batch at a
+    time."""
 
     def __init__(self, compiled: Any) -> None:
         self._request = compiled.create_infer_request()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self._request.infer({0: x.detach().float().contiguous().numpy()})
+        x = x.detach() if x.dtype == torch.uint8 else x.detach().float()
+        self._request.infer({0: x.contiguous().numpy()})
         return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+
+
+def _with_normalisation(model: Any, spec: InputSpec) -> Any:
+    """``model`` taking uint8 NHWC pixels: layout, float conversion and mean/std in its
+    graph. Measured: no torch op runs in the worker, whose OpenMP threads would otherwise
+    spin against OpenVINO's (docs/performance.md)."""
+    import openvino as ov
+    from openvino.preprocess import PrePostProcessor
+
+    steps = PrePostProcessor(model)
+    steps.input().tensor().set_element_type(ov.Type.u8).set_layout(ov.Layout("NHWC"))
+    steps.input().model().set_layout(ov.Layout("NCHW"))
+    steps.input().preprocess().convert_element_type(ov.Type.f32).mean(
+        [255 * m for m in spec.mean]
+    ).scale([255 * s for s in spec.std])
+    return steps.build()
 
 
 def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Model:
@@ -92,7 +115,11 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_PRECISION_HINT": precision,
     }
-    return _OpenVinoModel(ov.Core().compile_model(str(path), "CPU", config))
+    core = ov.Core()
+    model = core.read_model(str(path))
+    if options.normalise is not None:
+        model = _with_normalisation(model, options.normalise)
+    return _OpenVinoModel(core.compile_model(model, "CPU", config))
 
 
 class _AotiModel:
@@ -136,6 +163,9 @@ def host_mismatch(built_for: dict[str, str]) -> str | None:
         return f"built for {threads} threads, not for the worker's own"
     return None
 
+
+# The runtimes whose embedding models take the pixels and normalise them in their graph.
+PIXELS_IN: frozenset[Runtime] = frozenset({"openvino"})
 
 # By runtime: how to load one model file of it.
 LOADERS: dict[Runtime, Callable[[Path, torch.device, LoadOptions], Model]] = {
@@ -183,12 +213,15 @@ def load_models(
             files |= {role: entry.path for role, entry in manifest.int8_files.items()}
         dtype = torch.float32  # the derived models take float32 whatever they compute in
     load = LOADERS[runtime]
+    pixels_in = runtime in PIXELS_IN
+    first = replace(options, normalise=manifest.input) if pixels_in else options
     return LoadedModels(
         manifest=manifest,
-        embedding=load(store / files["embedding"], device, options),
+        embedding=load(store / files["embedding"], device, first),
         classifier=(
             load(store / files["classifier"], device, options) if manifest.has_classifier else None
         ),
         dtype=dtype,
         runtime=runtime,
+        pixels_in=pixels_in,
     )

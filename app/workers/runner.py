@@ -44,6 +44,14 @@ class BatchRunner:
         normalised = torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
         return normalised.to(self.models.dtype)
 
+    def features(self, pixels: Pixels) -> torch.Tensor:
+        """The embedding model's output for uint8 [n, H, W, 3] ``pixels`` (normalised here,
+        or by the model itself where it takes pixels)."""
+        if self.models.pixels_in:
+            batch = pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
+            return self.models.embedding(batch)
+        return self.models.embedding(self.to_input(pixels))
+
     @property
     def full_task(self) -> Task:
         """The task that runs every model this worker has (for warm-up and measuring)."""
@@ -54,7 +62,7 @@ class BatchRunner:
         ``EMBEDDING``, ``{"indices": [n, top_k], "probs": [n, top_k]}`` for ``TAG``, all three
         for ``EMBEDDING_AND_TAG`` (the classifier head runs on the same features)."""
         with torch.inference_mode():
-            features = self.models.embedding(self.to_input(pixels))
+            features = self.features(pixels)
             outputs: dict[str, Any] = {}
             if task is not Task.TAG:
                 outputs["embedding"] = features.float().cpu().numpy()
