@@ -10,7 +10,9 @@ same pip command as the Dockerfile), then, with that environment's Python only:
 3. starts each service of ``docker/docker-compose.yml`` (``server``; ``redis``, ``frontend``
    and ``model-worker`` of the cluster profile) with the command and environment the compose
    file gives it, on top of the Dockerfile's ``ENV`` and ``CMD``, and has one image tagged
-   through ``server`` and one through ``frontend``.
+   through ``server`` and one through ``frontend``;
+4. exports the default model in int8 (``--precision int8 --calibrate``, nncf), on views of
+   the cat photo, and has the cat tagged through ``python -m app`` serving it.
 
 There is no Docker engine here, so the container-only parts are substituted, and each
 substitution is printed: services listen on 127.0.0.1 at free ports instead of 0.0.0.0:8000,
@@ -235,6 +237,38 @@ def compose_services(store: Path) -> None:
         tag_one_image(url)
 
 
+def int8_store(scratch: Path) -> None:
+    """The README's int8 export, then serving it: nncf and OpenVINO int8 from requirements.txt."""
+    from PIL import Image, ImageOps
+
+    photos = scratch / "calibration"
+    photos.mkdir()
+    with Image.open(IMAGE) as cat:
+        width, height = cat.size
+        for i in range(100):  # crops of 60-100% of each side, every other one mirrored
+            scale = 0.6 + 0.4 * (i % 10) / 9
+            w, h = int(width * scale), int(height * scale)
+            left, top = (width - w) * (i % 7) // 6, (height - h) * (i % 5) // 4
+            view = cat.crop((left, top, left + w, top + h))
+            (ImageOps.mirror(view) if i % 2 else view).save(photos / f"{i:03d}.jpg")
+    store = scratch / "int8_store"
+    argv = [str(PY), "-m", "app.export", "--precision", "int8", "--calibrate", str(photos),
+            "--accept-accuracy-loss", "--out", str(store)]  # fmt: skip
+    step("an int8 export (nncf) in the runtime environment, then python -m app serving it")
+    print(f"   {shlex.join(argv)}", flush=True)
+    subprocess.run(argv, cwd=REPO, check=True, env=runtime_env())
+    port = free_port()
+    env = runtime_env(MODEL_STORE=str(store), PORT=str(port), CUDA_DEVICES="cpu")
+    with started([str(PY), "-m", "app"], env, "python -m app (int8)") as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, [process])
+        tag_one_image(url)
+        model_id = httpx.get(f"{url}/info", timeout=10).json()["model_id"]
+        if not model_id.endswith("+int8"):
+            raise SystemExit(f"FAIL: the int8 store is served as {model_id}")
+        print(f"   served as {model_id}", flush=True)
+
+
 def main() -> int:
     build_venv()
     import_every_module()
@@ -242,6 +276,7 @@ def main() -> int:
     export_store(store)
     run_cluster(store)
     compose_services(store)
+    int8_store(store.parent)
     step("runtime-only install: every check passed")
     return 0
 

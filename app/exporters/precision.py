@@ -35,6 +35,7 @@ from app.manifest import (
     Manifest,
     Precision,
     RuntimeArtifact,
+    RuntimeName,
     sha256_file,
 )
 from app.workers.agreement import measure
@@ -197,6 +198,18 @@ def _int8_model(out: Path, openvino: RuntimeArtifact) -> Path:
     return (out / openvino.files["embedding"].path).with_name(f"embedding{INT8_SUFFIX}.xml")
 
 
+def _with_int8_files(out: Path, manifest: Manifest) -> dict[RuntimeName, RuntimeArtifact]:
+    """``manifest``'s runtimes, its OpenVINO models listing the int8 files written."""
+    openvino = manifest.runtimes["openvino"]
+    xml = _int8_model(out, openvino)
+    role = f"embedding{INT8_SUFFIX}"
+    files = openvino.files | {
+        role: _entry(out, xml),
+        f"{role}.bin": _entry(out, xml.with_suffix(".bin")),
+    }
+    return manifest.runtimes | {"openvino": openvino.model_copy(update={"files": files})}
+
+
 def _held_back(count: int) -> npt.NDArray[np.bool_]:
     held: npt.NDArray[np.bool_] = np.arange(count) % HOLD_BACK_EVERY == HOLD_BACK_EVERY - 1
     return held
@@ -209,41 +222,27 @@ def lower_precision(
     int8 models (int8), its measured agreement where there are ``pixels``. ExportError,
     leaving the fp32 store as it was, when the agreement falls below the gate (unless the
     request accepts the loss)."""
+    update: dict[str, object] = {"precision": request.precision}
+    if pixels is None:  # bf16 with nothing to measure on: the workers' self-test is the check
+        return manifest.model_copy(update=update)
     fp32 = load_models(out, CPU, LoadOptions(threads=torch.get_num_threads()))
     gate = request.gate or GATES[request.precision]
-    update: dict[str, object] = {"precision": request.precision}
     if request.precision == "bf16":
+        measured_on, calibrated = pixels, 0
         runtime: Runtime = "openvino" if "openvino" in manifest.runtimes else "torchscript"
-        if pixels is None:  # nothing to measure on: the workers' self-test is the check
-            return manifest.model_copy(update=update)
         options = LoadOptions(dtype=torch.bfloat16, threads=torch.get_num_threads())
         models = load_models(out, CPU, options, runtime)
         agreement = measure(fp32, models, pixels)
         tried = _Tried(f"{runtime} bf16", models, agreement, gate.failures(agreement))
-        measured_on, calibrated = pixels, 0
+        _report(tried, gate, calibrated)
     else:
-        assert pixels is not None  # the request needs --calibrate
         held = _held_back(len(pixels))
         measured_on, calibrated = pixels[held], int((~held).sum())
-        tries = []
         for tried in _int8_tries(out, manifest, fp32, pixels, gate):
             _report(tried, gate, calibrated)
-            tries.append(tried)
             if not tried.failures:
-                break
-        tried = tries[-1]  # the one whose files are there: the first to pass, or the last
-        openvino = manifest.runtimes["openvino"]
-        target = _int8_model(out, openvino)
-        role = f"embedding{INT8_SUFFIX}"
-        files = openvino.files | {
-            role: _entry(out, target),
-            f"{role}.bin": _entry(out, target.with_suffix(".bin")),
-        }
-        update["runtimes"] = manifest.runtimes | {
-            "openvino": openvino.model_copy(update={"files": files})
-        }
-    if request.precision == "bf16":
-        _report(tried, gate, calibrated)
+                break  # else the last try stays: its files are the ones written
+        update["runtimes"] = _with_int8_files(out, manifest)
     golden_path = out / GOLDEN_FILE
     if tried.failures and not request.accept_accuracy_loss:
         for path in (golden_path, *out.glob(f"*/embedding{INT8_SUFFIX}.*")):
