@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ from app.manifest import (
     sha256_file,
 )
 from app.workers.agreement import measure
-from app.workers.models import LOADERS, PIXELS_IN, LoadedModels, LoadOptions, Runtime, load_models
+from app.workers.models import LoadedModels, LoadOptions, Runtime, load_models
 
 log = logging.getLogger("app.export")
 
@@ -176,18 +176,11 @@ def _int8_tries(
     inputs = [normalise(pixels[i : i + 1]) for i in np.flatnonzero(~held)]
     source, target = out / openvino.files["embedding"].path, _int8_model(out, openvino)
     options = LoadOptions(dtype=torch.int8, threads=torch.get_num_threads())
-    classifier = None
-    if manifest.has_classifier:
-        classifier = LOADERS["openvino"](out / openvino.files["classifier"].path, CPU, options)
     for name, settings in QUANTIZATIONS:
         version = _quantize(source, target, inputs, settings)
-        # Loaded as a worker loads it (its embedding model may normalise the pixels itself).
-        pixels_in = "openvino" in PIXELS_IN
-        first = replace(options, normalise=manifest.input) if pixels_in else options
-        embedding = LOADERS["openvino"](target, CPU, first)
-        models = LoadedModels(
-            manifest, embedding, classifier, runtime="openvino", pixels_in=pixels_in
-        )
+        # Loaded as a worker loads it, from the manifest that will list it.
+        quantized = manifest.model_copy(update={"runtimes": _with_int8_files(out, manifest)})
+        models = load_models(out, CPU, options, "openvino", manifest=quantized)
         agreement = measure(fp32, models, pixels[held])
         method = f"nncf {version} post-training quantization ({name})"
         yield _Tried(method, models, agreement, gate.failures(agreement))
@@ -242,7 +235,7 @@ def lower_precision(
             _report(tried, gate, calibrated)
             if not tried.failures:
                 break  # else the last try stays: its files are the ones written
-        update["runtimes"] = _with_int8_files(out, manifest)
+        update["runtimes"] = tried.models.manifest.runtimes  # listing the int8 files kept
     golden_path = out / GOLDEN_FILE
     if tried.failures and not request.accept_accuracy_loss:
         for path in (golden_path, *out.glob(f"*/embedding{INT8_SUFFIX}.*")):

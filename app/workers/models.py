@@ -180,13 +180,16 @@ def load_models(
     device: torch.device,
     options: LoadOptions | None = None,
     runtime: Runtime = "torchscript",
+    manifest: Manifest | None = None,
 ) -> LoadedModels:
     """Verify ``store`` against its manifest, then load its models (the embedding model, and
     the classifier head unless the export has none) for ``runtime`` onto ``device``, in
-    ``options.dtype`` (``torch.int8``: the export's int8 models). ``ModelStoreError`` when
-    the store holds no models for that runtime and precision."""
+    ``options.dtype`` (``torch.int8``: the export's int8 models). ``manifest``: the store's,
+    already read and verified by the caller (who loads several runtimes and checks every
+    file's sha256 once). ``ModelStoreError`` when the store holds no models for that
+    runtime and precision."""
     options = options or LoadOptions()
-    manifest = read_manifest(store, verify=True)
+    manifest = manifest or read_manifest(store, verify=True)
     files: dict[str, str] = {role: entry.path for role, entry in manifest.files.items()}
     dtype = options.dtype
     if runtime != "torchscript":

@@ -143,13 +143,13 @@ def choose_runtime(
     """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``, in
     ``options.dtype``."""
     int8 = options.dtype == torch.int8
+    manifest = read_manifest(store)  # every file verified once, for every load below
     # TorchScript has every model but int8 ones; it is the reference, and the fallback.
-    reference = None if int8 else load_models(store, device, options)
+    reference = None if int8 else load_models(store, device, options, manifest=manifest)
     if setting == "torchscript":
         if reference is None:
             raise WorkerStartError("MB_RUNTIME=torchscript cannot serve int8: set MB_RUNTIME=auto")
         return RuntimeChoice(reference)
-    manifest = read_manifest(store, verify=False)
     held: Sequence[Runtime] = list(manifest.runtimes)
     if int8:
         held = ["openvino"] if manifest.int8_files else []
@@ -177,13 +177,13 @@ def choose_runtime(
     # The agreement is checked against the fp32 reference, whatever MB_DTYPE asks.
     fp32 = reference
     if options.dtype != torch.float32 or fp32 is None:
-        fp32 = load_models(store, device, LoadOptions(threads=options.threads))
+        fp32 = load_models(store, device, LoadOptions(threads=options.threads), manifest=manifest)
     test = SelfTest.for_store(store, manifest, options.dtype)
     passing: list[LoadedModels] = []
     skipped: dict[str, str] = {}
     for name in candidates:
         try:
-            models = load_models(store, device, options, runtime=name)
+            models = load_models(store, device, options, runtime=name, manifest=manifest)
             reason = test.failure(measure(fp32, models, test.images))
         except Exception as exc:  # a crash in a runtime must not stop a worker that has another
             reason = f"{type(exc).__name__}: {exc}"
