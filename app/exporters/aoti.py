@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from app.exporters.base import difference_at_any_batch
+from app.exporters.base import derive_checked
 from app.manifest import FileEntry, RuntimeArtifact, sha256_file
-from app.workers.models import LOADERS, LoadOptions
+from app.workers.models import LOADERS, LoadOptions, Model
 
 log = logging.getLogger("app.export")
 
@@ -62,27 +62,22 @@ def derive_aoti(
 
     folder = out / FOLDER
     folder.mkdir()
-    files: dict[str, FileEntry] = {}
-    worst = 0.0
-    try:
-        for role, (program, example, expected) in models.items():
-            path = folder / f"{role}.pt2"
-            aoti_compile_and_package(
-                program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
-            )
-            model = LOADERS["aoti"](path, torch.device("cpu"), LoadOptions())
-            worst = max(worst, difference_at_any_batch(model, example, expected))
-            files[role] = FileEntry(path=f"{FOLDER}/{path.name}", sha256=sha256_file(path))
-    except Exception as exc:  # a compiler or inductor failure: the other runtimes still serve
-        log.warning("no AOTInductor package for this export: %s: %s", type(exc).__name__, exc)
-        remove_aoti(out)
+
+    def compile_package(
+        role: str, program: torch.export.ExportedProgram, example: torch.Tensor
+    ) -> tuple[dict[str, FileEntry], Model]:
+        path = folder / f"{role}.pt2"
+        configs = dict(INDUCTOR_CONFIGS)
+        aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+        entry = FileEntry(path=f"{FOLDER}/{path.name}", sha256=sha256_file(path))
+        return {role: entry}, LOADERS["aoti"](path, torch.device("cpu"), LoadOptions())
+
+    checked = derive_checked(
+        "AOTInductor package", models, compile_package, TOLERANCE, lambda: remove_aoti(out)
+    )
+    if checked is None:
         return None
-    if worst > TOLERANCE:
-        log.warning(
-            "no AOTInductor package: it differs from TorchScript by %.2g (> %g)", worst, TOLERANCE
-        )
-        remove_aoti(out)
-        return None
+    files, worst = checked
     return RuntimeArtifact(
         files=files,
         versions={"torch": torch.__version__},

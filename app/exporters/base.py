@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from app.errors import StartupError
-from app.manifest import InputSpec
+from app.manifest import FileEntry, InputSpec
+from app.workers.models import Model
 
 log = logging.getLogger("app.export")
 
@@ -132,15 +134,52 @@ def run(module: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
     return y
 
 
-def difference_at_any_batch(
-    model: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, expected: torch.Tensor
-) -> float:
+def difference_at_any_batch(model: Model, example: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference of a derived ``model``'s outputs from ``expected`` (the
     reference's output on ``example``), on the example batch and on its first image alone:
     a model whose batch dimension got fixed at the example's size fails here."""
     with torch.no_grad():
         got, lone = model(example), model(example[:1])
     return max(float((got - expected).abs().max()), float((lone - expected[:1]).abs().max()))
+
+
+Source = TypeVar("Source")
+
+
+def derive_checked(
+    what: str,
+    models: Mapping[str, tuple[Source, torch.Tensor, torch.Tensor]],
+    derive: Callable[[str, Source, torch.Tensor], tuple[dict[str, FileEntry], Model]],
+    tolerance: float,
+    remove: Callable[[], None],
+) -> tuple[dict[str, FileEntry], float] | None:
+    """Derive each ``role: (source, example batch, the TorchScript model's output on it)``
+    with ``derive(role, source, example)``, which writes the role's files and returns them
+    with the derived model loaded back; check that model at the example batch and at one
+    image (``difference_at_any_batch``). The files and the largest difference, or, where
+    anything failed or differs by more than ``tolerance``, a warning ("no <what> for this
+    export: ..."), ``remove()`` of what was written, and None: TorchScript still serves."""
+    files: dict[str, FileEntry] = {}
+    worst = 0.0
+    try:
+        for role, (source, example, expected) in models.items():
+            written, model = derive(role, source, example)
+            worst = max(worst, difference_at_any_batch(model, example, expected))
+            files |= written
+    except Exception as exc:  # whatever the converter, compiler or runtime refuses
+        log.warning("no %s for this export: %s: %s", what, type(exc).__name__, exc)
+        remove()
+        return None
+    if worst > tolerance:
+        log.warning(
+            "no %s for this export: it differs from TorchScript by %.2g (> %g)",
+            what,
+            worst,
+            tolerance,
+        )
+        remove()
+        return None
+    return files, worst
 
 
 def features_dim(features: torch.Tensor, images: torch.Tensor, what: str) -> int:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from app.exporters.base import difference_at_any_batch
+from app.exporters.base import derive_checked
 from app.manifest import FileEntry, RuntimeArtifact, sha256_file
-from app.workers.models import quiet_torchscript
+from app.workers.models import Model, quiet_torchscript
 
 log = logging.getLogger("app.export")
 
@@ -67,27 +67,24 @@ def derive_openvino(
         return None
     _remove(folder)  # an earlier export's IR (a classifier this one may not have)
     folder.mkdir()
-    files: dict[str, FileEntry] = {}
-    worst = 0.0
-    try:
-        for role, (module, example, expected) in models.items():
-            xml = folder / f"{role}.xml"
-            _convert(module, example, xml)
-            worst = max(worst, difference_at_any_batch(partial(_run, xml), example, expected))
-            for key, file in ((role, xml), (f"{role}.bin", xml.with_suffix(".bin"))):
-                files[key] = FileEntry(path=f"{FOLDER}/{file.name}", sha256=sha256_file(file))
-    except Exception as exc:  # any converter or runtime failure: TorchScript still serves
-        log.warning("no OpenVINO IR for this export: %s: %s", type(exc).__name__, exc)
-        _remove(folder)
+
+    def convert(
+        role: str, source: Source, example: torch.Tensor
+    ) -> tuple[dict[str, FileEntry], Model]:
+        xml = folder / f"{role}.xml"
+        _convert(source, example, xml)
+        files = {
+            key: FileEntry(path=f"{FOLDER}/{file.name}", sha256=sha256_file(file))
+            for key, file in ((role, xml), (f"{role}.bin", xml.with_suffix(".bin")))
+        }
+        return files, partial(_run, xml)
+
+    checked = derive_checked(
+        "OpenVINO IR", models, convert, FP32_TOLERANCE, lambda: _remove(folder)
+    )
+    if checked is None:
         return None
-    if worst > FP32_TOLERANCE:
-        log.warning(
-            "no OpenVINO IR for this export: it differs from TorchScript by %.2g (> %g)",
-            worst,
-            FP32_TOLERANCE,
-        )
-        _remove(folder)
-        return None
+    files, worst = checked
     versions = {"openvino": ov.__version__.split("-")[0], "torch": torch.__version__}
     versions["machine"] = platform.machine()
     programs = all(

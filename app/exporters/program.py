@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.exporters.base import difference_at_any_batch
+from app.exporters.base import derive_checked
 from app.manifest import FileEntry, ProgramArtifact, sha256_file
 
 log = logging.getLogger("app.export")
@@ -42,32 +42,25 @@ def export_programs(
     or does not agree."""
     remove_programs(out)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    files: dict[str, FileEntry] = {}
     programs: Programs = {}
-    worst = 0.0
-    try:
-        for role, (module, example, expected) in models.items():
-            if isinstance(module, torch.jit.ScriptModule):
-                raise TypeError(f"the {role} model is TorchScript, which torch.export cannot read")
-            path = out / f"{role}{SUFFIX}"
-            program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
-            torch.export.save(program, str(path))
-            programs[role] = program
-            loaded = torch.export.load(str(path)).module()
-            worst = max(worst, difference_at_any_batch(loaded, example, expected))
-            files[role] = FileEntry(path=path.name, sha256=sha256_file(path))
-    except Exception as exc:  # anything torch.export refuses: TorchScript still serves
-        log.warning("no torch.export program for this export: %s: %s", type(exc).__name__, exc)
-        remove_programs(out)
+
+    def export(
+        role: str, module: nn.Module, example: torch.Tensor
+    ) -> tuple[dict[str, FileEntry], nn.Module]:
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(f"the {role} model is TorchScript, which torch.export cannot read")
+        path = out / f"{role}{SUFFIX}"
+        programs[role] = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+        torch.export.save(programs[role], str(path))
+        entry = FileEntry(path=path.name, sha256=sha256_file(path))
+        return {role: entry}, torch.export.load(str(path)).module()
+
+    checked = derive_checked(
+        "torch.export program", models, export, TOLERANCE, lambda: remove_programs(out)
+    )
+    if checked is None:
         return None
-    if worst > TOLERANCE:
-        log.warning(
-            "no torch.export program for this export: it differs from TorchScript by %.2g (> %g)",
-            worst,
-            TOLERANCE,
-        )
-        remove_programs(out)
-        return None
+    files, worst = checked
     artifact = ProgramArtifact(
         files=files, versions={"torch": torch.__version__}, max_abs_diff=worst
     )
