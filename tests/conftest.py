@@ -123,3 +123,31 @@ async def images_run(client: Any) -> float:
 def expected_for(data: bytes, store: Path) -> np.ndarray:
     """What a tiny (or slow) test model's embedding of ``data`` must be."""
     return tiny_expected_embedding(preprocess(data, read_manifest(store).input))
+
+
+async def served_with_runtime(store: Path, runtime: str) -> tuple[list[str], str]:
+    """Serve a tiny test ``store`` with ``MB_RUNTIME=runtime`` (one CPU worker) and embed one
+    image, which must come back as the model's own embedding of it; the runtime each worker
+    reports on /info, and /metrics."""
+    async with running_app(
+        model_store=store, cuda_devices="cpu", mb_worker_num=1, mb_runtime=runtime
+    ) as (_, client):
+        image = distinct_images(1)[0]
+        vector = await embed(client, image)
+        info = (await client.get("/info")).json()
+        metrics = (await client.get("/metrics")).text
+    np.testing.assert_allclose(vector, expected_for(image, store), atol=1e-5)
+    return [worker["runtime"] for worker in info["workers"]], metrics
+
+
+def photo_pixels(store: Path, *jpegs: bytes) -> np.ndarray:
+    """``jpegs`` preprocessed for ``store``'s model, as a batch."""
+    spec = read_manifest(store).input
+    return np.stack([preprocess(data, spec) for data in jpegs])
+
+
+def assert_cat_then_espresso(store: Path, indices: np.ndarray) -> None:
+    """The top classes (``indices[:, 0]``) of the cat and the coffee photos, in that order."""
+    classes = (store / "classes.txt").read_text().splitlines()
+    assert "cat" in classes[int(indices[0][0])]
+    assert "espresso" in classes[int(indices[1][0])]

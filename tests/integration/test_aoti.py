@@ -15,13 +15,12 @@ import torch
 
 from app.errors import ModelStoreError, WorkerStartError
 from app.exporters import aoti
-from app.images import preprocess
 from app.jobs import Task
 from app.manifest import read_manifest
 from app.workers.models import LOADERS, LoadOptions, host_mismatch, load_models
 from app.workers.runner import BatchRunner
 from app.workers.runtimes import choose_runtime, self_test_images
-from tests.conftest import distinct_images, embed, expected_for, running_app
+from tests.conftest import assert_cat_then_espresso, photo_pixels, served_with_runtime
 from tests.models import export_tiny
 
 pytestmark = [
@@ -132,14 +131,8 @@ def test_bf16_and_int8_leave_the_fp32_packages_out(aoti_store: Path) -> None:
 
 
 async def test_the_app_serves_with_aoti_and_says_so(aoti_store: Path) -> None:
-    async with running_app(
-        model_store=aoti_store, cuda_devices="cpu", mb_worker_num=1, mb_runtime="aoti"
-    ) as (_, client):
-        image = distinct_images(1)[0]
-        vector = await embed(client, image)
-        info = (await client.get("/info")).json()
-    np.testing.assert_allclose(vector, expected_for(image, aoti_store), atol=1e-5)
-    assert [worker["runtime"] for worker in info["workers"]] == ["aoti"]
+    runtimes, _ = await served_with_runtime(aoti_store, "aoti")
+    assert runtimes == ["aoti"]
 
 
 def test_the_real_model_compiled_tags_the_photos_like_torchscript(
@@ -148,12 +141,9 @@ def test_the_real_model_compiled_tags_the_photos_like_torchscript(
     from app.export import export
 
     export("efficientnet_lite0", "pretrained", tmp_path, runtimes=("aoti",))
-    spec = read_manifest(tmp_path).input
-    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    pixels = photo_pixels(tmp_path, cat_jpeg, coffee_jpeg)
     reference = BatchRunner(load_models(tmp_path, CPU), CPU)
     package = BatchRunner(load_models(tmp_path, CPU, LoadOptions(), "aoti"), CPU)
     tags, got = (runner.run(Task.TAG, pixels, 5) for runner in (reference, package))
     assert (tags["indices"] == got["indices"]).all()
-    classes = (tmp_path / "classes.txt").read_text().splitlines()
-    assert "cat" in classes[int(got["indices"][0][0])]
-    assert "espresso" in classes[int(got["indices"][1][0])]
+    assert_cat_then_espresso(tmp_path, got["indices"])

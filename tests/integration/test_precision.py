@@ -14,7 +14,6 @@ import torch
 from app.errors import WorkerStartError
 from app.export import ExportError, PrecisionRequest, main
 from app.exporters.precision import GOLDEN_FILE, GOLDEN_IMAGES
-from app.images import preprocess
 from app.jobs import Task
 from app.manifest import Gate, read_manifest
 from app.workers import agreement as agreement_module
@@ -22,7 +21,13 @@ from app.workers.models import LoadOptions, load_models
 from app.workers.runner import BatchRunner
 from app.workers.runtimes import choose_runtime
 from bench.systems import photo_views
-from tests.conftest import distinct_images, embed, running_app
+from tests.conftest import (
+    assert_cat_then_espresso,
+    distinct_images,
+    embed,
+    photo_pixels,
+    running_app,
+)
 from tests.models import ConvEmbedding, export_test_model
 
 pytestmark = pytest.mark.slow
@@ -198,9 +203,6 @@ def test_the_real_model_in_int8_still_tags_the_cat(
     assert manifest.calibration is not None
     assert manifest.calibration.held_back.cosine_mean > 0.9
     choice = choose_runtime(out, CPU, LoadOptions(dtype=torch.int8, threads=2), "auto")
-    spec = read_manifest(out).input
-    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    pixels = photo_pixels(out, cat_jpeg, coffee_jpeg)
     tags = BatchRunner(choice.models, CPU).run(Task.TAG, pixels, 5)
-    classes = (out / "classes.txt").read_text().splitlines()
-    assert "cat" in classes[int(tags["indices"][0][0])]
-    assert "espresso" in classes[int(tags["indices"][1][0])]
+    assert_cat_then_espresso(out, tags["indices"])

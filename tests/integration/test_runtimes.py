@@ -20,7 +20,15 @@ from app.workers import models as models_module
 from app.workers.models import LoadOptions, load_models
 from app.workers.runner import BatchRunner
 from app.workers.runtimes import choose_runtime
-from tests.conftest import distinct_images, embed, expected_for, running_app
+from tests.conftest import (
+    assert_cat_then_espresso,
+    distinct_images,
+    embed,
+    expected_for,
+    photo_pixels,
+    running_app,
+    served_with_runtime,
+)
 from tests.models import export_tiny
 
 pytestmark = pytest.mark.slow
@@ -124,31 +132,21 @@ def test_a_store_from_before_runtimes_still_loads(tiny_store: Path, tmp_path: Pa
 
 
 async def test_the_app_serves_with_openvino_and_says_so(tiny_openvino: Path) -> None:
-    async with running_app(
-        model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="openvino"
-    ) as (_, client):
-        image = distinct_images(1)[0]
-        vector = await embed(client, image)
-        info = (await client.get("/info")).json()
-        metrics = (await client.get("/metrics")).text
-    np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
-    assert [worker["runtime"] for worker in info["workers"]] == ["openvino"]
+    runtimes, metrics = await served_with_runtime(tiny_openvino, "openvino")
+    assert runtimes == ["openvino"]
     assert 'microbatch_worker_runtime{device="cpu",runtime="openvino",worker="0"} 1.0' in metrics
 
 
 def test_the_real_model_tags_the_photos_alike_on_every_runtime(
     default_store: Path, cat_jpeg: bytes, coffee_jpeg: bytes
 ) -> None:
-    spec = read_manifest(default_store).input
-    pixels = np.stack([preprocess(data, spec) for data in (cat_jpeg, coffee_jpeg)])
+    pixels = photo_pixels(default_store, cat_jpeg, coffee_jpeg)
     reference = BatchRunner(load_models(default_store, CPU), CPU)
     assert "openvino" in read_manifest(default_store).runtimes
     ir = BatchRunner(load_models(default_store, CPU, LoadOptions(threads=2), "openvino"), CPU)
     tags, ir_tags = (runner.run(Task.TAG, pixels, 5) for runner in (reference, ir))
     assert (tags["indices"] == ir_tags["indices"]).all()
-    classes = (default_store / "classes.txt").read_text().splitlines()
-    assert "cat" in classes[int(ir_tags["indices"][0][0])]
-    assert "espresso" in classes[int(ir_tags["indices"][1][0])]
+    assert_cat_then_espresso(default_store, ir_tags["indices"])
     embeddings = (runner.run(Task.EMBEDDING, pixels, 0)["embedding"] for runner in (reference, ir))
     first, second = (torch.from_numpy(e) for e in embeddings)
     assert float(torch.nn.functional.cosine_similarity(first, second).min()) >= 0.9999
@@ -238,14 +236,8 @@ def openvino_aborts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_a_runtime_that_crashes_the_worker_is_left_out_under_auto(
     tiny_openvino: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    async with running_app(
-        model_store=tiny_openvino, cuda_devices="cpu", mb_worker_num=1, mb_runtime="auto"
-    ) as (_, client):
-        image = distinct_images(1)[0]
-        vector = await embed(client, image)
-        info = (await client.get("/info")).json()
-    np.testing.assert_allclose(vector, expected_for(image, tiny_openvino), atol=1e-5)
-    assert [worker["runtime"] for worker in info["workers"]] == ["torchscript"]
+    runtimes, _ = await served_with_runtime(tiny_openvino, "auto")
+    assert runtimes == ["torchscript"]
     assert "crashed while loading its runtimes" in capfd.readouterr().err
 
 
