@@ -1,15 +1,18 @@
-"""What the routes need from the application state: settings, the predictor, readiness and
-the API key.
+"""What the routes need from the application state: settings, the model version a request is
+admitted for, readiness and the API keys.
 
 Plain functions, called directly by the prediction routes: FastAPI's dependency resolution
 costs more per request than these lookups. The ``Annotated`` aliases serve the cheaper,
-rarer routes (``/info``, ``/tags``); they are ``async def`` because FastAPI runs plain
-``def`` dependencies in its thread pool. ``REQUIRES_API_KEY`` is the one declaration of
-which routes want ``API_KEY``: the routes run it, and the OpenAPI docs show it."""
+rarer routes (``/info``); they are ``async def`` because FastAPI runs plain ``def``
+dependencies in its thread pool. ``REQUIRES_API_KEY`` and ``REQUIRES_ADMIN_KEY`` are the one
+declaration of which routes want ``API_KEY`` and ``ADMIN_API_KEY``: the routes run them,
+and the OpenAPI docs show them."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request, Security
@@ -19,26 +22,20 @@ from pydantic import SecretStr
 from starlette.requests import HTTPConnection
 
 from app.errors import NotReady, Unauthorized
-from app.services.predictor import Predictor
+from app.services.registry import ModelVersion
 from app.settings import Settings
 
 if TYPE_CHECKING:  # the engine is wired by app.main; the routes only read it
     from app.engine import Engine
 
 READY_RETRY_AFTER_S = 1  # what a readiness 503 tells a client to wait
+MODEL_PARAMETER = "model"  # ?model=NAME chooses the model
+MODEL_ID_HEADER = "x-model-id"  # pins the exact export (and precision) that must answer
 
 
 def app_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
-
-
-def serving_predictor(request: Request) -> Predictor:
-    """The predictor, or 503 while the server starts or stops."""
-    predictor: Predictor | None = getattr(request.app.state, "predictor", None)
-    if predictor is None or request.app.state.closing:
-        raise NotReady("the server is starting or stopping")
-    return predictor
 
 
 def running_engine(request: Request) -> Engine | None:
@@ -47,10 +44,46 @@ def running_engine(request: Request) -> Engine | None:
     return engine
 
 
-def is_ready(request: Request) -> bool:
-    """Whether this server takes requests: a model worker is ready and it is not stopping."""
+def serving_engine(request: Request) -> Engine:
+    """The engine, or 503 while the server starts or stops."""
     engine = running_engine(request)
-    return engine is not None and engine.transport.ready and not request.app.state.closing
+    if engine is None or request.app.state.closing:
+        raise NotReady("the server is starting or stopping")
+    return engine
+
+
+@contextmanager
+def admitted(
+    request: Request, name: str | None = None, number: str | None = None
+) -> Iterator[ModelVersion]:
+    """The model version this request gets, resolved once, now: ``name`` (default: the
+    ``model`` query parameter, else the default model), pinned by an ``X-Model-Id`` header
+    or a version ``number``; held until the block ends, so it is not unloaded under the
+    request. Its id goes on the answer and in the request's log line and metrics."""
+    engine = serving_engine(request)
+    if name is None:
+        name = request.query_params.get(MODEL_PARAMETER)
+    pinned = request.headers.get(MODEL_ID_HEADER)
+    with engine.registry.admit(name, pinned, number) as version:
+        state = request.state
+        state.model_id, state.model, state.model_version = (
+            version.served_id,
+            version.name,
+            version.version,
+        )
+        yield version
+
+
+def is_ready(request: Request) -> bool:
+    """Whether this server takes requests: a model worker is ready, a model version serves,
+    and it is not stopping."""
+    engine = running_engine(request)
+    return (
+        engine is not None
+        and engine.transport.ready
+        and bool(engine.registry.names())
+        and not request.app.state.closing
+    )
 
 
 def readiness_response(body: dict[str, Any], ready: bool) -> JSONResponse:
@@ -66,33 +99,49 @@ class ApiKey(HTTPBearer):
     bearer scheme in the OpenAPI docs; it needs nothing but the request, so a
     ``DirectRoute`` can run it itself."""
 
+    setting = "api_key"  # the Settings field holding the key
+    required = False  # without the setting: open (True: shut)
+
     def __init__(self) -> None:
         super().__init__(
             scheme_name="bearer", auto_error=False, description="API_KEY, when the server sets one"
         )
 
     async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
-        expected: SecretStr | None = request.app.state.settings.api_key
+        expected: SecretStr | None = getattr(request.app.state.settings, self.setting)
         if expected is None:
+            if self.required:
+                raise Unauthorized(f"{self.setting.upper()} is not set: this route is shut")
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), expected.get_secret_value().encode()
         ):
-            raise Unauthorized("send 'Authorization: Bearer <API_KEY>'")
+            raise Unauthorized(f"send 'Authorization: Bearer <{self.setting.upper()}>'")
         return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip())
 
 
 REQUIRES_API_KEY = [Security(ApiKey())]
 
 
+class AdminKey(ApiKey):
+    """``Authorization: Bearer <ADMIN_API_KEY>`` for the routes that load and unload models
+    (they exist only when the key is set)."""
+
+    setting = "admin_api_key"
+    required = True
+
+    def __init__(self) -> None:
+        HTTPBearer.__init__(
+            self, scheme_name="admin", auto_error=False, description="ADMIN_API_KEY"
+        )
+
+
+REQUIRES_ADMIN_KEY = [Security(AdminKey())]
+
+
 async def _settings(request: Request) -> Settings:
     return app_settings(request)
 
 
-async def _predictor(request: Request) -> Predictor:
-    return serving_predictor(request)
-
-
 SettingsDep = Annotated[Settings, Depends(_settings)]
-PredictorDep = Annotated[Predictor, Depends(_predictor)]

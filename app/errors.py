@@ -13,7 +13,8 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     │   ├── InvalidParameter         a value this server refuses (below)       422
     │   ├── Unauthorized             API_KEY is set and the token is wrong     401
     │   ├── NoClassifier             tags asked of an embedding-only model     404
-    │   ├── ModelNotFound            a v2 route names a model not served here  404
+    │   ├── ModelNotFound            no such model (or version) here            404
+    │   ├── ModelVersionUnavailable  the X-Model-Id pinned is not served now     409
     │   └── ClientDisconnected       the client left before its answer         499
     ├── Unavailable                  the server cannot take it now (503 + Retry-After)
     │   ├── QueueFull                the bounded queue is full
@@ -21,6 +22,8 @@ Lower layers raise these; only the HTTP edge (``app.main``) translates them, thr
     │   ├── WorkerDied               the worker running the batch died, or none is alive
     │   └── BrokerUnavailable        broker mode: Redis cannot be reached
     ├── DeadlineExceeded             the request's deadline passed              504
+    ├── ModelLoadFailed              an admin load failed; the old version serves 422
+    │   └── ModelMemoryBudget        it would pass MB_MODEL_MEMORY                507
     ├── InferenceError               the model call failed for this item        500
     └── BatchContractError           a batch function broke its contract        500
 
@@ -111,9 +114,16 @@ class NoClassifier(ClientError):
 
 
 class ModelNotFound(ClientError):
-    """An Open Inference Protocol route names a model this server does not serve."""
+    """A request names a model (or a version of one) this server does not have."""
 
     code = "model_not_found"
+
+
+class ModelVersionUnavailable(ClientError):
+    """A request pins an export (``X-Model-Id``, or a v2 version) that is not served now:
+    answered 409 with the ids that are, never with a substitute."""
+
+    code = "model_version_unavailable"
 
 
 class ClientDisconnected(ClientError):
@@ -160,6 +170,26 @@ class DeadlineExceeded(ServerError):
     reject_reason = "timeout"
 
 
+class ModelLoadFailed(ServerError):
+    """Loading a version failed at ``step`` (verify, load, self-test, warm-up, budget, or a
+    worker crash); whatever served before serves on."""
+
+    code = "model_load_failed"
+
+    def __init__(self, message: str, step: str = "load") -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class ModelMemoryBudget(ModelLoadFailed):
+    """A load refused because the worker's models would pass ``MB_MODEL_MEMORY``."""
+
+    code = "model_memory_budget"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "budget")
+
+
 class InferenceError(ServerError):
     code = "inference_error"
 
@@ -174,6 +204,7 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (Unauthorized, 401),
     (NoClassifier, 404),
     (ModelNotFound, 404),
+    (ModelVersionUnavailable, 409),
     (PayloadTooLarge, 413),
     (UnsupportedImageFormat, 415),
     (InvalidRequest, 422),
@@ -182,6 +213,8 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (ClientError, 400),
     (Unavailable, 503),
     (DeadlineExceeded, 504),
+    (ModelMemoryBudget, 507),
+    (ModelLoadFailed, 422),
     (ServerError, 500),
 )
 

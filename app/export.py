@@ -8,6 +8,7 @@ features), a TorchScript classifier head (features -> logits), classes.txt and m
         --classes labels.txt --input-size 224 --mean 0.5,0.5,0.5 --std 0.5,0.5,0.5
     python -m app.export --list 'convnext*'
     python -m app.export --precision int8 --calibrate my_photos/   # OpenVINO int8, gated
+    python -m app.export --arch resnet50 --repository models --name tagger  # models/tagger/<next>
 
 --arch      a torchvision classification model or a timm model (timm names may carry a
             pretrained tag: NAME.TAG). A name both have is torchvision's; write timm:NAME or
@@ -26,6 +27,11 @@ classifier; torchvision's last nn.Linear), and the export checks that the two ha
 reproduce the whole model's logits.
 Preprocessing comes from the model's own config (timm's data config, torchvision's weights
 metadata); --input-size, --resize-size, --interpolation, --mean and --std override it.
+--repository DIR --name NAME
+            write the next version of model NAME in the model repository DIR (DIR/NAME/<n>/,
+            n one above the newest there): the store is written into a hidden folder there and
+            renamed into place once whole, so a server never sees half of it. A running server
+            loads it on `kill -HUP`, its admin route or MB_REPOSITORY_POLL_S (docs/models.md).
 Other Python models (your nn.Module, torch.export's ExportedProgram.module()):
 app.export.export_module.
 """
@@ -34,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 from collections.abc import Collection
 from pathlib import Path
 
+from app.errors import ClientError
 from app.exporters.base import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -58,6 +66,7 @@ from app.exporters.store import (
     read_labels,
 )
 from app.manifest import InputSpec, Manifest
+from app.repository import check_name, publish, staging_folder
 
 __all__ = [
     "BuildRequest",
@@ -205,7 +214,11 @@ def _parser() -> argparse.ArgumentParser:
     own.add_argument("--from-torchscript", type=Path, metavar="FILE", help="images -> [N, D]")
     own.add_argument("--classifier-torchscript", type=Path, metavar="FILE", help="[N, D] -> logits")
     parser.add_argument("--classes", type=Path, metavar="FILE", help="one label per line")
-    parser.add_argument("--name", help="the manifest's arch (default: --arch, or the file's name)")
+    parser.add_argument(
+        "--name",
+        help="the model's name: the manifest's arch, and its folder with --repository "
+        "(default: --arch, or the file's name)",
+    )
     prep = parser.add_argument_group("preprocessing (for TorchScript models, or to override)")
     prep.add_argument("--input-size", type=int, metavar="N", help="square crop (default 224)")
     prep.add_argument(
@@ -217,8 +230,15 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--interpolation", choices=["bilinear", "bicubic"])
     prep.add_argument("--mean", type=_triple, metavar="R,G,B", help="default ImageNet's")
     prep.add_argument("--std", type=_triple, metavar="R,G,B", help="default ImageNet's")
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--out", type=Path, default=Path("model_store"), help="the store (default model_store)"
+    )
+    where.add_argument(
+        "--repository",
+        type=Path,
+        metavar="DIR",
+        help="a model repository: write the next version of --name there (DIR/NAME/<n>)",
     )
     parser.add_argument(
         "--list", nargs="?", const="*", metavar="PATTERN", help="print the model names and exit"
@@ -271,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--classifier-torchscript needs --from-torchscript")
     if args.classes and args.no_classifier:
         parser.error("--classes names a classifier's outputs: drop it or --no-classifier")
+    if args.repository is not None:
+        if not args.name:
+            parser.error("--repository needs --name: the model's folder in the repository")
+        try:
+            check_name(args.name)
+        except ClientError as exc:
+            parser.error(f"argument --name: {exc}")
     arch, weights = args.arch or DEFAULT_ARCH, args.weights or "pretrained"
     if not args.from_torchscript:
         try:
@@ -291,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
             "meaningless. Use this for tests and benchmarks only.",
             arch,
         )
+    out = args.out if args.repository is None else staging_folder(args.repository / args.name)
     try:
         precision = PrecisionRequest(args.precision, args.calibrate, args.accept_accuracy_loss)
         classes = read_labels(args.classes) if args.classes else None
         if args.from_torchscript:
             manifest = export_torchscript(
                 args.from_torchscript,
-                args.out,
+                out,
                 classifier=args.classifier_torchscript,
                 classes=classes,
                 name=args.name,
@@ -309,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = export(
                 arch,
                 weights,
-                args.out,
+                out,
                 classes=classes,
                 classifier=not args.no_classifier,
                 preprocessing=preprocessing,
@@ -319,12 +347,21 @@ def main(argv: list[str] | None = None) -> int:
             )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if args.repository is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"nothing was added to {args.repository / args.name}", file=sys.stderr)
         return 2
+    except BaseException:
+        if args.repository is not None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    if args.repository is not None:
+        out = args.repository / args.name / str(publish(out, args.repository / args.name))
     log.info(
         "exported %s (%s) to %s: %d-d embedding, %s; runtimes: %s; serves in %s",
         manifest.arch,
         manifest.weights,
-        args.out,
+        out,
         manifest.embedding_dim,
         f"{manifest.num_classes} classes" if manifest.num_classes else "no classifier",
         ", ".join(["torchscript", *manifest.runtimes]),

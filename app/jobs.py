@@ -28,11 +28,14 @@ class Task(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class BatchKey:
-    """Which items may share a batch (the Streamer's ``key``): one task, and images that
-    travel the same way, all decoded pixels or all encoded uploads."""
+    """Which items may share a batch (the Streamer's ``key``): one model (its served id,
+    resolved when the request was admitted: two models or versions never share a batch),
+    one task, and images that travel the same way, all decoded pixels or all encoded
+    uploads."""
 
     task: Task
     encoded: bool
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,13 +4,15 @@
 Nothing happens at import. Serve it with ``python -m app``, or any ASGI server that can call
 a factory: ``uvicorn --factory app.main:create_app``, or gunicorn with
 ``app.gunicorn_worker.Worker`` and ``'app.main:create_app()'``. Start-up order, in the ASGI
-lifespan: verify the model store, start the workers (the port opens once they are loaded
-and warmed up, so a broken model or device fails the start with a clear message), then the
-Streamer.
+lifespan: read and verify the model repository, start the workers with every model (the
+port opens once they are loaded and warmed up, so a broken model or device fails the start
+with a clear message), then the Streamer. While it serves, ``kill -HUP`` (and
+``MB_REPOSITORY_POLL_S``) loads what is new in the repository.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import signal
@@ -28,10 +30,10 @@ from app.engine import Engine
 from app.errors import SettingsError, StartupError
 from app.jobs import ImageJob
 from app.logs import configure_logging
-from app.metrics import LiveState, Metrics
+from app.metrics import LiveState, Metrics, VersionState
 from app.observability import RequestLog
-from app.plan import plan_serving
-from app.routers import meta, predict, v2
+from app.plan import Role, plan_serving
+from app.routers import meta, predict, repository, v2
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.settings import Settings, get_settings
 
@@ -65,6 +67,50 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
     return restore
 
 
+def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
+    """``kill -HUP``: load whatever is new in the model repository, as the admin load route
+    does (a broker front end loads nothing: its workers do). Returns the undo."""
+    if engine.plan.role is Role.FRONT_END or not hasattr(signal, "SIGHUP"):
+        return lambda: None
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[Any]] = set()
+
+    def on_hangup() -> None:
+        log.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
+        task = loop.create_task(engine.models.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
+
+    def undo() -> None:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+    return undo
+
+
+def _live_state(engine: Engine) -> LiveState:
+    registry = engine.registry
+    return LiveState(
+        queue_depth=engine.queue_depth,
+        in_flight=engine.streamer.in_flight,
+        workers=engine.transport.worker_status(),
+        versions=[
+            VersionState(
+                v.name,
+                v.version,
+                v.served_id,
+                v.state.value,
+                v.manifest,
+                registry.serving(v.name) is v,
+            )
+            for v in registry.versions()
+        ],
+    )
+
+
 def _freeze_startup_objects() -> Callable[[], None]:
     """Move every object alive after start-up out of the garbage collector's sight: the
     HTTP process holds hundreds of thousands of long-lived objects (FastAPI, pydantic, numpy,
@@ -83,10 +129,17 @@ def _without_security(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
-            schema.get("components", {}).pop("securitySchemes", None)
+            schemes = schema.get("components", {}).get("securitySchemes", {})
+            schemes.pop("bearer", None)  # ADMIN_API_KEY's ("admin") stays
+            if not schemes:
+                schema.get("components", {}).pop("securitySchemes", None)
             for operations in schema["paths"].values():
                 for operation in operations.values():
-                    operation.pop("security", None)
+                    kept = [s for s in operation.get("security", []) if "bearer" not in s]
+                    if kept:
+                        operation["security"] = kept
+                    else:
+                        operation.pop("security", None)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -123,23 +176,24 @@ def create_app(
         async with Engine(plan, metrics, transport=transport, drain_timeout_s=drain_s) as engine:
             state = app.state
             state.engine = engine
-            state.predictor = engine.predictor
-            state.model_id = engine.predictor.model_id  # X-Model-Id on every answer
-            metrics.watch(
-                lambda: LiveState(
-                    queue_depth=engine.queue_depth,
-                    in_flight=engine.streamer.in_flight,
-                    workers=engine.transport.worker_status(),
-                    model=engine.predictor.manifest,
-                    model_id=engine.predictor.model_id,
-                )
-            )
+            registry = engine.registry
+            # X-Model-Id on an answer no model was admitted for: the default's serving id.
+            state.default_model_id = lambda: registry.default and registry.default.served_id
+            metrics.labels = engine.labels
+            metrics.watch(lambda: _live_state(engine))
             restore_signals = _flag_closing_on_signals(app)
+            stop_hangup = _reload_on_hangup(engine)
+            poll = None
+            if plan.repository.poll_s is not None and plan.role is not Role.FRONT_END:
+                poll = asyncio.create_task(engine.models.poll(plan.repository.poll_s))
             unfreeze = _freeze_startup_objects()
             try:
                 yield
             finally:
                 unfreeze()
+                if poll is not None:
+                    poll.cancel()
+                stop_hangup()
                 restore_signals()
                 state.closing = True
 
@@ -164,6 +218,9 @@ def create_app(
     app.include_router(predict.router)
     app.include_router(meta.router)
     app.include_router(v2.router)
+    app.include_router(repository.router)
+    if settings.admin_api_key is not None:  # without it, the routes are not there at all
+        app.include_router(repository.admin)
     if settings.api_key is None:
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request

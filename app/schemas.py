@@ -23,6 +23,15 @@ class Health(BaseModel):
     status: str
 
 
+class HeldModelState(BaseModel):
+    served_id: str = Field(description="the model version's id (X-Model-Id)")
+    state: str = Field(description="loading, ready, or (broker mode) failed")
+    runtime: str | None = None
+    batch_size: int | None = Field(None, description="the largest batch it takes of this model")
+    memory_bytes: int | None = Field(None, description="what this model costs this worker")
+    reason: str = ""
+
+
 class WorkerState(BaseModel):
     name: str | None = Field(None, description="broker mode: '<host>:<index>'")
     host: str | None = Field(None, description="broker mode: the worker's host")
@@ -37,7 +46,12 @@ class WorkerState(BaseModel):
     items: int = Field(description="images this worker has been given")
     rss_bytes: int | None = Field(None, description="its resident memory")
     restarts: int = Field(0, description="times its slot was restarted after dying or hanging")
-    runtime: str | None = Field(None, description="what runs its model: torchscript, openvino")
+    runtime: str | None = Field(
+        None, description="what runs its (first) model: torchscript, openvino, aoti"
+    )
+    models: list[HeldModelState] = Field(
+        default_factory=list, description="the model versions it holds or is loading"
+    )
 
 
 class Readiness(BaseModel):

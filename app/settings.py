@@ -6,11 +6,19 @@ Every field maps to the upper-case environment variable of the same name, e.g.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
@@ -18,6 +26,9 @@ from app.errors import SettingsError
 KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
 
 AUTO = None  # sentinel returned by parse_cuda_devices: "every visible CUDA device"
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # a model's name (its repository folder)
+VERSION_PATTERN = r"^[1-9][0-9]{0,8}$"  # a version number (its folder in the model's)
 
 
 def parse_cuda_devices(text: str | None) -> list[int] | None:
@@ -49,6 +60,27 @@ def parse_cuda_devices(text: str | None) -> list[int] | None:
             raise ValueError(f"GPU {index} is listed twice in {text!r}")
         ids.append(index)
     return ids
+
+
+def parse_pins(text: str | None) -> dict[str, int]:
+    """``MB_MODEL_VERSIONS``: ``name=version`` pairs, comma-separated.
+
+    >>> parse_pins("tagger=3, embedder=1")
+    {'tagger': 3, 'embedder': 1}
+    """
+    pins: dict[str, int] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, version = (piece.strip() for piece in part.partition("="))
+        if not sep or not re.match(VERSION_PATTERN, version):
+            raise ValueError(f"expected name=version pairs like 'tagger=3', got {part.strip()!r}")
+        if not re.match(MODEL_NAME_PATTERN, name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a model name ({MODEL_NAME_PATTERN})")
+        if name in pins:
+            raise ValueError(f"{name!r} is pinned twice")
+        pins[name] = int(version)
+    return pins
 
 
 class Settings(BaseSettings):
@@ -133,7 +165,49 @@ class Settings(BaseSettings):
             "MB_DECODE=worker (default: a CPU worker's torch threads, cores / workers on GPU)."
         ),
     )
-    model_store: Path = Field(Path("model_store"), description="Exported model directory.")
+    model_store: Path = Field(
+        Path("model_store"),
+        description="One exported model (a repository of one model); MODEL_REPOSITORY wins.",
+    )
+    model_repository: Path | None = Field(
+        None,
+        description=(
+            "A model repository: DIR/<name>/<version>/ stores (a store directly in DIR/<name>/ "
+            "is version 1). Every model in it serves, each at its newest version unless "
+            "MB_MODEL_VERSIONS pins one."
+        ),
+    )
+    mb_default_model: str | None = Field(
+        None,
+        pattern=MODEL_NAME_PATTERN,
+        description="The model a request without ?model= gets (default: the only one).",
+    )
+    mb_model_versions: str | None = Field(
+        None,
+        description="Versions to serve instead of the newest: 'name=3,other=1'.",
+    )
+    mb_model_memory: ByteSize | None = Field(
+        None,
+        description=(
+            "Memory the models of one worker may take ('4GiB'): a load past it is refused, "
+            "naming both figures. Unset: no bound."
+        ),
+    )
+    mb_repository_poll_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Look at the repository this often (seconds) and load what is new, as kill -HUP "
+            "does. Unset: only on kill -HUP or the admin load route."
+        ),
+    )
+    mb_switch_min_workers: int | Literal["all"] = Field(
+        "all",
+        description=(
+            "Broker mode: a model name moves to a new version once it is ready on this many "
+            "live workers ('all': every live worker serving that name)."
+        ),
+    )
     max_upload_bytes: int = Field(
         10 * 1024 * 1024,
         ge=1,
@@ -156,6 +230,13 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = Field(
         None, description="When set, prediction routes need 'Authorization: Bearer <key>'."
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description=(
+            "When set, the model repository's load and unload routes exist, and need "
+            "'Authorization: Bearer <key>' (without it they are not there at all)."
+        ),
     )
     mb_broker: SecretStr | None = Field(
         None,
@@ -205,6 +286,24 @@ class Settings(BaseSettings):
     def _check_devices(cls, value: str | None) -> str | None:
         parse_cuda_devices(value)  # raises ValueError with a precise message
         return value
+
+    @field_validator("mb_model_versions")
+    @classmethod
+    def _check_pins(cls, value: str | None) -> str | None:
+        parse_pins(value)  # raises ValueError naming the bad pair
+        return value
+
+    @field_validator("mb_switch_min_workers")
+    @classmethod
+    def _check_switch(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or 'all'")
+        return value
+
+    @property
+    def model_pins(self) -> dict[str, int]:
+        """Parsed ``MB_MODEL_VERSIONS``: name -> the version to serve."""
+        return parse_pins(self.mb_model_versions)
 
     @field_validator("mb_batch_size")
     @classmethod

@@ -10,7 +10,10 @@ user trying the API) drives the real app through its public seam instead of patc
 
 Each job's ``image`` is pixels (uint8, the model's input size) or, where the serving plan
 leaves uploads to the workers, the encoded upload (``bytes``): decode it with
-``app.images.preprocess`` as a worker would. ``batches`` records what ran, in order.
+``app.images.preprocess`` as a worker would. ``batches`` records what ran, in order; each
+batch's ``key.model`` is the served id of the model version it was admitted for. Versions
+load and unload as the registry asks (``loaded`` lists the served ids held), instantly, or
+failing with ``fail_loads``' error.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.batching import BatchItem, WorkerStatus
-from app.errors import BatchContractError
+from app.batching import BatchItem, HeldModel, WorkerStatus
+from app.errors import BatchContractError, ModelLoadFailed
 from app.jobs import BatchKey, ImageJob, Task
+from app.repository import ModelSpec, ModelState
 
 Handler = Callable[[Task, Sequence[ImageJob]], Sequence[object] | Awaitable[Sequence[object]]]
 
@@ -47,6 +51,20 @@ class FakeTransport:
         self._capacity = capacity
         self.batches: list[FakeBatch] = []
         self.started = self.closed = False
+        self.loaded: list[str] = []  # served ids held, in load order
+        self.fail_loads: ModelLoadFailed | None = None  # set: every load fails with it
+
+    async def load(self, spec: ModelSpec) -> list[ModelSpec]:
+        """Hold ``spec`` (or fail with ``fail_loads``)."""
+        if self.fail_loads is not None:
+            raise self.fail_loads
+        if spec.served_id not in self.loaded:
+            self.loaded.append(spec.served_id)
+        return [spec]
+
+    async def unload(self, served_id: str) -> None:
+        if served_id in self.loaded:
+            self.loaded.remove(served_id)
 
     async def start(self) -> None:
         self.started = True
@@ -74,6 +92,9 @@ class FakeTransport:
     def batch_size(self) -> int:
         return self._batch_size
 
+    def batch_size_for(self, key: Hashable) -> int:
+        return self._batch_size
+
     @property
     def ready(self) -> bool:
         return self.started and not self.closed
@@ -89,5 +110,6 @@ class FakeTransport:
                 index=0, device="fake", threads=0, pid=None, ready=self.ready,
                 alive=not self.closed, batch_size=self._batch_size, batches=len(self.batches),
                 items=items,
+                models=tuple(HeldModel(served, ModelState.READY) for served in self.loaded),
             )
         ]  # fmt: skip

@@ -30,7 +30,9 @@ import psutil
 import torch
 
 from app.jobs import Task
+from app.manifest import read_manifest
 from app.plan import WorkerConfig
+from app.repository import ModelSpec
 from app.workers import allocator, process
 from bench.memory import MB, growth_pct
 from bench.soak import model_store, soak_images
@@ -94,10 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     _on_malloc(args.malloc)
     sizes, threads = _sizes(args.sizes), _sizes(args.threads)
     store = model_store(args.store, Path(tempfile.mkdtemp(prefix="microbatch-worker-memory-")))
-    config = WorkerConfig(
-        model_store=str(store), max_batch_size=max(sizes), decode_threads=1, runtime=args.runtime
+    config = WorkerConfig(max_batch_size=max(sizes), decode_threads=1, runtime=args.runtime)
+    manifest = read_manifest(store)
+    spec = ModelSpec(
+        manifest.arch, 1, str(store), manifest.served_id("auto"), manifest.input.image_shape
     )
-    prepared = process.prepare(config, "cpu", threads[0])
+    worker = process.prepare(config, "cpu", threads[0], (spec,))
+    prepared = worker.model(spec.served_id)
     runner, decoder = prepared.runner, prepared.decoder
     assert decoder is not None
     print(
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         pixels, _ = decoder.decode(blobs)
         runner.run(Task.EMBEDDING if index % 4 == 0 else Task.TAG, pixels, 5)
         if args.bound:
-            prepared.memory.after_batch()
+            worker.memory.after_batch()
         if index == args.warmup:
             baseline, started = _rss(), time.perf_counter()
             print(_line(f"after the warm-up ({index})"), flush=True)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  growth after the warm-up: RSS {growth_pct(baseline, _rss()):+.1f}%; "
         f"{args.batches} batches in {time.perf_counter() - started:.0f} s; "
-        f"memory handed back {prepared.memory.trims} times",
+        f"memory handed back {worker.memory.trims} times",
         flush=True,
     )
     return 0

@@ -38,6 +38,32 @@ class TinyEmbedding(nn.Module):
         return pooled.flatten(1)
 
 
+class ScaledEmbedding(TinyEmbedding):
+    """TinyEmbedding times ``scale``: another version of the tiny model, whose every answer
+    tells which version computed it."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class HeavyEmbedding(TinyEmbedding):
+    """TinyEmbedding carrying ``megabytes`` of unused weights: a model whose files alone are
+    over a small MB_MODEL_MEMORY."""
+
+    ballast: torch.Tensor  # a buffer, registered in __init__
+
+    def __init__(self, megabytes: int) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.ones(megabytes * (1 << 18)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.0 * self.ballast[0]
+
+
 class ConvEmbedding(nn.Module):
     """A convolution, then TinyEmbedding's pooling: a model with weights for int8 to quantize
     (the pooling alone has none)."""
@@ -126,6 +152,11 @@ def export_test_model(
 
 def export_tiny(out: Path, runtimes: Collection[str] = ()) -> Path:
     return export_test_model(out, TinyEmbedding(), runtimes=runtimes)
+
+
+def export_scaled(out: Path, scale: float, runtimes: Collection[str] = ()) -> Path:
+    """Another version of the tiny model (``arch`` tiny-test): embeddings ``scale`` times."""
+    return export_test_model(out, ScaledEmbedding(scale), runtimes=runtimes)
 
 
 def export_slow(out: Path, rounds: int = 150) -> Path:

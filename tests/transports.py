@@ -10,10 +10,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from app.batching import BatchItem, Transport, WorkerStatus
-from app.engine import default_transport
+from app.engine import default_transport, models_to_serve
 from app.jobs import BatchKey, ImageJob
-from app.manifest import read_manifest
 from app.plan import plan_serving
+from app.repository import ModelSpec
 from app.settings import Settings
 
 
@@ -38,8 +38,7 @@ class Watched:
     def wrap(self, settings: Settings) -> Watched:
         """Wrap the transport ``settings`` ask for (as the app would build it); returns self."""
         plan = plan_serving(settings)
-        manifest = read_manifest(plan.model_store, verify=False)
-        self._inner = default_transport(plan, manifest)
+        self._inner = default_transport(plan, models_to_serve(plan))
         return self
 
     @property
@@ -88,6 +87,16 @@ class Watched:
     @property
     def batch_size(self) -> int:
         return self.inner.batch_size
+
+    def batch_size_for(self, key: Hashable) -> int:
+        return self.inner.batch_size_for(key)
+
+    async def load(self, spec: ModelSpec) -> Sequence[Any]:
+        reports: Sequence[Any] = await self.inner.load(spec)  # type: ignore[attr-defined]
+        return reports
+
+    async def unload(self, served_id: str) -> None:
+        await self.inner.unload(served_id)  # type: ignore[attr-defined]
 
     @property
     def ready(self) -> bool:

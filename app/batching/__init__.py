@@ -2,12 +2,13 @@
 
 from app.batching.observe import BatchObserver, Trace
 from app.batching.streamer import Streamer
-from app.batching.transport import BatchFn, BatchItem, Transport, WorkerStatus
+from app.batching.transport import BatchFn, BatchItem, HeldModel, Transport, WorkerStatus
 
 __all__ = [
     "BatchFn",
     "BatchItem",
     "BatchObserver",
+    "HeldModel",
     "Streamer",
     "Trace",
     "Transport",

@@ -85,6 +85,7 @@ class Streamer(Generic[T, R]):
         default_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_batch: BatchObserver | None = None,
+        batch_size_for: Callable[[Hashable], int] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -96,6 +97,8 @@ class Streamer(Generic[T, R]):
             raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
         self._batch_fn = batch_fn
         self.max_batch_size = max_batch_size
+        # A key's own largest batch (each model's), never above max_batch_size.
+        self._batch_size_for = batch_size_for
         self.max_latency_s = max_latency_s
         self.max_queue_size = max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
@@ -254,27 +257,34 @@ class Streamer(Generic[T, R]):
         if (
             self._in_flight == 0
             or waited >= self.max_latency_s
-            or self._count_key(head.key) >= self.max_batch_size
+            or self._count_key(head.key) >= self.batch_size(head.key)
         ):
             self._launch(self._take_batch(head.key, now))
             return 0.0
         return self.max_latency_s - waited
 
+    def batch_size(self, key: Hashable) -> int:
+        """The largest batch of ``key``'s items."""
+        if self._batch_size_for is None:
+            return self.max_batch_size
+        return max(1, min(self.max_batch_size, self._batch_size_for(key)))
+
     def _count_key(self, key: Hashable) -> int:
-        count = 0
+        count, limit = 0, self.batch_size(key)
         for item in self._queue:
             if item.key == key:
                 count += 1
-                if count >= self.max_batch_size:
+                if count >= limit:
                     break
         return count
 
     def _take_batch(self, key: Hashable, now: float) -> list[_Pending[T, R]]:
         batch: list[_Pending[T, R]] = []
         kept: deque[_Pending[T, R]] = deque()
+        limit = self.batch_size(key)
         while self._queue:
             item = self._queue.popleft()
-            if len(batch) >= self.max_batch_size or item.key != key:
+            if len(batch) >= limit or item.key != key:
                 kept.append(item)
             elif item.future.done():
                 continue

@@ -20,6 +20,20 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class HeldModel:
+    """One model a worker holds (or is loading): its served id, its state (a
+    ``app.repository.ModelState`` value), and once loaded what runs it, the largest batch it
+    wants and what it costs the worker."""
+
+    served_id: str
+    state: str
+    runtime: str | None = None
+    batch_size: int | None = None
+    memory_bytes: int | None = None
+    reason: str = ""  # why it failed to load (broker mode)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """One model worker as a transport reports it (``/readyz``, ``/info``, the metrics)."""
 
@@ -37,6 +51,7 @@ class WorkerStatus:
     runtime: str | None = None  # what runs its model (MB_RUNTIME), once it is ready
     name: str | None = None  # broker mode: "<host>:<index>"
     host: str | None = None  # broker mode: the worker's host
+    models: tuple[HeldModel, ...] = ()  # the models it holds or is loading
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +97,10 @@ class Transport(Protocol[T]):
 
     @property
     def batch_size(self) -> int:
-        """The largest batch to form."""
+        """The largest batch to form, of any key."""
+
+    def batch_size_for(self, key: Hashable) -> int:
+        """The largest batch to form of ``key``'s items (its model's own)."""
 
     @property
     def ready(self) -> bool:

@@ -1,9 +1,11 @@
-"""A model worker's side of broker mode: take batches from the task streams, run them, reply.
+"""A model worker's side of broker mode: take batches from the streams of every model version
+it holds, run them, reply.
 
-One ``Consumer`` per worker process, in three threads: the main thread runs batches; a
-fetcher reads the next batch (``XREADGROUP``, everything waiting up to the batch size) so
-that it arrives as the current one ends, never more than one batch ahead; a heartbeat
-thread tells Redis every second that this worker lives and what it has run.
+One ``Consumer`` per worker process, in three threads: the main thread runs batches (and
+loads and unloads versions between them: ``app.broker.rotation``); a fetcher reads the next
+batch (``XREADGROUP``, everything waiting up to the batch size) so that it arrives as the
+current one ends, never more than one batch ahead; a heartbeat thread tells Redis every
+second that this worker lives, which versions it holds and what it has run.
 
 * **No idle wait**: an idle worker blocks on ``XREADGROUP``, which returns the moment one
   entry exists: a lone request runs at once as a batch of 1, and batches grow with load.
@@ -35,6 +37,7 @@ from app.broker.health import Heartbeat, TroubleLog
 from app.broker.keys import GROUP, HEARTBEAT_S, REPLY_TTL_S, Keys
 from app.broker.orphans import Entry, EntryId, OrphanClaims
 from app.broker.readahead import ReadAhead
+from app.broker.rotation import ModelRotation
 from app.broker.stats import ConsumerStats
 from app.broker.wire import (
     MalformedMessage,
@@ -47,8 +50,9 @@ from app.broker.wire import (
 )
 from app.errors import InferenceError, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
+from app.repository import Repository
 from app.workers.handle import rss_bytes
-from app.workers.process import PreparedWorker
+from app.workers.process import PreparedModel, PreparedWorker
 from app.workers.transfer import results
 
 log = logging.getLogger("app.worker")
@@ -61,10 +65,12 @@ RETRY_S = 0.5  # after Redis failed us
 Fetched = list[tuple[str, list[Entry]]]
 
 
-class Consumer(OrphanClaims):
-    """One worker process's consumer: ``run(stop)`` until ``stop`` is set.
+class Consumer(ModelRotation, OrphanClaims):
+    """One worker process's consumer: ``run(stop)`` until ``stop`` is set, then until what
+    only it holds is drained.
 
-    >>> # consumer = Consumer(redis.Redis.from_url(url), Keys("mb"), "host-1:0", prepared,
+    >>> # consumer = Consumer(redis.Redis.from_url(url), Keys("mb"), "host-1:0", worker,
+    >>> #                     repository=Repository(Path("models")), host="host-1",
     >>> #                     description={...}, max_image_bytes=10 << 20, max_deliveries=3,
     >>> #                     batch_timeout_s=60)
     >>> # consumer.run(threading.Event())
@@ -75,23 +81,32 @@ class Consumer(OrphanClaims):
         client: redis.Redis,
         keys: Keys,
         name: str,
-        prepared: PreparedWorker,
+        worker: PreparedWorker,
         *,
+        repository: Repository,
+        host: str,
         description: dict[str, Any],
         max_image_bytes: int,
         max_deliveries: int,
         batch_timeout_s: float,
+        load_timeout_s: float = 300.0,
+        switch_min_workers: int | None = None,
+        poll_s: float | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.name = name
-        self.prepared = prepared
+        self.worker = worker
+        self.repository = repository
+        self.host = host
         self.description = description
         self.max_image_bytes = max_image_bytes
         self.max_deliveries = max_deliveries
         self.batch_timeout_s = batch_timeout_s
+        self.load_timeout_s = load_timeout_s
+        self.switch_min_workers = switch_min_workers
+        self.poll_s = poll_s
         self.stats = ConsumerStats()
-        self._tasks = {keys.stream(task): task for task in Task}
         self._heartbeat = Heartbeat(client, keys, name)
         self._trouble = TroubleLog(name)
         # One read ahead at most (at most one batch per task), timed to the compute.
@@ -101,26 +116,37 @@ class Consumer(OrphanClaims):
         self._stop_fetching = threading.Event()
         self._done = threading.Event()  # heartbeats go on until the last answer is out
         self._running = 0  # items in the batch being run now (for /info)
+        self._init_rotation()
 
     # -- the main loop -----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set; then finish the batch being run and the one read
-        ahead, send the last answers, and take this worker out of the heartbeats."""
+        """Serve until ``stop`` is set, and on until what only this worker holds is drained
+        (``_drained``); then finish the batch being run and the one read ahead, send the
+        last answers, and take this worker out of the heartbeats."""
         self._stop = stop
         self._ensure_groups()
         self._send_heartbeat()
         beat = _thread(self._beat, "heartbeat")
         self._recover(own=True)  # what this worker's last life left pending
         fetch = _thread(self._fetch, "fetcher")
-        next_reclaim = time.monotonic() + RECLAIM_S
-        while not stop.is_set():
-            if time.monotonic() >= next_reclaim:
+        next_round = time.monotonic() + RECLAIM_S
+        while True:
+            if time.monotonic() >= next_round:
+                if stop.is_set():
+                    if self.draining_since is None:
+                        self.draining_since = time.monotonic()
+                        self._send_heartbeat()  # front ends stop routing to it at once
+                    if self._drained():
+                        break
                 self._recover(own=False)
-                next_reclaim = time.monotonic() + RECLAIM_S
-            fetched = self._ahead.take(timeout_s=RECLAIM_S)
+                self._rotate()
+                next_round = time.monotonic() + RECLAIM_S
+            fetched = self._ahead.take(timeout_s=0.1 if stop.is_set() else RECLAIM_S)
             if fetched is not None:
                 self._run_read(fetched)
+            elif stop.is_set():
+                next_round = min(next_round, time.monotonic())
         self._stop_fetching.set()
         fetch.join()  # its last read, if any, lands in the slot
         fetched = self._ahead.take(timeout_s=0)
@@ -133,6 +159,21 @@ class Consumer(OrphanClaims):
     def _run_read(self, fetched: Fetched) -> None:
         for stream, entries in fetched:
             self._process(stream, entries, self._redis_now_ms())
+
+    def _held(self, stream: str) -> tuple[PreparedModel, Task] | None:
+        """The model and task a stream's entries run on; None once unloaded."""
+        served = self._streams.get(stream) or self._served_by(stream)
+        if served is None or served[0] not in self.worker.models:
+            return None
+        return self.worker.models[served[0]], served[1]
+
+    def _served_by(self, stream: str) -> tuple[str, Task] | None:
+        """A stream retired from the reads but still held (its last entries, or a claim)."""
+        for served_id in self.worker.models:
+            for task in Task:
+                if self.keys.stream(served_id, task) == stream:
+                    return served_id, task
+        return None
 
     def _leave(self) -> None:
         """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
@@ -147,12 +188,18 @@ class Consumer(OrphanClaims):
     def _fetch(self) -> None:
         """The fetcher thread: read the next batch (everything waiting, up to the batch
         size per task) when ``ReadAhead`` says; the read blocks until an entry exists."""
-        streams: dict[Any, Any] = {stream: ">" for stream in self._tasks}
         while self._ahead.wait_turn(self._stop_fetching):
+            if self._pause_fetching.is_set():  # a load: the main thread runs what was read
+                time.sleep(0.05)
+                continue
+            streams: dict[Any, Any] = {stream: ">" for stream in self._streams}
+            if not streams:
+                time.sleep(0.1)
+                continue
             started = time.perf_counter()
             try:
                 read = self.client.xreadgroup(
-                    GROUP, self.name, streams, count=self.prepared.batch_size, block=1000
+                    GROUP, self.name, streams, count=self.read_batch_size, block=1000
                 )
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost the groups (a restart without data)
@@ -169,10 +216,10 @@ class Consumer(OrphanClaims):
                 fetched = [(text(stream), entries) for stream, entries in cast(list[Any], read)]
                 self._ahead.put(fetched, time.perf_counter() - started)
 
-    def _ensure_groups(self) -> None:
-        """Create the consumer group on every stream (and the streams), from their start so
-        nothing already added is skipped; fine if they exist."""
-        for stream in self._tasks:
+    def _ensure_groups(self, streams: Sequence[str] | None = None) -> None:
+        """Create the consumer group on every stream read (or ``streams``), and the streams,
+        from their start so nothing already added is skipped; fine if they exist."""
+        for stream in list(self._streams) if streams is None else streams:
             while True:
                 try:
                     self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -190,8 +237,26 @@ class Consumer(OrphanClaims):
     # -- running -----------------------------------------------------------------------------
 
     def _process(self, stream: str, entries: Sequence[Entry], now_ms: int) -> None:
-        """Run one stream's entries as one batch and answer each; drop what must not run."""
-        task = self._tasks[stream]
+        """Run one stream's entries as batches of its model and answer each; drop what
+        must not run."""
+        held = self._held(stream)
+        if held is None:  # unloaded meanwhile: left pending, for a worker that holds it
+            self._error(f"read {len(entries)} entries of {stream}, whose model it no longer holds")
+            return
+        model, task = held
+        for start in range(0, len(entries), model.batch_size):
+            self._process_batch(
+                model, stream, task, entries[start : start + model.batch_size], now_ms
+            )
+
+    def _process_batch(
+        self,
+        model: PreparedModel,
+        stream: str,
+        task: Task,
+        entries: Sequence[Entry],
+        now_ms: int,
+    ) -> None:
         runnable: list[tuple[EntryId, Request]] = []
         dropped: list[EntryId] = []
         for entry_id, fields in entries:
@@ -216,28 +281,30 @@ class Consumer(OrphanClaims):
             self._running = len(runnable)
             try:
                 with self._ahead.computing():
-                    replies = self._compute(task, runnable)
+                    replies = self._compute(model, task, runnable)
             finally:
                 self._running = 0
             waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
             frontends = len({request.frontend for _, request in runnable})
-            self.stats.record(task, len(runnable), frontends, time.perf_counter() - started, waits)
+            seconds = time.perf_counter() - started
+            served_id = model.spec.served_id
+            self.stats.record(served_id, task, len(runnable), frontends, seconds, waits)
         self._answer(stream, replies, dropped)
         if runnable:
-            self.prepared.memory.after_batch()
+            self.worker.memory.after_batch()
 
     def _compute(
-        self, task: Task, runnable: Sequence[tuple[EntryId, Request]]
+        self, model: PreparedModel, task: Task, runnable: Sequence[tuple[EntryId, Request]]
     ) -> list[tuple[EntryId, Request, bytes]]:
         """Decode and run ``runnable`` as one batch: each entry's reply. If the model call
         fails for the batch, each entry is run alone, so only the guilty one gets the 500."""
         size = len(runnable)
         try:
-            answers = self._run(task, [request for _, request in runnable])
+            answers = self._run(model, task, [request for _, request in runnable])
         except Exception:
             if size > 1:
                 log.warning("worker %s: a batch of %d failed; running each alone", self.name, size)
-                return [reply for one in runnable for reply in self._compute(task, [one])]
+                return [reply for one in runnable for reply in self._compute(model, task, [one])]
             log.error("worker %s: a model call failed:\n%s", self.name, traceback.format_exc())
             answers = [InferenceError("model call failed")]
         return [
@@ -245,16 +312,16 @@ class Consumer(OrphanClaims):
             for (entry_id, request), answer in zip(runnable, answers, strict=True)
         ]
 
-    def _run(self, task: Task, requests: Sequence[Request]) -> list[object]:
+    def _run(self, model: PreparedModel, task: Task, requests: Sequence[Request]) -> list[object]:
         """Each request's result (an array, ``TopK``, ``EmbeddingAndTopK``) or error, in
         order."""
-        decoder = self.prepared.decoder
+        decoder = model.decoder
         assert decoder is not None, "a broker worker always decodes"
         pixels, errors = decoder.decode([request.image for request in requests])
         top_ks = [request.top_k for request in requests]
         outputs = {}
         if len(pixels):
-            outputs = self.prepared.runner.run(task, pixels, max(top_ks))
+            outputs = model.runner.run(task, pixels, max(top_ks))
         positions = range(len(requests))
         answers = results(task, top_ks, positions, outputs, errors)
         return [answers[position] for position in positions]
@@ -307,10 +374,15 @@ class Consumer(OrphanClaims):
         return self._heartbeat.redis_now_ms()
 
     def _send_heartbeat(self) -> None:
+        first = self._advertised[0] if self._advertised else {}
         info = {
             **self.description,
             "name": self.name,
-            "batch_size": self.prepared.batch_size,
+            "batch_size": self.read_batch_size,
+            "models": self._advertised,
+            "model_id": first.get("served_id"),
+            "runtime": first.get("runtime"),
+            "draining": self.draining_since is not None,
             "ready": True,
             "alive": True,
             "running": self._running,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.jobs import Task
+from app.manifest import model_version
 
 GROUP = "workers"  # the consumer group every worker joins, on every task's stream
 # Workers heartbeat every HEARTBEAT_S; one silent for STALE_S counts as gone.
@@ -17,25 +18,31 @@ REPLY_TTL_S = 60
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one prefix, the streams also under the served export's digest.
+    """Key names under one prefix; a model version's streams also under its served id's
+    version part (the export's digest, and precision).
 
-    >>> keys = Keys("mb", "89e9be0d4f64")
-    >>> keys.stream(Task.TAG), keys.replies("fe1")
+    >>> keys = Keys("mb")
+    >>> keys.stream("efficientnet_lite0@89e9be0d4f64", Task.TAG), keys.replies("fe1")
     ('mb:{q}:89e9be0d4f64:tag', 'mb:replies:fe1')
     """
 
     prefix: str
-    model: str  # the served export's version (``Manifest.version``)
 
-    def stream(self, task: Task) -> str:
-        """One stream per task, so a batch never mixes endpoints, and per export, so front
-        ends and workers of two exports never meet (their vectors never mix). The ``{q}``
-        hash tag keeps the streams in one slot (the admission script reads them together)."""
-        return f"{self.prefix}:{{q}}:{self.model}:{task.value}"
+    def stream(self, served_id: str, task: Task) -> str:
+        """One stream per task, so a batch never mixes endpoints, and per served id, so two
+        models, versions or precisions never share a batch (their vectors never mix). The
+        ``{q}`` hash tag keeps every stream in one slot (the admission script reads them
+        together)."""
+        return f"{self.prefix}:{{q}}:{model_version(served_id)}:{task.value}"
 
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return tuple(self.stream(task) for task in Task)
+    def streams(self, served_id: str) -> tuple[str, ...]:
+        """The served id's streams, one per task."""
+        return tuple(self.stream(served_id, task) for task in Task)
+
+    def loading(self, host: str) -> str:
+        """A lock one worker of a host holds while it loads a model: one at a time per host,
+        so its other workers serve meanwhile."""
+        return f"{self.prefix}:{{w}}:loading:{host}"
 
     def replies(self, frontend: str) -> str:
         """The list one front-end process reads its replies from."""

@@ -16,7 +16,6 @@ from app.broker.keys import GROUP, STALE_S, Keys
 from app.broker.stats import ConsumerStats
 from app.broker.wire import MAX_TTL_MS, Request, decode_request, encode_error, text
 from app.errors import InferenceError
-from app.jobs import Task
 
 log = logging.getLogger("app.worker")
 
@@ -36,11 +35,13 @@ class OrphanClaims:
     max_image_bytes: int
     max_deliveries: int
     batch_timeout_s: float
-    _tasks: dict[str, Task]
     _stop: threading.Event
     _last_cleanup: float
 
     def _process(self, stream: str, entries: Sequence[Entry], now_ms: int) -> None:
+        raise NotImplementedError
+
+    def _held_streams(self) -> list[str]:
         raise NotImplementedError
 
     def _answer(
@@ -85,7 +86,7 @@ class OrphanClaims:
         stuck_ms = int(2000 * self.batch_timeout_s)
         # Entries a dead worker holds have been idle at least since its last heartbeat.
         idle_ms = 0 if own else int(1000 * min(STALE_S, self.batch_timeout_s))
-        for stream in self._tasks:
+        for stream in self._held_streams():
             start = "-"
             while not stop.is_set():
                 pending = self.client.xpending_range(
@@ -150,7 +151,7 @@ class OrphanClaims:
         if gone:
             self.client.zrem(self.keys.heartbeats, *gone)
             self.client.hdel(self.keys.worker_info, *gone)
-        for stream in self._tasks:
+        for stream in self._held_streams():
             for consumer in self.client.xinfo_consumers(stream, GROUP):
                 if consumer["pending"] == 0 and consumer["idle"] > 1000 * FORGET_S:
                     self.client.xgroup_delconsumer(stream, GROUP, consumer["name"])

@@ -31,19 +31,26 @@ class ConsumerStats:
     malformed: int = 0  # dropped unrun: not our format
     reclaimed: int = 0  # taken over from a worker that died or hung
     given_up: int = 0  # answered 500 after MB_MAX_DELIVERIES deliveries
-    sizes: dict[Task, dict[int, int]] = field(default_factory=dict)  # task -> size -> batches
-    model_s: dict[Task, list[float]] = field(default_factory=dict)  # task -> histogram
-    wait_s: dict[Task, list[float]] = field(default_factory=dict)  # task -> histogram
+    # By served id, then task: batches by size, and the model-time and queue-wait histograms.
+    sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
+    model_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
 
     def record(
-        self, task: Task, size: int, frontends: int, model_s: float, waits: list[float]
+        self,
+        served_id: str,
+        task: Task,
+        size: int,
+        frontends: int,
+        model_s: float,
+        waits: list[float],
     ) -> None:
         self.batches += 1
         self.items += size
         self.mixed_batches += frontends > 1
-        sizes = self.sizes.setdefault(task, {})
+        sizes = self.sizes.setdefault(served_id, {}).setdefault(task, {})
         sizes[size] = sizes.get(size, 0) + 1
-        _observe(self.model_s.setdefault(task, _histogram()), model_s)
-        histogram = self.wait_s.setdefault(task, _histogram())
+        _observe(self.model_s.setdefault(served_id, {}).setdefault(task, _histogram()), model_s)
+        histogram = self.wait_s.setdefault(served_id, {}).setdefault(task, _histogram())
         for wait in waits:
             _observe(histogram, wait)

@@ -4,7 +4,9 @@ across every front end.
 
 Per front-end process: one id (``frontend``), one reply list read by one asyncio task, and
 one monitor task that reads the workers' heartbeats and the shared queue's depth every
-second (readiness, ``/info``, metrics). No torch, no model weights.
+second (readiness, ``/info``, metrics), and from the heartbeats which version each model
+name serves (``app.broker.routing``; ``on_routes`` hears it). A request goes to the streams of
+the version it was admitted for (``BatchKey.model``). No torch, no model weights.
 
 Failure rules: a request is refused with 503 ``broker_unavailable`` while Redis cannot be
 reached, and every request waiting for a reply fails the same way the moment the reply
@@ -12,7 +14,7 @@ reader loses Redis (the entry or its reply may be gone). It is refused with 503
 ``worker_died`` while no worker has sent a heartbeat recently (by a look at Redis at most
 ``LOOK_AGAIN_S`` older than the request, not the monitor's last), and with 503 ``queue_full``
 when the shared streams hold ``max_queue`` entries (checked and added in one script, so the
-bound holds across front ends).
+bound holds across front ends, and across every model served).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.batching import BatchItem, WorkerStatus
+from app.batching import BatchItem, HeldModel, WorkerStatus
 from app.broker.keys import STALE_S, Keys
+from app.broker.routing import routes
 from app.broker.wire import (
     MalformedMessage,
     WorkerInfo,
@@ -50,7 +53,7 @@ from app.errors import (
     WorkerDied,
 )
 from app.jobs import BatchKey, ImageJob, Task
-from app.manifest import model_version
+from app.repository import Route
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,9 @@ LOOK_AGAIN_S = 0.2  # a request that finds no worker looks at Redis itself, at m
 REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
 RECONNECT_S = 0.5
 NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
-# Add one request unless the task streams already hold ARGV[2] entries (those waiting and
-# those being computed): one round trip, and the bound holds across every front end.
+# Add one request to KEYS[ARGV[1]] unless the streams in KEYS (every served version's) already
+# hold ARGV[2] entries (those waiting and those being computed): one round trip, and the
+# bound holds across every front end.
 ADMIT = """
 local held = 0
 for i = 1, #KEYS do held = held + redis.call('XLEN', KEYS[i]) end
@@ -72,21 +76,27 @@ return redis.call('XADD', KEYS[tonumber(ARGV[1])], '*', 'h', ARGV[3], 'img', ARG
 class BrokerTransport:
     """``app.batching.Transport`` over Redis Streams, for one front-end process.
 
-    >>> # transport = BrokerTransport("redis://127.0.0.1:6379/0", Keys("mb"), max_queue=1024)
+    >>> # transport = BrokerTransport("redis://127.0.0.1:6379/0", "mb", max_queue=1024)
     >>> # await transport.start()    # never fails for Redis being down: it reconnects
-    >>> # await transport.run_batch(BatchKey(Task.TAG, encoded=True), items)
+    >>> # await transport.run_batch(BatchKey(Task.TAG, True, "tagger@1a2b3c4d5e6f"), items)
     """
 
     def __init__(
         self,
         url: str,
-        keys: Keys,
+        prefix: str,
         *,
         max_queue: int,
+        switch_min_workers: int | None = None,
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
+        on_routes: Callable[[dict[str, Route]], None] | None = None,
     ) -> None:
-        self.keys = keys
+        self.keys = Keys(prefix)
         self.max_queue = max_queue
+        self.switch_min_workers = switch_min_workers
+        self._on_routes = on_routes  # each monitor round: the version each name serves
+        self.routes: dict[str, Route] = {}
+        self._names: dict[str, str] = {}  # served id -> its model's name, as heartbeats say
         self.frontend = uuid.uuid4().hex[:16]
         self._url = url
         self._on_workers = on_workers  # each monitor round: the live workers' heartbeats
@@ -95,6 +105,7 @@ class BrokerTransport:
         self._admit: Any = None
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future[object]] = {}
+        self._pending_model: dict[str, str] = {}  # request id -> the served id it went to
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._connected = False
@@ -118,6 +129,9 @@ class BrokerTransport:
         """1: the front end passes each request on at once; the workers batch."""
         return 1
 
+    def batch_size_for(self, key: Hashable) -> int:
+        return 1
+
     @property
     def ready(self) -> bool:
         return self._connected and bool(self._workers)
@@ -135,6 +149,13 @@ class BrokerTransport:
                 alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
                 rss_bytes=w.rss_bytes, restarts=w.restarts, name=w.name, host=w.host,
                 runtime=w.runtime,
+                models=tuple(
+                    HeldModel(
+                        m.served_id, m.state.value, m.runtime, m.batch_size, m.memory_bytes,
+                        m.reason,
+                    )
+                    for m in w.models
+                ),
             )
             for w in self._workers
         ]  # fmt: skip
@@ -187,13 +208,21 @@ class BrokerTransport:
         assert isinstance(key, BatchKey) and key.encoded, "broker mode sends uploads encoded"
         if not self._connected or self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
-        if not self._workers:
+        if not self._served(key.model):
             await self._look_again()
-            if not self._workers:
-                raise WorkerDied("no model worker is alive", retry_after_s=2)
-        return {item.id: await self._one(key.task, item) for item in items}
+            if not self._served(key.model):
+                raise WorkerDied(f"no live model worker holds {key.model}", retry_after_s=2)
+        return {item.id: await self._one(key.model, key.task, item) for item in items}
 
-    async def _one(self, task: Task, item: BatchItem[ImageJob]) -> object:
+    def _served(self, served_id: str) -> bool:
+        return any(worker.holds(served_id) for worker in self._workers)
+
+    def _queue_streams(self, served_id: str) -> list[str]:
+        """The streams the queue bound counts: every routed version's, and this one's."""
+        ids = {route.served_id for route in self.routes.values()} | {served_id}
+        return [stream for model in sorted(ids) for stream in self.keys.streams(model)]
+
+    async def _one(self, served_id: str, task: Task, item: BatchItem[ImageJob]) -> object:
         """One request: admitted and added in one script call, then its reply."""
         assert self._redis is not None
         request_id = f"{self.frontend}-{next(self._ids)}"
@@ -203,14 +232,16 @@ class BrokerTransport:
         image = item.payload.image
         assert isinstance(image, bytes)
         fields = encode_request(request_id, self.frontend, task, item.payload.top_k, ttl_ms, image)
-        stream = self.keys.stream(task)
+        stream = self.keys.stream(served_id, task)
+        counted = self._queue_streams(served_id)
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future  # before the entry exists: a fast reply finds it
+        self._pending_model[request_id] = served_id
         added: Any = None  # the entry id (bytes), or the queue depth (int) when full
         try:
             added = await self._admit(
-                keys=list(self.keys.streams),
-                args=[list(Task).index(task) + 1, self.max_queue, fields["h"], fields["img"]],
+                keys=counted,
+                args=[counted.index(stream) + 1, self.max_queue, fields["h"], fields["img"]],
             )
         except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
             log.error("broker: Redis refused a request: %s", exc)
@@ -221,6 +252,7 @@ class BrokerTransport:
         finally:
             if not isinstance(added, bytes):  # not added (an entry id is bytes): no reply comes
                 self._pending.pop(request_id, None)
+                self._pending_model.pop(request_id, None)
         if isinstance(added, int):  # the streams held max_queue entries: not added
             return QueueFull(
                 f"the shared queue is full ({added} waiting)",
@@ -252,6 +284,7 @@ class BrokerTransport:
             raise
         finally:
             self._pending.pop(request_id, None)
+            self._pending_model.pop(request_id, None)
 
     def _forget(self, stream: str, entry_id: bytes) -> None:
         """Delete an entry nobody waits for (in the background: its caller has gone)."""
@@ -321,10 +354,19 @@ class BrokerTransport:
         self._unreachable(exc)
         self._fail_pending(BrokerUnavailable("lost the broker (Redis) while waiting"))
 
-    def _fail_pending(self, error: ServerError) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
+    def _fail_pending(self, error: ServerError, served_id: str | None = None) -> None:
+        """Fail every waiting request (or those sent to ``served_id``) with ``error``."""
+        failed = [
+            request_id
+            for request_id, model in self._pending_model.items()
+            if served_id is None or model == served_id
+        ]
+        if served_id is None:
+            failed = list(self._pending)
+        for request_id in failed:
+            future = self._pending.pop(request_id, None)
+            self._pending_model.pop(request_id, None)
+            if future is not None and not future.done():
                 future.set_exception(error)
 
     # -- the workers and the queue, as Redis sees them ---------------------------------------
@@ -362,11 +404,16 @@ class BrokerTransport:
         sent a heartbeat lately, how full are the streams."""
         assert self._redis is not None
         self._looked_at = time.monotonic()
+        counted = [
+            stream
+            for served_id in sorted({route.served_id for route in self.routes.values()})
+            for stream in self.keys.streams(served_id)
+        ]
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.time()
                 pipe.info("server")
-                for stream in self.keys.streams:
+                for stream in counted:
                     pipe.xlen(stream)
                 answers = await pipe.execute()
             seconds, micros = answers[0]
@@ -392,16 +439,35 @@ class BrokerTransport:
         workers = []
         for raw in infos:
             try:
-                info = decode_worker_info(raw)
+                workers.append(decode_worker_info(raw))
             except MalformedMessage as exc:
                 log.error("broker: ignored a worker's heartbeat: %s", str(exc)[:300])
-                continue
-            if model_version(info.model_id) == self.keys.model:  # serves this export
-                workers.append(info)
         self._workers = sorted(workers, key=lambda w: w.name)
         self._update_rate(time.monotonic(), sum(w.items for w in workers))
+        self._route()
         if self._on_workers is not None:
             self._on_workers(self._workers)
+
+    def _route(self) -> None:
+        """Which version each name serves now, by the heartbeats. Requests still waiting on
+        a version whose name has moved to another, and that no live worker holds, fail now:
+        nothing will compute them (after a proper drain there are none). While no worker
+        serves a name at all (its only worker restarting), its requests wait for it."""
+        before = self.routes
+        self.routes = routes(self._workers, self.switch_min_workers, sticky=before)
+        for model in (m for w in self._workers for m in w.models):
+            self._names[model.served_id] = model.name
+        moved = {
+            served_id
+            for served_id in set(self._pending_model.values())
+            if (route := self.routes.get(self._names.get(served_id, ""))) is not None
+            and route.served_id != served_id
+            and not any(w.holds(served_id) for w in self._workers)
+        }
+        for served_id in moved:
+            self._fail_pending(WorkerDied(f"no live worker holds {served_id} any more"), served_id)
+        if self._on_routes is not None and self.routes:
+            self._on_routes(dict(self.routes))
 
     def _update_rate(self, now: float, items: int) -> None:
         if self._last_items is not None:

@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
+from app.repository import ModelState
+from app.settings import MODEL_NAME_PATTERN
 
 WIRE_VERSION = 1
 REPLY_MAGIC = b"R1"
@@ -224,14 +226,31 @@ def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:
     return arrays
 
 
+class AdvertisedModel(BaseModel):
+    """One model version a worker holds, is loading, draining or failed to load, as its
+    heartbeat says (front ends route by it: ``app.broker.routing``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN)
+    version: int = Field(ge=1)
+    served_id: str = Field(max_length=300)
+    state: ModelState
+    runtime: str | None = Field(None, max_length=32)
+    batch_size: int | None = Field(None, ge=1)
+    memory_bytes: int | None = Field(None, ge=0)
+    reason: str = Field("", max_length=1000)
+
+
 class WorkerInfo(BaseModel):
     """What a worker says of itself in its heartbeat (``app.broker.consumer``); a front end
-    validates it before it believes any of it (``/info``, readiness, metrics)."""
+    validates it before it believes any of it (``/info``, readiness, routing, metrics)."""
 
     model_config = ConfigDict(extra="ignore")
 
     name: str = Field(pattern=_TOKEN.pattern)
-    model_id: str = Field(max_length=300)  # the export it serves
+    models: list[AdvertisedModel] = Field(default_factory=list, max_length=256)
+    draining: bool = False  # told to stop: it finishes what it holds and takes nothing new
     host: str = Field(max_length=128)
     index: int = Field(ge=0)
     pid: int = Field(ge=0)
@@ -251,10 +270,13 @@ class WorkerInfo(BaseModel):
     malformed: int = Field(ge=0)
     reclaimed: int = Field(ge=0)
     given_up: int = Field(ge=0)
-    # task -> batch size -> batches; task -> histogram (see ConsumerStats)
-    sizes: dict[Task, dict[int, int]] = Field(default_factory=dict)
-    model_s: dict[Task, list[float]] = Field(default_factory=dict)
-    wait_s: dict[Task, list[float]] = Field(default_factory=dict)
+    # served id -> task -> batch size -> batches; -> task -> histogram (see ConsumerStats)
+    sizes: dict[str, dict[Task, dict[int, int]]] = Field(default_factory=dict)
+    model_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
+    wait_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
+
+    def holds(self, served_id: str, state: ModelState = ModelState.READY) -> bool:
+        return any(m.served_id == served_id and m.state is state for m in self.models)
 
 
 def decode_worker_info(raw: bytes | str | None) -> WorkerInfo:

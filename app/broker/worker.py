@@ -4,13 +4,16 @@
 
 Starts one worker process per device slot, as the server's own pool would (``MB_WORKER_NUM``
 spread over ``CUDA_DEVICES``, ``MB_WORKER_THREADS``, ``MB_BATCH_SIZE`` including ``auto``,
-``MB_DTYPE``, ``MB_DECODE=device``: ``app.plan`` decides it all). Each verifies the model
-store, loads the models and serves the task streams at ``MB_BROKER``
-(``app.broker.consumer``). Worker ``i`` of this host is named ``<MB_WORKER_NAME or host
-name>:<i>`` in every life, so a restarted worker picks up the entries its last life left
-pending. A worker that dies is restarted with backoff; on SIGTERM or Ctrl-C each finishes
-the batch it runs and the command exits 0. This supervising process imports no torch and
-loads no model: only its children do.
+``MB_DTYPE``, ``MB_DECODE=device``: ``app.plan`` decides it all). Each verifies and loads
+every model of the repository (``MODEL_REPOSITORY``, or ``MODEL_STORE``: its chosen version
+of each) and serves their streams at ``MB_BROKER`` (``app.broker.consumer``). Worker ``i`` of
+this host is named ``<MB_WORKER_NAME or host name>:<i>`` in every life, so a restarted
+worker picks up the entries its last life left pending. A worker that dies is restarted with
+backoff. ``kill -HUP`` (or ``MB_REPOSITORY_POLL_S``) makes each load what is new in the
+repository beside what it serves, one worker of the host at a time (``app.broker.rotation``).
+On SIGTERM or Ctrl-C each finishes the batch it runs, drains what only it holds, and the
+command exits 0. This supervising process imports no torch and loads no model: only its
+children do.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -31,8 +35,8 @@ from types import FrameType
 
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
-from app.manifest import model_version, read_manifest
-from app.plan import BrokerPlan, Role, ServingPlan, WorkerConfig, plan_serving
+from app.plan import BrokerPlan, RepositoryPlan, Role, ServingPlan, WorkerConfig, plan_serving
+from app.repository import ModelSpec, Repository
 from app.settings import get_settings
 from app.workers import allocator
 from app.workers.backoff import RestartBackoff
@@ -54,7 +58,9 @@ class ConsumerSpec:
     broker: BrokerPlan
     batch_timeout_s: float
     max_image_bytes: int
-    model_id: str  # the export and precision it serves, as the front ends must serve them too
+    models: tuple[ModelSpec, ...]  # what it loads at start
+    repository: RepositoryPlan  # where it looks for new versions
+    load_timeout_s: float = 300.0
     restarts: int = 0
 
     @property
@@ -72,22 +78,18 @@ def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
 
     from app.broker.consumer import Consumer
     from app.broker.keys import Keys
-    from app.workers.process import prepare
+    from app.workers.process import prepare, start_failure
 
     configure_logging(spec.config.log_level, spec.config.log_format)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
+    reload = threading.Event()  # SIGHUP before the consumer exists: it looks at once
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
     try:
-        prepared = prepare(spec.config, spec.device, spec.threads)
+        worker = prepare(spec.config, spec.device, spec.threads, spec.models)
     except Exception as exc:
-        log.error(
-            "worker %s on %s failed to start: %s: %s",
-            spec.name,
-            spec.device,
-            type(exc).__name__,
-            exc,
-        )
+        log.error("worker %s on %s failed to start: %s", spec.name, spec.device, start_failure(exc))
         sys.exit(2)
     if loaded is not None:
         loaded.set()
@@ -96,33 +98,46 @@ def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
         spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
     )
     description = {
-        "model_id": spec.model_id,
         "host": spec.broker.host_name,
         "index": spec.index,
         "pid": os.getpid(),
         "device": spec.device,
         "threads": spec.threads,
         "restarts": spec.restarts,
-        "runtime": prepared.runner.models.runtime,
     }
     consumer = Consumer(
         client,
-        Keys(spec.broker.prefix, model_version(spec.model_id)),
+        Keys(spec.broker.prefix),
         spec.name,
-        prepared,
+        worker,
+        repository=repository_of(spec.repository),
+        host=spec.broker.host_name,
         description=description,
         max_image_bytes=spec.max_image_bytes,
         max_deliveries=spec.broker.max_deliveries,
         batch_timeout_s=spec.batch_timeout_s,
+        load_timeout_s=spec.load_timeout_s,
+        switch_min_workers=spec.repository.switch_min_workers,
+        poll_s=spec.repository.poll_s,
     )
+    signal.signal(signal.SIGHUP, lambda *_: consumer.request_reload())
+    if reload.is_set():
+        consumer.request_reload()
     log.info(
-        "worker %s on %s ready (batch size %d, %d threads)",
+        "worker %s on %s ready (%s; %d threads)",
         spec.name,
         spec.device,
-        prepared.batch_size,
+        ", ".join(f"{id} batch<={m.batch_size}" for id, m in worker.models.items()),
         spec.threads,
     )
     consumer.run(stop)
+
+
+def repository_of(plan: RepositoryPlan) -> Repository:
+    """The repository a worker reads: a repository, or a lone store as one."""
+    if plan.single:
+        return Repository.of_store(plan.root, plan.pins)
+    return Repository(plan.root, pins=plan.pins)
 
 
 class Supervisor:
@@ -149,6 +164,13 @@ class Supervisor:
         self.processes[spec.index] = process
         self._started[spec.index] = time.monotonic()
 
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        """``kill -HUP``: every worker looks at the repository and loads what is new."""
+        log.info("SIGHUP: the workers load what is new in the repository")
+        for process in self.processes.values():
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signal.SIGHUP)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.stopping.is_set():
             log.info("stopping the workers (each finishes its batch)")
@@ -166,6 +188,7 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hangup)
         for spec in self.specs:
             if not self.stopping.is_set():
                 self._start(spec)
@@ -235,7 +258,7 @@ class Supervisor:
                 self._start(self.specs[index])
 
 
-def consumer_specs(plan: ServingPlan, model_id: str) -> list[ConsumerSpec]:
+def consumer_specs(plan: ServingPlan, models: Sequence[ModelSpec]) -> list[ConsumerSpec]:
     """One spec per planned worker of this host (the plan's role is ``Role.WORKERS``: the
     workers decode every upload, which crosses the broker encoded)."""
     assert plan.role is Role.WORKERS and plan.broker is not None
@@ -248,7 +271,9 @@ def consumer_specs(plan: ServingPlan, model_id: str) -> list[ConsumerSpec]:
             broker=plan.broker,
             batch_timeout_s=plan.limits.batch_timeout_s,
             max_image_bytes=plan.limits.max_image_bytes,
-            model_id=model_id,
+            models=tuple(models),
+            repository=plan.repository,
+            load_timeout_s=plan.limits.start_timeout_s,
         )
         for index, device in enumerate(plan.placement.devices)
     ]
@@ -271,19 +296,36 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         plan = plan_serving(settings, Role.WORKERS)
-        manifest = read_manifest(plan.model_store, verify=True)  # fail here, once
-        model_id = manifest.served_id(plan.worker.dtype)
-        specs = consumer_specs(plan, model_id)
+        models = chosen_models(plan)  # fail here, once
+        specs = consumer_specs(plan, models)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
         "starting %d worker(s) of %s on %s",
         len(specs),
-        model_id,
+        ", ".join(spec.served_id for spec in models),
         ", ".join(s.device for s in specs),
     )
     return Supervisor(specs).run()
+
+
+def chosen_models(plan: ServingPlan) -> list[ModelSpec]:
+    """The version of every model this host's workers load first, verified (every sha256)."""
+    from app.manifest import read_manifest
+
+    repository = repository_of(plan.repository)
+    names = repository.names()
+    if not names:
+        raise ModelStoreError(f"no model in {plan.repository.root}: export one first")
+    models = []
+    for name in names:
+        number = repository.chosen(name)
+        store = repository.path(name, number)
+        manifest = read_manifest(store, verify=True)
+        served_id = manifest.served_id(plan.worker.dtype)
+        models.append(ModelSpec(name, number, str(store), served_id, manifest.input.image_shape))
+    return models
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every model worker loads, and how."""
+    """How every model worker loads and runs the models it is given (``ModelSpec``s)."""
 
-    model_store: str
     max_batch_size: int
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
     dtype: str = "auto"  # MB_DTYPE; "auto": the store's own precision (Manifest.serving_dtype)
@@ -50,6 +49,7 @@ class WorkerConfig:
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
     decode_on_device: bool = False  # JPEGs are decoded on the worker's device
     max_pixels: int = 40_000_000  # the largest image a worker decodes
+    memory_budget_bytes: int | None = None  # MB_MODEL_MEMORY: what its models may take
     log_level: str = "info"
     log_format: str = "text"  # "json": each record (a traceback too) one JSON line
 
@@ -88,6 +88,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class RepositoryPlan:
+    """Where the models come from and which versions serve (``app.repository``).
+
+    ``root`` is a repository, or with ``single`` a lone store (``MODEL_STORE``) serving as a
+    repository of one model."""
+
+    root: Path
+    single: bool
+    pins: dict[str, int] = field(default_factory=dict)  # MB_MODEL_VERSIONS
+    default_model: str | None = None  # MB_DEFAULT_MODEL
+    poll_s: float | None = None  # MB_REPOSITORY_POLL_S
+    switch_min_workers: int | None = None  # broker mode: None is every live worker ("all")
+
+
+@dataclass(frozen=True)
 class BrokerPlan:
     """Broker mode: where Redis is and how this host's workers are named there."""
 
@@ -114,7 +129,7 @@ class ServingPlan:
     """
 
     role: Role
-    model_store: Path
+    repository: RepositoryPlan
     placement: Placement
     worker: WorkerConfig
     limits: Limits
@@ -224,12 +239,23 @@ def plan_serving(
             max_deliveries=settings.mb_max_deliveries,
             host_name=_host_name(settings),
         )
+    repository_root = settings.model_repository or settings.model_store
     return ServingPlan(
         role=role,
-        model_store=settings.model_store,
+        repository=RepositoryPlan(
+            root=repository_root,
+            single=settings.model_repository is None,
+            pins=settings.model_pins,
+            default_model=settings.mb_default_model,
+            poll_s=settings.mb_repository_poll_s,
+            switch_min_workers=(
+                None
+                if settings.mb_switch_min_workers == "all"
+                else int(settings.mb_switch_min_workers)
+            ),
+        ),
         placement=placement,
         worker=WorkerConfig(
-            model_store=str(settings.model_store),
             max_batch_size=settings.max_batch_size,
             auto_batch=settings.mb_batch_size == "auto",
             dtype=settings.mb_dtype,
@@ -238,6 +264,9 @@ def plan_serving(
             decode_threads=placement.decode.worker_threads,
             decode_on_device=placement.decode.on_device,
             max_pixels=settings.max_image_pixels,
+            memory_budget_bytes=(
+                None if settings.mb_model_memory is None else int(settings.mb_model_memory)
+            ),
             log_level=settings.log_level,
             log_format=settings.log_format,
         ),

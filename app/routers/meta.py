@@ -9,7 +9,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.dependencies import PredictorDep, is_ready, readiness_response, running_engine
+from app.dependencies import (
+    admitted,
+    is_ready,
+    readiness_response,
+    running_engine,
+    serving_engine,
+)
+from app.errors import NoClassifier
 from app.schemas import Health, Readiness, WorkerState
 
 router = APIRouter(tags=["meta"])
@@ -49,22 +56,29 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/info")
-async def info(request: Request, predictor: PredictorDep) -> dict[str, Any]:
-    """What is being served: the model manifest, the effective batching settings, the workers."""
-    engine = running_engine(request)
-    assert engine is not None  # the predictor exists
+async def info(request: Request) -> dict[str, Any]:
+    """What is being served: every model and version (``models``), the default model's
+    manifest (``model``, ``model_id``), the effective batching settings, the workers."""
+    engine = serving_engine(request)
     plan, streamer = engine.plan, engine.streamer
+    default = engine.registry.default
     return {
-        "model_id": predictor.model_id,
-        "model": predictor.manifest.model_dump(),
+        "model_id": default.served_id if default is not None else None,
+        "model": default.manifest.model_dump() if default and default.manifest else None,
+        "default_model": default.name if default is not None else None,
+        "models": engine.models.index(engine.transport.worker_status()),
         "batching": {
-            "batch_size": streamer.max_batch_size,
+            "batch_size": engine.transport.batch_size,
             "batch_size_setting": plan.batch_size_setting,
             "max_latency_s": streamer.max_latency_s,
             "max_queue": streamer.max_queue_size,
             "request_timeout_s": plan.limits.request_timeout_s,
             "batch_timeout_s": plan.limits.batch_timeout_s,
-            "dtype": predictor.manifest.serving_dtype(plan.worker.dtype),
+            "dtype": (
+                default.manifest.serving_dtype(plan.worker.dtype)
+                if default and default.manifest
+                else plan.worker.dtype
+            ),
             "optimize": plan.worker.optimize,
             "decode": plan.decode.describe(),
             "transport": plan.describe(),
@@ -74,8 +88,11 @@ async def info(request: Request, predictor: PredictorDep) -> dict[str, Any]:
 
 
 @router.get("/tags", response_model=list[str])
-async def tags(predictor: PredictorDep) -> list[str]:
-    """The class names the tagger can return, in the model's index order (404 for an
-    embedding-only model)."""
-    predictor.require_classifier()
-    return predictor.classes
+async def tags(request: Request) -> list[str]:
+    """The class names the tagger can return, in the model's index order (``?model=NAME``
+    chooses the model; 404 for an embedding-only model)."""
+    with admitted(request) as version:
+        if version.predictor is None:
+            raise NoClassifier(f"{version.label} has no classes")
+        version.predictor.require_classifier()
+        return version.predictor.classes

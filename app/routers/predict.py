@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from app.dependencies import REQUIRES_API_KEY, app_settings, serving_predictor
+from app.dependencies import REQUIRES_API_KEY, admitted, app_settings
 from app.routers.common import (
     ERRORS,
     MAX_K,
@@ -20,6 +20,7 @@ from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
 from app.services.predictor import DEFAULT_K, Predictor
+from app.settings import MODEL_NAME_PATTERN
 
 router = APIRouter(
     prefix="/predict", tags=["predict"], route_class=DirectRoute, dependencies=REQUIRES_API_KEY
@@ -34,6 +35,26 @@ EMBEDDING_BYTES_HELP = (
     f"rows in image order; their shape in the {SHAPE_HEADER} header ('1280', or '3,1280' "
     "for several images)"
 )
+
+
+# How a request chooses its model, for the OpenAPI docs (app.dependencies.admitted reads them).
+MODEL_PARAMETERS: list[dict[str, Any]] = [
+    {
+        "name": "model",
+        "in": "query",
+        "required": False,
+        "description": "the model's name (default: the only one, or MB_DEFAULT_MODEL)",
+        "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN},
+    },
+    {
+        "name": "X-Model-Id",
+        "in": "header",
+        "required": False,
+        "description": "pin the exact export that must answer (an id from X-Model-Id or "
+        "/v2/repository/index); 409 model_version_unavailable if it is not served",
+        "schema": {"type": "string"},
+    },
+]
 
 
 def _upload_body(*, with_k: bool) -> dict[str, Any]:
@@ -68,7 +89,7 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "schema": k_schema,
     }
     return {
-        "parameters": [k_query] if with_k else [],
+        "parameters": [*MODEL_PARAMETERS, *([k_query] if with_k else [])],
         "requestBody": {
             "required": True,
             "content": {
@@ -80,16 +101,20 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
     }
 
 
-async def _admit(request: Request) -> tuple[Predictor, Upload, float]:
-    """Readiness and deadline first (cheap refusals; the API key was checked before), then
-    the upload."""
+async def _upload(request: Request) -> tuple[Upload, float]:
+    """The deadline first (a cheap refusal; the API key and the model were checked before),
+    then the upload."""
     settings = app_settings(request)
-    predictor = serving_predictor(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
     upload = await read_upload(
         request, settings.max_upload_bytes, max_images=settings.max_images_per_request
     )
-    return predictor, upload, deadline
+    return upload, deadline
+
+
+def _predictor(predictor: Predictor | None) -> Predictor:
+    assert predictor is not None, "a serving version has its predictor"
+    return predictor
 
 
 def _wants_binary(request: Request) -> bool:
@@ -114,9 +139,11 @@ def _wants_binary(request: Request) -> bool:
 )
 async def embedding(request: Request) -> Response:
     """Embed images: each one's pooled feature vector (a list of floats; a list of them for
-    several images, in order; raw float32 with ``Accept: application/octet-stream``)."""
-    predictor, upload, deadline = await _admit(request)
-    with batch_trace(request) as trace:
+    several images, in order; raw float32 with ``Accept: application/octet-stream``).
+    ``?model=NAME`` chooses the model; ``X-Model-Id`` pins the exact export."""
+    with admitted(request) as version, batch_trace(request) as trace:
+        upload, deadline = await _upload(request)
+        predictor = _predictor(version.predictor)
         vectors = await unless_disconnected(
             request, predictor.embeddings(upload.data, deadline, trace, names=upload.names)
         )
@@ -138,11 +165,13 @@ async def embedding(request: Request) -> Response:
 )
 async def tag(request: Request) -> JSONResponse:
     """Tag images: the top-k class names with their probabilities, most probable first (a
-    list of such lists for several images, in order)."""
-    predictor, upload, deadline = await _admit(request)
-    form_k = upload.fields.get("k")
-    top_k = parse_k(form_k if form_k is not None else request.query_params.get("k"))
-    with batch_trace(request) as trace:
+    list of such lists for several images, in order). ``?model=NAME`` chooses the model;
+    ``X-Model-Id`` pins the exact export."""
+    with admitted(request) as version, batch_trace(request) as trace:
+        upload, deadline = await _upload(request)
+        predictor = _predictor(version.predictor)
+        form_k = upload.fields.get("k")
+        top_k = parse_k(form_k if form_k is not None else request.query_params.get("k"))
         answers = await unless_disconnected(
             request, predictor.tags(upload.data, top_k, deadline, trace, names=upload.names)
         )

@@ -2,13 +2,15 @@
 readiness for KServe, Seldon and Triton-style probes and clients, and a small ``infer``.
 
 Covered: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}``,
-``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer`` over JSON, with one input
+``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer`` (each also under
+``/v2/models/{name}/versions/{version}``: the version's number, or its served id's version
+part; 409 ``model_version_unavailable`` if it is not the one serving) over JSON, with one input
 ``image`` of datatype ``BYTES`` (each element an encoded image as base64: JSON has no
 bytes) and the outputs ``embedding`` (FP32 ``[n, dim]``) and, for models with a classifier,
 ``top_k_probs`` (FP32 ``[n, k]``) and ``top_k_indices`` (INT64 ``[n, k]``; ``k`` from the
-request's ``parameters``: 5 by default, or every class of a model with fewer). Not covered:
-the binary-data extension, model repository and statistics extensions, and the gRPC
-protocol. Errors keep this server's own JSON shape.
+request's ``parameters``: 5 by default, or every class of a model with fewer). The model
+repository extension is in ``app.routers.repository``. Not covered: the binary-data and
+statistics extensions, and the gRPC protocol. Errors keep this server's own JSON shape.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from pydantic import BaseModel, Field
 
 from app.dependencies import (
     REQUIRES_API_KEY,
-    PredictorDep,
     SettingsDep,
+    admitted,
     is_ready,
     readiness_response,
 )
-from app.errors import InvalidRequest, ModelNotFound, PayloadTooLarge
-from app.manifest import model_version
+from app.errors import InvalidRequest, ModelVersionUnavailable, NotReady, PayloadTooLarge
 from app.routers.common import (
     ERRORS,
     batch_trace,
@@ -39,9 +40,10 @@ from app.routers.common import (
     request_deadline,
     unless_disconnected,
 )
-from app.services.predictor import Predictor
+from app.services.registry import ModelVersion
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
+VERSIONED = "/models/{name}/versions/{version}"
 
 INPUT = "image"
 
@@ -92,12 +94,6 @@ class InferResponse(BaseModel):
     outputs: list[InferOutput]
 
 
-def _served(predictor: Predictor, name: str) -> None:
-    if name != predictor.manifest.arch:
-        raise ModelNotFound(f"no model named {name!r} here; this server serves "
-                            f"{predictor.manifest.arch!r}")  # fmt: skip
-
-
 @router.get("")
 async def server_metadata() -> dict[str, Any]:
     """Server metadata: name, version and the protocol extensions supported (none)."""
@@ -117,11 +113,9 @@ async def ready(request: Request) -> JSONResponse:
     return readiness_response({"ready": ready}, ready)
 
 
-@router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
-async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
-    """The served model: its version (the export's id), input and outputs."""
-    _served(predictor, name)
-    manifest = predictor.manifest
+def _metadata(version: ModelVersion) -> ModelMetadata:
+    manifest = version.manifest
+    assert manifest is not None, "a serving version has its manifest"
     outputs = [TensorSpec(name="embedding", datatype="FP32", shape=[-1, manifest.embedding_dim])]
     if manifest.has_classifier:
         outputs += [
@@ -129,20 +123,36 @@ async def model_metadata(name: str, predictor: PredictorDep) -> ModelMetadata:
             TensorSpec(name="top_k_indices", datatype="INT64", shape=[-1, -1]),
         ]
     return ModelMetadata(
-        name=manifest.arch,
-        versions=[model_version(predictor.model_id)],
+        name=version.name,
+        versions=[str(version.version)],
         platform="pytorch_torchscript",
         inputs=[TensorSpec(name=INPUT, datatype="BYTES", shape=[-1])],
         outputs=outputs,
     )
 
 
+@router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
+@router.get(VERSIONED, response_model=ModelMetadata, responses={**ERRORS, 409: ERRORS[404]})
+async def model_metadata(name: str, request: Request, version: str | None = None) -> ModelMetadata:
+    """A served model: the version serving (its number), its input and outputs."""
+    with admitted(request, name, version) as served:
+        return _metadata(served)
+
+
 @router.get("/models/{name}/ready", responses={**ERRORS, 503: {"description": "not ready"}})
-async def model_ready(name: str, request: Request, predictor: PredictorDep) -> JSONResponse:
-    """The model's readiness: as the server's."""
-    _served(predictor, name)
-    ready = is_ready(request)
-    return readiness_response({"name": name, "ready": ready}, ready)
+@router.get(VERSIONED + "/ready", responses={**ERRORS, 503: {"description": "not ready"}})
+async def model_ready(name: str, request: Request, version: str | None = None) -> JSONResponse:
+    """The model's readiness (or that version's): it serves and a worker is ready."""
+    body: dict[str, Any] = {"name": name, "ready": False}
+    if version is not None:
+        body["version"] = version
+    try:
+        with admitted(request, name, version):
+            ready = is_ready(request)
+    except (ModelVersionUnavailable, NotReady):
+        ready = False
+    body["ready"] = ready
+    return readiness_response(body, ready)
 
 
 @router.post(
@@ -151,16 +161,21 @@ async def model_ready(name: str, request: Request, predictor: PredictorDep) -> J
     responses=ERRORS,
     dependencies=REQUIRES_API_KEY,
 )
+@router.post(
+    VERSIONED + "/infer",
+    response_model=InferResponse,
+    responses={**ERRORS, 409: ERRORS[404]},
+    dependencies=REQUIRES_API_KEY,
+)
 async def infer(
     name: str,
     body: InferRequest,
     request: Request,
-    predictor: PredictorDep,
     settings: SettingsDep,
+    version: str | None = None,
 ) -> InferResponse:
     """Embed and/or tag base64-encoded images, as the Open Inference Protocol asks; each
     image runs through the model once, whichever outputs are asked."""
-    _served(predictor, name)
     (given,) = body.inputs
     if given.shape != [len(given.data)]:
         raise InvalidRequest(
@@ -174,10 +189,11 @@ async def infer(
     k = parse_k((body.parameters or {}).get("k"), "parameters.k") if top_k else None
     deadline = request_deadline(request, settings.mb_request_timeout)
     outputs: list[InferOutput] = []
-    with batch_trace(request) as trace:
+    with admitted(request, name, version) as served, batch_trace(request) as trace:
+        assert served.predictor is not None
         inferred = await unless_disconnected(
             request,
-            predictor.infer(
+            served.predictor.infer(
                 images, k, deadline, trace, embedding="embedding" in wanted, top_k=top_k
             ),
         )
@@ -188,8 +204,9 @@ async def infer(
         outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
     if top is not None and "top_k_indices" in wanted:
         outputs.append(_output("top_k_indices", "INT64", np.stack([t.indices for t in top])))
-    version = model_version(predictor.model_id)
-    return InferResponse(model_name=name, model_version=version, id=body.id, outputs=outputs)
+    return InferResponse(
+        model_name=served.name, model_version=str(served.version), id=body.id, outputs=outputs
+    )
 
 
 def _image(index: int, text: str) -> bytes:

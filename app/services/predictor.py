@@ -38,7 +38,9 @@ class Inference:
 
 
 class Predictor:
-    """What the routers call. Holds no torch: the Streamer carries jobs to the workers.
+    """What the routers call, for one model version. Holds no torch: the Streamer carries
+    jobs to the workers, keyed by this version's served id (``model_id``), so its images
+    never share a batch with another version's.
 
     ``decode_pool`` runs the decodes the plan gives this process (``None`` when it gives it
     none). An upload left encoded is decoded by its worker, which answers a bad one itself.
@@ -87,7 +89,7 @@ class Predictor:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
             ImageJob(image, top_k=top_k),
-            key=BatchKey(task, encoded),
+            key=BatchKey(task, encoded, self.model_id),
             timeout_s=remaining,
             trace=trace,
         )

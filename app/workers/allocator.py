@@ -139,6 +139,25 @@ def retain_freed_memory() -> bool:
     return applied
 
 
+# jemalloc's MALLCTL_ARENAS_ALL: "every arena" in an ``arena.<i>.purge`` name.
+_ALL_ARENAS = 4096
+
+
+def release_freed_memory() -> None:
+    """Hand every freed page back to the kernel now (a model was unloaded, or one was just
+    loaded and is being measured): the workers' allocator keeps freed pages on purpose (see
+    the module's docstring), so without this an unloaded model's memory would stay
+    resident. Python's garbage first, so the runtimes' objects are really freed."""
+    import gc
+
+    gc.collect()
+    this = ctypes.CDLL(None)
+    if hasattr(this, "mallctl"):
+        this.mallctl(f"arena.{_ALL_ARENAS}.purge".encode(), None, None, None, 0)
+    elif malloc_in_use() == "glibc":
+        this.malloc_trim(0)
+
+
 def anonymous_bytes() -> int:
     """This process's resident memory that is neither file-backed nor shared (Linux's
     ``statm``: resident minus shared pages): what malloc holds, not the model files mapped

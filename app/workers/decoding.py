@@ -49,6 +49,12 @@ class Decoder:
         # Decoded rows land here, grown to the largest batch seen and reused.
         self._rows = np.empty((0, spec.crop_size, spec.crop_size, 3), dtype=np.uint8)
 
+    def close(self) -> None:
+        """Stop its threads (a model unloaded); idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
     def _one(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
         try:
             return preprocess(data, self.spec, max_pixels=self.max_pixels)
@@ -133,6 +139,9 @@ class DeviceDecoder:
         self.device = device
         self.fallback = fallback  # Pillow, for everything that is not a plain JPEG
         self.max_pixels = max_pixels
+
+    def close(self) -> None:
+        self.fallback.close()
 
     def warm_up(self) -> None:
         """Decode one small JPEG, so the first batch does not pay for the decoder's set-up

@@ -14,9 +14,16 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from app.batching import WorkerStatus
-from app.errors import InferenceError, WorkerDied, WorkerStartError
+from app.batching import HeldModel, WorkerStatus
+from app.errors import (
+    InferenceError,
+    ModelLoadFailed,
+    ModelMemoryBudget,
+    WorkerDied,
+    WorkerStartError,
+)
 from app.plan import WorkerConfig
+from app.repository import ModelSpec, ModelState
 from app.workers import allocator
 from app.workers.buffer import InputBuffer
 from app.workers.channel import Channel, channel_pair
@@ -24,11 +31,20 @@ from app.workers.messages import (
     STOP,
     BatchDone,
     BatchFailed,
+    LoadDone,
+    LoadFailed,
+    LoadModel,
+    ModelLoaded,
+    ModelUnloaded,
     Ready,
     RunBatch,
     StartFailed,
+    UnloadModel,
     WorkerSpec,
 )
+
+# What a worker answers to one request: a batch's results, a model loaded or unloaded.
+Reply = BatchDone | LoadDone | ModelUnloaded
 
 log = logging.getLogger("app.workers.pool")
 
@@ -98,25 +114,30 @@ class WorkerHandle:
         self.buffer = buffer
         self.ready = False
         self.alive = True
-        self.batch_size = spec.config.max_batch_size
-        self.throughput: dict[int, float] = {}
-        self.runtime: str | None = None  # known once it is ready
+        self.models: dict[str, ModelLoaded] = {}  # by served id, once it is ready
+        self.loading: str | None = None  # the served id it is loading now
         self.batches = 0
         self.items = 0
         self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
         self._reader: asyncio.Task[None] | None = None
         self._on_idle: Callable[[WorkerHandle], None] = lambda _: None
         self._on_exit: Callable[[WorkerHandle], None] = lambda _: None
-        self._pending: asyncio.Future[BatchDone] | None = None
+        self._pending: asyncio.Future[Reply] | None = None
         self._pending_id: int | None = None
 
     @classmethod
     def spawn(
-        cls, index: int, device: str, threads: int, config: WorkerConfig, buffer_size: int
+        cls,
+        index: int,
+        device: str,
+        threads: int,
+        config: WorkerConfig,
+        buffer_size: int,
+        models: tuple[ModelSpec, ...],
     ) -> WorkerHandle:
-        """Start a worker process (it loads its models in the background)."""
+        """Start a worker process (it loads ``models`` in the background)."""
         buffer = InputBuffer.create(buffer_size)
-        spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size)
+        spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size, models)
         parent, child = channel_pair()
         process = mp.get_context("spawn").Process(
             target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True
@@ -155,8 +176,24 @@ class WorkerHandle:
         """Alive, ready and not running a batch."""
         return self.alive and self.ready and not self.busy
 
+    @property
+    def batch_size(self) -> int:
+        """The largest batch any of its models wants."""
+        wanted = [model.batch_size for model in self.models.values()]
+        return max(wanted, default=self.spec.config.max_batch_size)
+
+    def holds(self, served_id: str) -> bool:
+        return self.alive and self.ready and served_id in self.models
+
     def status(self, restarts: int = 0) -> WorkerStatus:
         """This worker for ``/readyz``, ``/info`` and the metrics; ``restarts``: of its slot."""
+        held = [
+            HeldModel(m.served_id, ModelState.READY, m.runtime, m.batch_size, m.memory_bytes)
+            for m in self.models.values()
+        ]
+        if self.loading is not None:
+            held.append(HeldModel(self.loading, ModelState.LOADING))
+        first = next(iter(self.models.values()), None)
         return WorkerStatus(
             index=self.index,
             device=self.device,
@@ -169,7 +206,8 @@ class WorkerHandle:
             items=self.items,
             rss_bytes=rss_bytes(self.process.pid) if self.alive else None,
             restarts=restarts,
-            runtime=self.runtime,
+            runtime=first.runtime if first is not None else None,
+            models=tuple(held),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -192,8 +230,7 @@ class WorkerHandle:
             )
         assert isinstance(message, Ready)
         self.ready = True
-        self.batch_size, self.throughput = message.batch_size, message.throughput
-        self.runtime = message.runtime
+        self.models = {model.served_id: model for model in message.models}
 
     def start_reading(
         self, on_idle: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle], None]
@@ -220,10 +257,16 @@ class WorkerHandle:
 
     def _on_reply(self, message: object) -> None:
         future, expected = self._pending, self._pending_id
-        if not isinstance(message, BatchDone | BatchFailed) or message.batch_id != expected:
+        replies = BatchDone | BatchFailed | LoadDone | LoadFailed | ModelUnloaded
+        if not isinstance(message, replies) or message.batch_id != expected:
             log.error("worker %d sent an unexpected message %r", self.index, message)
             return
         self._pending = self._pending_id = None
+        self.loading = None
+        if isinstance(message, LoadDone):
+            self.models[message.model.served_id] = message.model
+        elif isinstance(message, ModelUnloaded):
+            self.models.pop(message.served_id, None)
         self.idle_since = time.monotonic()
         self._on_idle(self)
         if future is None or future.done():
@@ -232,17 +275,28 @@ class WorkerHandle:
             # The full message (it may hold paths) goes to the log, not to HTTP clients.
             log.error("worker %d: batch failed: %s", self.index, message.message)
             future.set_exception(InferenceError("model call failed"))
+        elif isinstance(message, LoadFailed):
+            text = f"worker {self.index}: {message.message}"
+            future.set_exception(
+                ModelMemoryBudget(text)
+                if message.step == "budget"
+                else ModelLoadFailed(text, message.step)
+            )
         else:
             future.set_result(message)
 
-    def send(self, message: RunBatch) -> asyncio.Future[BatchDone]:
-        """Send one batch. The future gets its reply, ``InferenceError`` if the worker
-        reports the batch failed, or ``WorkerDied`` once it is marked dead (a socket found
-        closed here is reported to ``on_exit`` at once, like one the reader finds closed)."""
-        future: asyncio.Future[BatchDone] = asyncio.get_running_loop().create_future()
+    def send(self, message: RunBatch | LoadModel | UnloadModel) -> asyncio.Future[Reply]:
+        """Send one request: a batch, or a model to load or unload. The future gets its
+        reply, ``InferenceError`` if the worker reports the batch failed, ``ModelLoadFailed``
+        if the load did, or ``WorkerDied`` once it is marked dead (a socket found closed here
+        is reported to ``on_exit`` at once, like one the reader finds closed)."""
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending, self._pending_id = future, message.batch_id
-        self.batches += 1
-        self.items += len(message.ids)
+        if isinstance(message, RunBatch):
+            self.batches += 1
+            self.items += len(message.ids)
+        elif isinstance(message, LoadModel):
+            self.loading = message.spec.served_id
         try:
             self.conn.send(message)
         except (OSError, RuntimeError):

@@ -15,11 +15,13 @@ import numpy.typing as npt
 
 from app.jobs import Task
 from app.plan import WorkerConfig
+from app.repository import ModelSpec
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything one worker process needs to start, picklable for ``spawn``."""
+    """Everything one worker process needs to start, picklable for ``spawn``: among it the
+    models to load before it says ``Ready``."""
 
     index: int
     device: str
@@ -27,6 +29,7 @@ class WorkerSpec:
     config: WorkerConfig
     buffer_path: str
     buffer_size: int
+    models: tuple[ModelSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,57 @@ class RunBatch:
     spans: tuple[tuple[int, int] | None, ...] = ()
     inline: tuple[bytes | None, ...] = ()
     threads: int = 0  # torch threads for this batch (its own plus any lent); 0: unchanged
+    model: str = ""  # the served id of the model to run it on (the worker may hold several)
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    """A model a worker holds, ready: what it chose and measured for it."""
+
+    served_id: str
+    batch_size: int  # the largest batch it wants of this model
+    runtime: str  # what runs it (MB_RUNTIME)
+    memory_bytes: int  # what it costs the worker (measured growth, at least its files)
+    throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """Load ``spec`` beside the models held (verify, self-test, warm up); answered with
+    ``LoadDone`` or ``LoadFailed`` carrying the same ``batch_id`` (every request to a worker
+    is numbered from one counter, batches and these alike)."""
+
+    batch_id: int
+    spec: ModelSpec
+
+
+@dataclass(frozen=True)
+class LoadDone:
+    batch_id: int
+    model: ModelLoaded
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    batch_id: int
+    served_id: str
+    step: str  # verify, load, self-test, warm-up, budget
+    message: str
+
+
+@dataclass(frozen=True)
+class UnloadModel:
+    """Drop a model and give its memory back; answered with ``ModelUnloaded``."""
+
+    batch_id: int
+    served_id: str
+
+
+@dataclass(frozen=True)
+class ModelUnloaded:
+    batch_id: int
+    served_id: str
+    rss_bytes: int  # the worker's resident memory once the model's is given back
 
 
 @dataclass(frozen=True)
@@ -51,9 +105,7 @@ class Ready:
     device: str
     threads: int
     pid: int
-    batch_size: int  # the largest batch this worker wants (its auto choice, or the maximum)
-    throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
-    runtime: str = "torchscript"  # the runtime it serves with (MB_RUNTIME)
+    models: tuple[ModelLoaded, ...] = ()  # the WorkerSpec's, loaded
 
 
 @dataclass(frozen=True)
@@ -73,6 +125,7 @@ class BatchDone:
     # row -> (error class name, message) for images the worker could not decode
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
     threads: int = 0  # torch threads the batch ran on
+    model: str = ""  # the served id of the model that ran it (the pool checks it)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with its arrays as raw bytes: cheaper at both ends than numpy's own
@@ -81,7 +134,9 @@ class BatchDone:
             (name, array.dtype.str, array.shape, array.tobytes())
             for name, array in self.outputs.items()
         )
-        fields = (self.batch_id, self.ids, arrays, self.compute_s, self.errors, self.threads)
+        fields = (
+            self.batch_id, self.ids, arrays, self.compute_s, self.errors, self.threads, self.model
+        )  # fmt: skip
         return (_batch_done, fields)
 
 
@@ -92,12 +147,13 @@ def _batch_done(
     compute_s: float,
     errors: dict[int, tuple[str, str]],
     threads: int,
+    model: str,
 ) -> BatchDone:
     """A ``BatchDone`` from its pickled form (its arrays are read-only views of the bytes)."""
     outputs = {
         name: np.frombuffer(raw, dtype=dtype).reshape(shape) for name, dtype, shape, raw in arrays
     }
-    return BatchDone(batch_id, ids, outputs, compute_s, errors, threads)
+    return BatchDone(batch_id, ids, outputs, compute_s, errors, threads, model)
 
 
 @dataclass(frozen=True)

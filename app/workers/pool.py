@@ -1,14 +1,18 @@
 """The worker pool: model worker processes on this machine, as a ``Transport``.
 
 It fills ``app.batching.Transport``: ``start``/``aclose``, ``run_batch`` (the Streamer's
-batch function), ``capacity``, ``batch_size``, ``ready`` and ``worker_status()``. Replies
-are read by one asyncio task per worker: no thread waits on any worker. How it supervises
-and lends threads: ``docs/design.md``.
+batch function), ``capacity``, ``batch_size``, ``ready`` and ``worker_status()``; and the
+model host the registry drives (``load``/``unload``): every worker holds every model the
+pool serves, so several models share the cores, and a new version is loaded one worker at a
+time while the others serve. Replies are read by one asyncio task per worker: no thread
+waits on any worker. How it supervises and lends threads: ``docs/design.md``; how versions
+come and go: ``docs/models.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -19,15 +23,22 @@ from typing import Any
 import numpy as np
 
 from app.batching import BatchItem, WorkerStatus
-from app.errors import InferenceError, WorkerDied, WorkerStartError
+from app.errors import (
+    InferenceError,
+    ModelLoadFailed,
+    ModelVersionUnavailable,
+    WorkerDied,
+    WorkerStartError,
+)
 from app.jobs import BatchKey, ImageJob
-from app.manifest import Manifest
 from app.metrics import BatchRun
 from app.plan import ServingPlan, WorkerConfig
+from app.repository import ModelSpec
 from app.workers.backoff import RestartBackoff
-from app.workers.handle import WorkerCrashed, WorkerHandle
+from app.workers.handle import Reply, WorkerCrashed, WorkerHandle
+from app.workers.idle import IdleWorkers
 from app.workers.lending import batch_threads
-from app.workers.messages import BatchDone, RunBatch
+from app.workers.messages import BatchDone, LoadDone, LoadModel, ModelLoaded, RunBatch, UnloadModel
 from app.workers.transfer import results, write_images
 
 log = logging.getLogger(__name__)
@@ -35,56 +46,64 @@ log = logging.getLogger(__name__)
 # Room for each encoded upload in a worker's buffer when the workers decode (the buffer holds
 # at least a batch of pixels anyway); a batch of bigger uploads sends the rest inline.
 ENCODED_BYTES_PER_IMAGE = 128 * 1024
+# The buffer holds a full batch of at least this image, so a model loaded later with images
+# up to this size batches as fully as the ones loaded at start.
+COMMON_IMAGE_SHAPE = (224, 224, 3)
 
 
-def _retrieve(future: asyncio.Future[BatchDone]) -> None:
+def _retrieve(future: asyncio.Future[Reply]) -> None:
     """Read a reply nobody awaits, so that a failure in it is not reported as lost."""
     if not future.cancelled():
         future.exception()
 
 
-def buffer_bytes(config: WorkerConfig, image_shape: tuple[int, int, int]) -> int:
-    """A worker's shared buffer: a full batch of pixels, or of typical encoded uploads when
-    the workers decode."""
-    per_image = int(np.prod(image_shape))
+def buffer_bytes(config: WorkerConfig, image_shapes: Sequence[tuple[int, int, int]]) -> int:
+    """A worker's shared buffer: a full batch of pixels of the largest model's images (at
+    least ``COMMON_IMAGE_SHAPE``), or of typical encoded uploads when the workers decode."""
+    per_image = max(int(np.prod(shape)) for shape in [COMMON_IMAGE_SHAPE, *image_shapes])
     if config.decode_threads:
         per_image = max(per_image, ENCODED_BYTES_PER_IMAGE)
     return config.max_batch_size * per_image
 
 
 class WorkerPool:
-    """One worker process per device of ``plan.placement``, one batch each at a time.
+    """One worker process per device of ``plan.placement``, one batch each at a time, each
+    holding every model of ``models`` (and of later ``load`` calls).
 
     It supervises them: a worker that dies (or hangs on a batch past the plan's batch timeout
     and is killed) fails its in-flight batch with ``WorkerDied`` at once and is restarted with
-    capped exponential backoff, while the others keep serving. ``on_run`` hears of every
-    batch a worker ran (``app.metrics.BatchRun``).
+    capped exponential backoff, with the models the pool serves then, while the others keep
+    serving. ``on_run`` hears of every batch a worker ran (``app.metrics.BatchRun``).
 
-    >>> # pool = WorkerPool(manifest, plan_serving(settings))
+    >>> # pool = WorkerPool([spec], plan_serving(settings))
     >>> # await pool.start()
-    >>> # results = await pool.run_batch(BatchKey(Task.TAG, encoded=False), items)
+    >>> # results = await pool.run_batch(BatchKey(Task.TAG, False, spec.served_id), items)
+    >>> # await pool.load(new_spec)       # one worker at a time; ModelLoadFailed if it fails
+    >>> # await pool.unload(spec.served_id)
     >>> # await pool.aclose()
     """
 
     def __init__(
         self,
-        manifest: Manifest,
+        models: Sequence[ModelSpec],
         plan: ServingPlan,
         *,
         on_run: Callable[[BatchRun], None] | None = None,
     ) -> None:
-        self.manifest = manifest
         self.placement = plan.placement
         self.config: WorkerConfig = plan.worker
         self.start_timeout_s = plan.limits.start_timeout_s
         self.batch_timeout_s = plan.limits.batch_timeout_s
         self._on_run = on_run
-        self.image_shape = manifest.input.image_shape
-        self._buffer_size = buffer_bytes(self.config, self.image_shape)
+        # The models every worker holds (and a restarted one loads), by served id.
+        self._models: dict[str, ModelSpec] = {spec.served_id: spec for spec in models}
+        self._buffer_size = buffer_bytes(self.config, [spec.image_shape for spec in models])
         self._workers: list[WorkerHandle] = []
         # Last in, first out: at low load the worker that just answered takes the next batch,
         # its caches and OpenMP threads still warm; under load every worker is busy anyway.
-        self._idle: asyncio.LifoQueue[WorkerHandle] = asyncio.LifoQueue()
+        self._idle: IdleWorkers[WorkerHandle] = IdleWorkers()
+        self._holds: dict[int, asyncio.Future[None]] = {}  # worker index -> its hold, waiting
+        self._control = asyncio.Lock()  # one load or unload at a time
         self._batch_ids = itertools.count()
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._backoff = RestartBackoff()
@@ -100,9 +119,23 @@ class WorkerPool:
 
     @property
     def batch_size(self) -> int:
-        """The batch size to form: the maximum, or with auto the smallest worker's choice."""
-        chosen = [w.batch_size for w in self._workers if w.ready]
-        return min(chosen) if chosen else self.config.max_batch_size
+        """The largest batch any model takes."""
+        sizes = [self._model_batch_size(served_id, False) for served_id in self._models]
+        return max(sizes, default=self.config.max_batch_size)
+
+    def batch_size_for(self, key: Hashable) -> int:
+        """The largest batch of ``key``'s model: the smallest its workers want (with
+        ``MB_BATCH_SIZE=auto``, their choices), within what their buffers hold."""
+        assert isinstance(key, BatchKey)
+        return self._model_batch_size(key.model, key.encoded)
+
+    def _model_batch_size(self, served_id: str, encoded: bool) -> int:
+        wanted = [w.models[served_id].batch_size for w in self._workers if w.holds(served_id)]
+        size = min(wanted) if wanted else self.config.max_batch_size
+        spec = self._models.get(served_id)
+        if spec is not None and not encoded:  # a batch of pixels must fit the buffer
+            size = min(size, max(1, self._buffer_size // int(np.prod(spec.image_shape))))
+        return size
 
     @property
     def ready(self) -> bool:
@@ -117,6 +150,11 @@ class WorkerPool:
     def workers(self) -> Sequence[WorkerHandle]:
         return tuple(self._workers)
 
+    @property
+    def models(self) -> Mapping[str, ModelSpec]:
+        """The models every worker holds, by served id."""
+        return dict(self._models)
+
     def worker_status(self) -> list[WorkerStatus]:
         return [worker.status(self._restarted[worker.index]) for worker in self._workers]
 
@@ -124,7 +162,8 @@ class WorkerPool:
 
     def _spawn(self, index: int) -> WorkerHandle:
         device, threads = self.placement.devices[index], self.placement.threads
-        return WorkerHandle.spawn(index, device, threads, self.config, self._buffer_size)
+        models = tuple(self._models.values())
+        return WorkerHandle.spawn(index, device, threads, self.config, self._buffer_size, models)
 
     async def start(self) -> None:
         """Spawn every worker and wait until each has loaded and warmed up its models."""
@@ -173,14 +212,19 @@ class WorkerPool:
             worker = self._workers[index] = self._spawn(index)
             await worker.wait_ready()
         if self.config.auto_batch:
-            measured = ", ".join(f"{size}: {rate:.1f}" for size, rate in worker.throughput.items())
-            log.info(
-                "worker %d on %s: MB_BATCH_SIZE=auto chose %d (images/s by batch size: %s)",
-                worker.index,
-                worker.device,
-                worker.batch_size,
-                measured,
-            )
+            for model in worker.models.values():
+                measured = ", ".join(
+                    f"{size}: {rate:.1f}" for size, rate in model.throughput.items()
+                )
+                log.info(
+                    "worker %d on %s: MB_BATCH_SIZE=auto chose %d for %s (images/s by batch "
+                    "size: %s)",
+                    worker.index,
+                    worker.device,
+                    model.batch_size,
+                    model.served_id,
+                    measured,
+                )
         return worker
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
@@ -195,13 +239,107 @@ class WorkerPool:
         for worker in self._workers:
             await worker.stop(deadline - time.monotonic(), "worker pool is shutting down")
         self._workers.clear()
+        self._idle.wake_all()
+
+    # -- models coming and going -------------------------------------------------------------
+
+    async def load(self, spec: ModelSpec) -> list[ModelLoaded]:
+        """Load ``spec`` beside the models held, on one worker at a time (the others serve
+        meanwhile), and add it to what every worker holds from now on; each worker's report.
+        If it fails anywhere (a bad file, a failed self-test, over ``MB_MODEL_MEMORY``, a
+        worker that dies or hangs), the workers that loaded it drop it again and
+        ``ModelLoadFailed`` says why: the models served before are untouched."""
+        async with self._control:
+            if spec.served_id in self._models:
+                return [w.models[spec.served_id] for w in self._workers if w.holds(spec.served_id)]
+            loaded: list[WorkerHandle] = []
+            reports: list[ModelLoaded] = []
+            try:
+                for worker in list(self._workers):
+                    if not (worker.alive and worker.ready):
+                        continue  # restarting: it catches up once it is back (_catch_up)
+                    reply = await self._ask(worker, LoadModel(next(self._batch_ids), spec))
+                    assert isinstance(reply, LoadDone)
+                    loaded.append(worker)
+                    reports.append(reply.model)
+                if not reports:
+                    raise ModelLoadFailed("no model worker is running to load it", "load")
+            except BaseException:
+                for worker in loaded:
+                    with contextlib.suppress(Exception):
+                        await self._ask(worker, UnloadModel(next(self._batch_ids), spec.served_id))
+                raise
+            self._models[spec.served_id] = spec
+            return reports
+
+    async def unload(self, served_id: str) -> None:
+        """Drop a model from every worker (its memory goes back to the kernel) and from what
+        a restarted worker loads. The caller has let its requests finish."""
+        async with self._control:
+            self._models.pop(served_id, None)
+            for worker in list(self._workers):
+                if worker.holds(served_id):
+                    with contextlib.suppress(WorkerDied):
+                        await self._ask(worker, UnloadModel(next(self._batch_ids), served_id))
+
+    async def _ask(self, worker: WorkerHandle, message: LoadModel | UnloadModel) -> Reply:
+        """Send a load or unload to ``worker`` once it is idle, taking it out of the batch
+        rotation until it answers; a worker that dies or passes the start timeout meanwhile
+        fails the load (it restarts with the models served before)."""
+        await self._hold(worker)
+        future = worker.send(message)
+        what = "loading" if isinstance(message, LoadModel) else "unloading"
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.start_timeout_s)
+        except WorkerDied:
+            raise ModelLoadFailed(
+                f"worker {worker.index} died while {what} the model", "worker crash"
+            ) from None
+        except TimeoutError:
+            log.error(
+                "worker %d spent over MB_WORKER_START_TIMEOUT=%g s %s a model: killing it",
+                worker.index,
+                self.start_timeout_s,
+                what,
+            )
+            worker.kill()
+            future.add_done_callback(_retrieve)
+            raise ModelLoadFailed(
+                f"worker {worker.index} took over {self.start_timeout_s:g} s {what} the model",
+                "timeout",
+            ) from None
+
+    async def _hold(self, worker: WorkerHandle) -> None:
+        """Take ``worker`` out of the batch rotation once its batch (if any) is answered."""
+        if self._idle.take(worker):
+            return
+        if not worker.alive:
+            raise WorkerDied(f"model worker {worker.index} died")
+        held = self._holds[worker.index] = asyncio.get_running_loop().create_future()
+        try:
+            await held
+        finally:
+            self._holds.pop(worker.index, None)
+
+    async def _catch_up(self, worker: WorkerHandle) -> None:
+        """A restarted worker loads what was loaded while it was down, and drops what was
+        unloaded, before it serves those models."""
+        async with self._control:
+            if not worker.alive:
+                return
+            for served_id in set(worker.models) - set(self._models):
+                await self._ask(worker, UnloadModel(next(self._batch_ids), served_id))
+            for served_id, spec in self._models.items():
+                if served_id not in worker.models:
+                    await self._ask(worker, LoadModel(next(self._batch_ids), spec))
 
     # -- running batches ---------------------------------------------------------------------
 
     async def run_batch(
         self, key: Hashable, items: Sequence[BatchItem[ImageJob]]
     ) -> Mapping[int, Any]:
-        """Run one batch of same-key items on an idle worker; results keyed by item id."""
+        """Run one batch of same-key items on an idle worker holding its model; results
+        keyed by item id."""
         assert isinstance(key, BatchKey)
         if len(items) > self.config.max_batch_size:
             raise ValueError(
@@ -209,27 +347,37 @@ class WorkerPool:
             )
         if key.encoded and not self.placement.decode.workers_decode:
             raise TypeError("the workers do not decode: submit decoded images (pixels)")
-        worker = await self._acquire()
+        spec = self._models.get(key.model)
+        if spec is None:
+            raise ModelVersionUnavailable(f"the workers hold no model {key.model!r}")
+        worker = await self._acquire(key.model)
         ids = tuple(item.id for item in items)
         top_ks = [item.payload.top_k for item in items]
         spans, inline = write_images(
-            worker.buffer, [item.payload.image for item in items], self.image_shape
+            worker.buffer, [item.payload.image for item in items], spec.image_shape
         )
         threads = batch_threads(worker, self._workers, time.monotonic())
         batch_id = next(self._batch_ids)
-        message = RunBatch(batch_id, key.task, ids, max(top_ks, default=0), spans, inline, threads)
+        message = RunBatch(
+            batch_id, key.task, ids, max(top_ks, default=0), spans, inline, threads, key.model
+        )
         future = worker.send(message)
         reply = await self._wait_reply(worker, future, len(items))
+        assert isinstance(reply, BatchDone)
         if self._on_run is not None:
-            run = BatchRun(key.task.value, len(items), reply.compute_s, reply.threads, worker.index)
+            run = BatchRun(
+                key.task.value, len(items), reply.compute_s, reply.threads, worker.index, key.model
+            )
             self._on_run(run)
         if reply.ids != ids:
             raise InferenceError(f"worker answered batch {batch_id} for other items")
+        if reply.model != key.model:
+            raise InferenceError(f"worker ran batch {batch_id} on {reply.model}, not {key.model}")
         return results(key.task, top_ks, ids, reply.outputs, reply.errors)
 
     async def _wait_reply(
-        self, worker: WorkerHandle, future: asyncio.Future[BatchDone], size: int
-    ) -> BatchDone:
+        self, worker: WorkerHandle, future: asyncio.Future[Reply], size: int
+    ) -> Reply:
         # shield: the worker keeps computing if the caller goes away, and only its reply (or
         # its death) may hand it back.
         try:
@@ -247,24 +395,34 @@ class WorkerPool:
             worker.kill()
             return await asyncio.wait_for(future, 10)  # its death fails the future
 
-    async def _acquire(self) -> WorkerHandle:
+    async def _acquire(self, served_id: str) -> WorkerHandle:
         while True:
             if not self.ready:
                 raise WorkerDied("no model worker is running; one is restarting", retry_after_s=2)
-            worker = await self._idle.get()
-            if worker.alive and worker in self._workers:
-                return worker
+            if not any(w.holds(served_id) for w in self._workers):
+                raise WorkerDied(f"no running worker holds {served_id}", retry_after_s=2)
+            idle: WorkerHandle | None = await self._idle.get(lambda w: w.holds(served_id))
+            if idle is not None and idle.alive and idle in self._workers:
+                return idle
 
     def _on_idle(self, worker: WorkerHandle) -> None:
         if worker.batches:  # it has answered a batch: it works, reset its restart backoff
             self._backoff.reset(worker.index)
-        self._idle.put_nowait(worker)
+        held = self._holds.pop(worker.index, None)
+        if held is not None and not held.done():
+            held.set_result(None)  # a load or unload takes it before any batch does
+            return
+        self._idle.put(worker)
 
     # -- supervision -------------------------------------------------------------------------
 
     def _on_exit(self, worker: WorkerHandle) -> None:
         if not worker.alive:
             return
+        self._idle.take(worker)
+        held = self._holds.pop(worker.index, None)
+        if held is not None and not held.done():
+            held.set_exception(WorkerDied(f"model worker {worker.index} died"))
         if self._closing:  # it was told to stop: an ordinary exit
             worker.mark_dead("worker pool is shutting down")
             return
@@ -276,11 +434,8 @@ class WorkerPool:
             worker.process.exitcode,
         )
         worker.mark_dead(f"model worker {worker.index} died")
-        # Wake everyone waiting for an idle worker (at most one per worker) so they see that
-        # none is left; _acquire skips dead entries.
-        if not self.ready:
-            for _ in self._workers:
-                self._idle.put_nowait(worker)
+        # Wake everyone waiting for an idle worker so they see whether any is left.
+        self._idle.wake_all()
         self._restarts[worker.index] = asyncio.create_task(
             self._restart(worker), name=f"restart-{worker.index}"
         )
@@ -307,6 +462,12 @@ class WorkerPool:
                 log.info(
                     "worker %d on %s restarted (pid %s)", index, dead.device, worker.process.pid
                 )
+                if set(worker.models) != set(self._models):
+                    try:
+                        await self._catch_up(worker)
+                    except (ModelLoadFailed, WorkerDied) as exc:
+                        log.error("worker %d could not catch up on the models: %s", index, exc)
+                        worker.kill()
                 return
         finally:
             self._restarts.pop(index, None)

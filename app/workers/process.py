@@ -1,9 +1,12 @@
-"""A model worker: load the models once (``prepare``), then run batches until told to stop.
+"""A model worker: tune the process, load the models it is given, then run batches (and load
+or unload models between them) until told to stop.
 
 ``worker_main`` is the entry point of the pool's worker processes (started with ``spawn`` by
 ``app.workers.pool``; they talk over one socket, see ``app.workers.channel``, and receive
-images through their shared buffer, see ``app.workers.transfer``). ``prepare`` is the part
-any worker process runs first, whatever feeds it batches.
+images through their shared buffer, see ``app.workers.transfer``). ``PreparedWorker`` is the
+part any worker process runs, whatever feeds it batches (the broker's consumer too): it holds
+every model the worker serves, by served id, so one process (and its cores) serves several
+models and versions, and it owns their loading and unloading.
 """
 
 from __future__ import annotations
@@ -19,19 +22,32 @@ from pathlib import Path
 
 import torch
 
+from app.errors import WorkerStartError
 from app.logs import configure_logging
-from app.manifest import read_manifest
+from app.manifest import Manifest, read_manifest
 from app.plan import WorkerConfig
-from app.workers.allocator import ResidentBound, retain_freed_memory
+from app.repository import ModelSpec
+from app.workers.allocator import (
+    ResidentBound,
+    anonymous_bytes,
+    release_freed_memory,
+    retain_freed_memory,
+)
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder
 from app.workers.messages import (
     STOP,
     BatchDone,
     BatchFailed,
+    LoadDone,
+    LoadFailed,
+    LoadModel,
+    ModelLoaded,
+    ModelUnloaded,
     Ready,
     RunBatch,
     StartFailed,
+    UnloadModel,
     WorkerSpec,
 )
 from app.workers.models import LoadOptions
@@ -41,17 +57,47 @@ from app.workers.transfer import read_images
 
 log = logging.getLogger("app.worker")
 
+MB = 1 << 20
+
+
+class LoadFailure(Exception):
+    """A model could not be loaded, at ``step``: verify, load, self-test, warm-up or budget.
+    Nothing of it stays in the worker."""
+
+    def __init__(self, spec: ModelSpec, step: str, message: str) -> None:
+        super().__init__(message)
+        self.spec = spec
+        self.step = step
+        self.message = message
+
+    def describe(self) -> str:
+        return f"{self.spec.name} version {self.spec.version}: {self.step}: {self.message}"
+
 
 @dataclass
-class PreparedWorker:
-    """A worker's models, loaded, warmed up and measured; its decoder, if it decodes."""
+class PreparedModel:
+    """One model a worker holds: loaded, self-tested, warmed up and measured."""
 
+    spec: ModelSpec
     runner: BatchRunner
     decoder: Decoder | DeviceDecoder | None
     batch_size: int  # the largest batch it wants: its auto choice, or the maximum
     throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
-    # Its memory's level once warmed up; serving loops call after_batch() once answered.
-    memory: ResidentBound = field(default_factory=ResidentBound)
+    memory_bytes: int = 0  # what it costs this worker: measured growth, at least its files
+
+    @property
+    def report(self) -> ModelLoaded:
+        return ModelLoaded(
+            self.spec.served_id,
+            self.batch_size,
+            self.runner.models.runtime,
+            self.memory_bytes,
+            self.throughput,
+        )
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
 
 
 def _configure_threads(threads: int) -> None:
@@ -60,73 +106,212 @@ def _configure_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def prepare(config: WorkerConfig, device_name: str, threads: int) -> PreparedWorker:
-    """Tune this process for serving, verify and load the models onto ``device_name``,
-    warm them up and (``auto_batch``) measure the batch size to use. Raises whatever stops
-    it; the caller reports it."""
-    retain_freed_memory()  # first: every allocation after it benefits
-    _configure_threads(threads)
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = Path(config.model_store)
-    dtype = read_manifest(store, verify=False).serving_dtype(config.dtype)
-    options = LoadOptions(dtype=getattr(torch, dtype), optimize=config.optimize, threads=threads)
-    choice = choose_runtime(store, device, options, config.runtime)
-    if choice.images_per_s:
-        measured = ", ".join(f"{name}: {rate:.1f}" for name, rate in choice.images_per_s.items())
+def model_file_bytes(store: Path, manifest: Manifest) -> int:
+    """The bytes of the model files a worker may load from ``store`` (TorchScript, which it
+    always loads as the self-test's reference, and every derived runtime's): a model's
+    least cost, known before loading it."""
+    entries = [entry for role, entry in manifest.files.items() if role != "classes"]
+    for artifact in manifest.runtimes.values():
+        entries += artifact.files.values()
+    total = 0
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            total += (store / entry.path).stat().st_size
+    return total
+
+
+class PreparedWorker:
+    """A worker process's device and threads, and the models it holds by served id.
+
+    >>> # worker = PreparedWorker(config, "cpu", threads=2)
+    >>> # worker.load(ModelSpec("tagger", 2, "models/tagger/2", "resnet50@1a2b3c4d5e6f"))
+    >>> # worker.model("resnet50@1a2b3c4d5e6f").runner.run(Task.TAG, pixels, 5)
+    >>> # worker.unload("resnet50@1a2b3c4d5e6f")   # its memory goes back to the kernel
+    """
+
+    def __init__(self, config: WorkerConfig, device_name: str, threads: int) -> None:
+        retain_freed_memory()  # first: every allocation after it benefits
+        _configure_threads(threads)
+        self.config = config
+        self.threads = threads
+        self.device = torch.device(device_name)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.models: dict[str, PreparedModel] = {}
+        # Its memory's level once warmed up; serving loops call after_batch() once answered.
+        self.memory = ResidentBound()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(model.memory_bytes for model in self.models.values())
+
+    def model(self, served_id: str) -> PreparedModel:
+        """The model a batch names; ``KeyError`` with a message if this worker lacks it."""
+        try:
+            return self.models[served_id]
+        except KeyError:
+            raise KeyError(f"this worker holds no model {served_id!r}") from None
+
+    def load(self, spec: ModelSpec) -> PreparedModel:
+        """Verify, load, self-test and warm up ``spec`` beside the models held; raises
+        ``LoadFailure`` (saying at which step) and then holds nothing of it."""
+        if spec.served_id in self.models:
+            return self.models[spec.served_id]
+        store = Path(spec.store)
+        try:
+            manifest = read_manifest(store, verify=True)  # every sha256, once
+        except Exception as exc:
+            raise LoadFailure(spec, "verify", str(exc)) from None
+        if manifest.served_id(self.config.dtype) != spec.served_id:
+            raise LoadFailure(
+                spec,
+                "verify",
+                f"{store} now holds {manifest.served_id(self.config.dtype)}, not "
+                f"{spec.served_id}: a version folder must not change once published",
+            )
+        least = model_file_bytes(store, manifest)
+        self._check_budget(spec, least, "its model files")
+        release_freed_memory()
+        before = anonymous_bytes()
+        try:
+            prepared = self._prepare(spec, store, manifest)
+        except LoadFailure:
+            release_freed_memory()
+            raise
+        release_freed_memory()
+        prepared.memory_bytes = max(anonymous_bytes() - before, least)
+        try:
+            self._check_budget(spec, prepared.memory_bytes, "measured once loaded")
+        except LoadFailure:
+            prepared.close()
+            del prepared
+            release_freed_memory()
+            raise
+        self.models[spec.served_id] = prepared
+        self.memory.settle()
         log.info(
-            "on %s, %s serves (images/s by runtime: %s)", device, choice.models.runtime, measured
+            "loaded %s version %d (%s) on %s with %s: %d MB",
+            spec.name,
+            spec.version,
+            spec.served_id,
+            self.device,
+            prepared.runner.models.runtime,
+            prepared.memory_bytes // MB,
         )
-    models = choice.models
-    runner = BatchRunner(models, device)
-    decoder: Decoder | DeviceDecoder | None = None
-    if config.decode_threads:
-        decoder = Decoder(models.manifest.input, config.decode_threads, config.max_pixels)
-        if config.decode_on_device:
-            decoder = DeviceDecoder(models.manifest.input, device, decoder, config.max_pixels)
-            decoder.warm_up()
-    prepared = PreparedWorker(runner, decoder, config.max_batch_size)
-    if config.auto_batch:  # measuring runs every size up to the one it chooses
-        runner.warm_up()
-        prepared.batch_size, prepared.throughput = choose_batch_size(
-            runner, runner.image_shape, config.max_batch_size
+        return prepared
+
+    def _check_budget(self, spec: ModelSpec, needs: int, how: str) -> None:
+        budget = self.config.memory_budget_bytes
+        held = self.held_bytes
+        if budget is not None and held + needs > budget:
+            raise LoadFailure(
+                spec,
+                "budget",
+                f"it needs {needs // MB} MB ({how}) and the models loaded hold {held // MB} MB: "
+                f"{(held + needs) // MB} MB is over MB_MODEL_MEMORY={budget // MB} MB",
+            )
+
+    def _prepare(self, spec: ModelSpec, store: Path, manifest: Manifest) -> PreparedModel:
+        config, device = self.config, self.device
+        dtype = manifest.serving_dtype(config.dtype)
+        options = LoadOptions(
+            dtype=getattr(torch, dtype), optimize=config.optimize, threads=self.threads
         )
-    else:
-        runner.warm_up(largest=config.max_batch_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    prepared.memory.settle()
-    return prepared
+        try:
+            choice = choose_runtime(store, device, options, config.runtime, manifest)
+        except WorkerStartError as exc:  # a runtime refused by its self-test, or absent
+            raise LoadFailure(spec, "self-test", str(exc)) from None
+        except Exception as exc:
+            raise LoadFailure(spec, "load", f"{type(exc).__name__}: {exc}") from None
+        if choice.images_per_s:
+            measured = ", ".join(
+                f"{name}: {rate:.1f}" for name, rate in choice.images_per_s.items()
+            )
+            log.info(
+                "%s on %s: %s serves (images/s by runtime: %s)",
+                spec.name,
+                device,
+                choice.models.runtime,
+                measured,
+            )
+        runner = BatchRunner(choice.models, device)
+        decoder: Decoder | DeviceDecoder | None = None
+        prepared = PreparedModel(spec, runner, decoder, config.max_batch_size)
+        try:
+            if config.decode_threads:
+                spec_in = choice.models.manifest.input
+                prepared.decoder = Decoder(spec_in, config.decode_threads, config.max_pixels)
+                if config.decode_on_device:
+                    prepared.decoder = DeviceDecoder(
+                        spec_in, device, prepared.decoder, config.max_pixels
+                    )
+                    prepared.decoder.warm_up()
+            if config.auto_batch:  # measuring runs every size up to the one it chooses
+                runner.warm_up()
+                prepared.batch_size, prepared.throughput = choose_batch_size(
+                    runner, runner.image_shape, config.max_batch_size
+                )
+            else:
+                runner.warm_up(largest=config.max_batch_size)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:
+            prepared.close()
+            raise LoadFailure(spec, "warm-up", f"{type(exc).__name__}: {exc}") from None
+        return prepared
+
+    def unload(self, served_id: str) -> None:
+        """Drop a model and hand its memory back to the kernel (a no-op if not held)."""
+        prepared = self.models.pop(served_id, None)
+        if prepared is None:
+            return
+        prepared.close()
+        del prepared
+        release_freed_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.memory.settle()
+        log.info("unloaded %s from %s", served_id, self.device)
+
+
+def prepare(
+    config: WorkerConfig, device_name: str, threads: int, models: tuple[ModelSpec, ...]
+) -> PreparedWorker:
+    """A worker holding ``models``, each loaded, warmed up and measured. Raises what stops
+    it (``LoadFailure`` for a model); the caller reports it."""
+    worker = PreparedWorker(config, device_name, threads)
+    for spec in models:
+        worker.load(spec)
+    return worker
+
+
+def start_failure(exc: BaseException) -> str:
+    """What a worker that cannot start says about it."""
+    if isinstance(exc, LoadFailure):
+        return exc.describe()
+    return f"{type(exc).__name__}: {exc}"
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a pool's worker process."""
     configure_logging(spec.config.log_level, spec.config.log_format)
     try:
-        prepared = prepare(spec.config, spec.device, spec.threads)
+        worker = prepare(spec.config, spec.device, spec.threads, spec.models)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
     except BaseException as exc:
-        conn.send(StartFailed(spec.index, f"{type(exc).__name__}: {exc}"))
+        conn.send(StartFailed(spec.index, start_failure(exc)))
         conn.close()
         return
-    conn.send(
-        Ready(
-            spec.index,
-            spec.device,
-            spec.threads,
-            os.getpid(),
-            prepared.batch_size,
-            prepared.throughput,
-            prepared.runner.models.runtime,
-        )
-    )
-    _serve(prepared, buffer, conn)
+    reports = tuple(model.report for model in worker.models.values())
+    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), reports))
+    _serve(worker, buffer, conn)
 
 
-def run_message(prepared: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
-    """Run one batch from the buffer; raises if the batch as a whole fails."""
+def run_message(worker: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
+    """Run one batch from the buffer on the model it names; raises if the batch as a whole
+    fails."""
     started = time.perf_counter()
+    prepared = worker.model(message.model)
     if message.threads and message.threads != torch.get_num_threads():
         torch.set_num_threads(message.threads)
     runner = prepared.runner
@@ -139,10 +324,25 @@ def run_message(prepared: PreparedWorker, buffer: InputBuffer, message: RunBatch
         time.perf_counter() - started,
         errors,
         torch.get_num_threads(),
+        prepared.spec.served_id,
     )
 
 
-def _serve(prepared: PreparedWorker, buffer: InputBuffer, conn: Connection) -> None:
+def _control(
+    worker: PreparedWorker, message: LoadModel | UnloadModel
+) -> LoadDone | LoadFailed | ModelUnloaded:
+    """Load or unload a model between batches."""
+    if isinstance(message, UnloadModel):
+        worker.unload(message.served_id)
+        return ModelUnloaded(message.batch_id, message.served_id, anonymous_bytes())
+    try:
+        return LoadDone(message.batch_id, worker.load(message.spec).report)
+    except LoadFailure as exc:
+        log.error("loading %s failed", exc.describe())
+        return LoadFailed(message.batch_id, message.spec.served_id, exc.step, exc.message)
+
+
+def _serve(worker: PreparedWorker, buffer: InputBuffer, conn: Connection) -> None:
     while True:
         try:
             message = conn.recv()
@@ -151,11 +351,14 @@ def _serve(prepared: PreparedWorker, buffer: InputBuffer, conn: Connection) -> N
         if message is STOP:
             conn.close()
             return
+        if isinstance(message, LoadModel | UnloadModel):
+            conn.send(_control(worker, message))
+            continue
         assert isinstance(message, RunBatch)
         try:
-            reply: BatchDone | BatchFailed = run_message(prepared, buffer, message)
+            reply: BatchDone | BatchFailed = run_message(worker, buffer, message)
         except Exception as exc:
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())
             reply = BatchFailed(message.batch_id, message.ids, f"{type(exc).__name__}: {exc}")
         conn.send(reply)
-        prepared.memory.after_batch()
+        worker.memory.after_batch()

@@ -138,12 +138,16 @@ def images_per_s(
 
 
 def choose_runtime(
-    store: Path, device: torch.device, options: LoadOptions, setting: RuntimeSetting
+    store: Path,
+    device: torch.device,
+    options: LoadOptions,
+    setting: RuntimeSetting,
+    manifest: Manifest | None = None,
 ) -> RuntimeChoice:
     """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``, in
-    ``options.dtype``."""
+    ``options.dtype``. ``manifest``: the store's, already read and verified by the caller."""
     int8 = options.dtype == torch.int8
-    manifest = read_manifest(store)  # every file verified once, for every load below
+    manifest = manifest or read_manifest(store)  # every file verified once, for every load
     # TorchScript has every model but int8 ones; it is the reference, and the fallback.
     reference = None if int8 else load_models(store, device, options, manifest=manifest)
     if setting == "torchscript":

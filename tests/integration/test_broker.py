@@ -516,16 +516,18 @@ def add_ghost_worker(redis_server: RedisServer) -> None:
     """A worker that seems alive to the front ends (a fresh heartbeat for export
     ``0`` * 12) and never reads its stream."""
     info = {
-        "name": "ghost:0", "model_id": "ghost@000000000000", "host": "ghost", "index": 0, "pid": 1, "device": "cpu",
+        "name": "ghost:0", "host": "ghost", "index": 0, "pid": 1, "device": "cpu",
         "threads": 1, "batch_size": 8, "ready": True, "alive": True, "running": 0,
         "restarts": 0, "batches": 0, "items": 0, "mixed_batches": 0, "expired": 0,
         "malformed": 0, "reclaimed": 0, "given_up": 0,
+        "models": [{"name": "ghost", "version": 1, "served_id": GHOST_ID, "state": "ready"}],
     }  # fmt: skip
     client = redis_server.client()
     client.zadd(f"{PREFIX}:{{w}}:workers", {"ghost:0": 99999999999999})
     client.hset(f"{PREFIX}:{{w}}:worker-info", "ghost:0", json.dumps(info))
 
 
+GHOST_ID = "ghost@" + "0" * 12
 GHOST_STREAM = f"{PREFIX}:{{q}}:{'0' * 12}:embedding"
 
 
@@ -533,20 +535,19 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
     """The Streamer cancels a batch whose callers all left; the broker transport then deletes
     the entry, so a worker that has not read it yet never computes it."""
     from app.batching import BatchItem
-    from app.broker.keys import Keys
     from app.broker.transport import BrokerTransport
     from app.jobs import BatchKey, ImageJob, Task
 
     with RedisServer() as redis_server:
         client = redis_server.client()
         add_ghost_worker(redis_server)
-        transport = BrokerTransport(redis_server.url, Keys(PREFIX, "0" * 12), max_queue=16)
+        transport = BrokerTransport(redis_server.url, PREFIX, max_queue=16)
         await transport.start()
         try:
             assert transport.ready
             item = BatchItem(1, ImageJob(b"upload", top_k=0), time.monotonic() + 30)
             waiting = asyncio.create_task(
-                transport.run_batch(BatchKey(Task.EMBEDDING, encoded=True), [item])
+                transport.run_batch(BatchKey(Task.EMBEDDING, True, GHOST_ID), [item])
             )
             await wait_for(lambda: client.xlen(GHOST_STREAM) == 1, what="added")
             waiting.cancel()
@@ -559,20 +560,19 @@ async def test_a_front_end_that_saw_no_worker_looks_again_before_refusing() -> N
     """A worker that started after the front end's last look (up to a second ago) serves the
     next request: the front end looks at Redis itself before it answers ``worker_died``."""
     from app.batching import BatchItem
-    from app.broker.keys import Keys
     from app.broker.transport import BrokerTransport
     from app.jobs import BatchKey, ImageJob, Task
 
     with RedisServer() as redis_server:
         client = redis_server.client()
-        transport = BrokerTransport(redis_server.url, Keys(PREFIX, "0" * 12), max_queue=16)
+        transport = BrokerTransport(redis_server.url, PREFIX, max_queue=16)
         await transport.start()
         try:
             assert not transport.ready  # its first look saw no worker
             add_ghost_worker(redis_server)  # the monitor's next look is a second away
             item = BatchItem(1, ImageJob(b"upload", top_k=0), time.monotonic() + 30)
             waiting = asyncio.create_task(
-                transport.run_batch(BatchKey(Task.EMBEDDING, encoded=True), [item])
+                transport.run_batch(BatchKey(Task.EMBEDDING, True, GHOST_ID), [item])
             )
             await wait_for(lambda: client.xlen(GHOST_STREAM) == 1 or waiting.done(), what="added")
             assert not waiting.done(), waiting.exception()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.engine import models_to_serve
 from app.errors import ModelStoreError, WorkerStartError
 from app.images import preprocess
 from app.jobs import Task
@@ -91,7 +92,8 @@ async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path:
     settings = load_settings(
         model_store=store, cuda_devices="cpu", mb_worker_num=1, mb_batch_size=4
     )
-    pool = WorkerPool(read_manifest(store), plan_serving(settings))
+    plan = plan_serving(settings)
+    pool = WorkerPool(models_to_serve(plan), plan)
     with pytest.raises(WorkerStartError, match="worker 0 on cpu failed to start"):
         await pool.start()
     assert pool.worker_status() == []

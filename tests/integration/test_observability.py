@@ -59,20 +59,27 @@ async def test_metrics_info_and_request_ids(
     # Metrics.
     assert scrape.headers["content-type"].startswith("text/plain")
     found = samples(scrape.text)
-    route_ok = ("microbatch_http_requests_total", (("route", "/predict/tag"), ("status", "200")))
+    # Request, batch and model-time figures name the model version that answered.
+    model = (("model", "tiny-test"),)
+    version = (("version", "1"),)
+    route_ok = (
+        "microbatch_http_requests_total",
+        (*model, ("route", "/predict/tag"), ("status", "200"), *version),
+    )
     assert found[route_ok] == len(images)
-    assert found["microbatch_batch_size_count", (("task", "tag"),)] >= 1
+    tag, embedding = (*model, ("task", "tag"), *version), (*model, ("task", "embedding"), *version)
+    assert found["microbatch_batch_size_count", tag] >= 1
     # The bad upload reached an idle server, so it went to the worker encoded (MB_DECODE=auto
     # on CPU) and ran in a batch of its own, where the worker refused it.
     batched = len(images) + 1
-    assert found["microbatch_batch_size_sum", (("task", "tag"),)] == batched
-    assert found["microbatch_queue_wait_seconds_count", (("task", "tag"),)] == batched
-    assert found["microbatch_model_seconds_count", (("task", "embedding"),)] == 1
+    assert found["microbatch_batch_size_sum", tag] == batched
+    assert found["microbatch_queue_wait_seconds_count", tag] == batched
+    assert found["microbatch_model_seconds_count", embedding] == 1
     assert found["microbatch_rejected_total", (("reason", "bad_input"),)] == 1
     assert found["microbatch_queue_depth", ()] == 0
     assert found["microbatch_workers_alive", (("device", "cpu"),)] == 1
     assert found["microbatch_workers_ready", (("device", "cpu"),)] == 1
-    sizes = found["microbatch_batch_size_count", (("task", "tag"),)]
+    sizes = found["microbatch_batch_size_count", tag]
     assert sizes < len(images), "24 concurrent requests formed batches larger than one"
     # /info.
     assert info["model"]["arch"] == "tiny-test"
@@ -85,7 +92,9 @@ async def test_metrics_info_and_request_ids(
     line = next(r for r in lines if getattr(r, "request_id", None) == "client-chosen-42")
     assert line.route == "/predict/embedding" and line.status == 200  # type: ignore[attr-defined]
     assert line.batch_size == 1 and line.latency_ms > 0  # type: ignore[attr-defined]
+    assert line.model_id == info["model_id"]  # type: ignore[attr-defined]
     assert "client-chosen-42" in line.getMessage()
+    assert f"model={info['model_id']}" in line.getMessage()
 
 
 def test_json_log_lines_carry_the_extra_fields() -> None:

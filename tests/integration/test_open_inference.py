@@ -44,10 +44,10 @@ async def test_health_and_readiness(served: tuple[Any, Any]) -> None:
 
 
 async def test_model_metadata_shows_shapes_and_datatypes(served: tuple[Any, Any]) -> None:
-    app, client = served
+    _, client = served
     metadata = (await client.get("/v2/models/tiny-test")).json()
     assert metadata["name"] == "tiny-test"
-    assert metadata["versions"] == [app.state.model_id.split("@")[1]]
+    assert metadata["versions"] == ["1"]  # a lone store: version 1 of its model
     assert metadata["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1]}]
     outputs = {o["name"]: (o["datatype"], o["shape"]) for o in metadata["outputs"]}
     assert outputs == {

@@ -52,7 +52,7 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
         )
         image = base64.b64encode(distinct_images(1)[0]).decode()
         infer = await client.post(
-            "/v2/models/timm:test_resnet/infer",
+            "/v2/models/timm-test_resnet/infer",
             json={
                 "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [image]}],
                 "outputs": [{"name": "top_k_indices"}],
@@ -61,7 +61,7 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
         # k above the classes, with both outputs: refused before any image runs.
         ran = await images_run(client)
         both_too_many = await client.post(
-            "/v2/models/timm:test_resnet/infer",
+            "/v2/models/timm-test_resnet/infer",
             json={
                 "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [image]}],
                 "outputs": [{"name": "embedding"}, {"name": "top_k_probs"}],

@@ -134,7 +134,9 @@ def test_a_store_from_before_runtimes_still_loads(tiny_store: Path, tmp_path: Pa
 async def test_the_app_serves_with_openvino_and_says_so(tiny_openvino: Path) -> None:
     runtimes, metrics = await served_with_runtime(tiny_openvino, "openvino")
     assert runtimes == ["openvino"]
-    assert 'microbatch_worker_runtime{device="cpu",runtime="openvino",worker="0"} 1.0' in metrics
+    served = read_manifest(tiny_openvino).model_id
+    line = f'microbatch_worker_runtime{{device="cpu",model_id="{served}",runtime="openvino",'
+    assert line + 'worker="0"} 1.0' in metrics
 
 
 def test_the_real_model_tags_the_photos_alike_on_every_runtime(

@@ -127,6 +127,7 @@ async def test_every_answer_says_which_export_answered(served: tuple[Any, Any]) 
     bad = await client.post("/predict/embedding", files=_form([b"junk"]))
     assert ok.headers["x-model-id"] == bad.headers["x-model-id"] == model_id
     metrics = (await client.get("/metrics")).text
-    assert f'microbatch_model_info{{arch="tiny-test",model_id="{model_id}"' in metrics
+    answering = f'model="tiny-test",model_id="{model_id}",version="1"'
+    assert f'microbatch_model_info{{arch="tiny-test",{answering}' in metrics
     assert "process_resident_memory_bytes" in metrics and "process_open_fds" in metrics
     assert 'microbatch_worker_memory_bytes{device="cpu",worker="0"}' in metrics

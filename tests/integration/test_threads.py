@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.manifest import read_manifest
+from app.engine import models_to_serve
 from app.metrics import BatchRun
 from app.plan import plan_serving
 from app.settings import Settings
@@ -28,8 +28,8 @@ async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path
     pools: list[WorkerPool] = []
 
     def pool_seen_by_test(settings: Settings) -> WorkerPool:
-        manifest = read_manifest(settings.model_store)
-        pools.append(WorkerPool(manifest, plan_serving(settings), on_run=runs.append))
+        plan = plan_serving(settings)
+        pools.append(WorkerPool(models_to_serve(plan), plan, on_run=runs.append))
         return pools[-1]
 
     async with running_app(

@@ -57,11 +57,12 @@ class FakeEngine:
         self, plan: ServingPlan, metrics: Any, *, transport: Any, drain_timeout_s: float
     ) -> None:
         self.drain_timeout_s = drain_timeout_s
+        self.plan = plan
         self.transport = SimpleNamespace(worker_status=list, ready=True)
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
         self.queue_depth = 0
-        manifest = SimpleNamespace(model_id="fake@000000000000", arch="fake", weights="random")
-        self.predictor = SimpleNamespace(manifest=manifest, model_id=manifest.model_id)
+        self.registry = SimpleNamespace(default=None, versions=list)
+        self.labels = lambda served_id: ("", "")
         self.closed_while_serving: bool | None = None
         FakeEngine.instances.append(self)
 

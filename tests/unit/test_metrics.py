@@ -30,6 +30,7 @@ REFUSALS = [
     (errors.Unauthorized, "bad_input"),
     (errors.NoClassifier, "bad_input"),
     (errors.ModelNotFound, "bad_input"),
+    (errors.ModelVersionUnavailable, "bad_input"),
 ]
 
 
@@ -106,20 +107,24 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     from app.broker.stats import ConsumerStats
 
     first, second = ConsumerStats(), ConsumerStats()
-    first.record(Task.TAG, 3, 2, 0.02, [0.001, 0.002, 0.2])
-    first.record(Task.TAG, 1, 1, 0.01, [0.003])
-    second.record(Task.TAG, 3, 1, 0.04, [0.0, 0.0, 0.0])
+    first.record("tagger@1", Task.TAG, 3, 2, 0.02, [0.001, 0.002, 0.2])
+    first.record("tagger@1", Task.TAG, 1, 1, 0.01, [0.003])
+    second.record("tagger@1", Task.TAG, 3, 1, 0.04, [0.0, 0.0, 0.0])
+    second.record("other@9", Task.TAG, 5, 1, 0.5, [0.0] * 5)  # another model: its own labels
 
     metrics = Metrics(remote_workers=True)
+    metrics.labels = {"tagger@1": ("tagger", "1"), "other@9": ("other", "9")}.__getitem__
     metrics.on_workers([first, second])
     text = metrics.render().decode()
-    assert 'microbatch_batch_size_count{task="tag"} 3.0' in text
-    assert 'microbatch_batch_size_sum{task="tag"} 7.0' in text
-    assert 'microbatch_batch_size_bucket{le="1.0",task="tag"} 1.0' in text
-    assert 'microbatch_batch_size_bucket{le="4.0",task="tag"} 3.0' in text
-    assert 'microbatch_queue_wait_seconds_count{task="tag"} 7.0' in text
-    assert 'microbatch_queue_wait_seconds_bucket{le="0.001",task="tag"} 4.0' in text
-    assert 'microbatch_model_seconds_sum{task="tag"} 0.07' in text
+    tagger = 'model="tagger",task="tag",version="1"'
+    assert f"microbatch_batch_size_count{{{tagger}}} 3.0" in text
+    assert f"microbatch_batch_size_sum{{{tagger}}} 7.0" in text
+    assert f'microbatch_batch_size_bucket{{le="1.0",{tagger}}} 1.0' in text
+    assert f'microbatch_batch_size_bucket{{le="4.0",{tagger}}} 3.0' in text
+    assert f"microbatch_queue_wait_seconds_count{{{tagger}}} 7.0" in text
+    assert f'microbatch_queue_wait_seconds_bucket{{le="0.001",{tagger}}} 4.0' in text
+    assert f"microbatch_model_seconds_sum{{{tagger}}} 0.07" in text
+    assert 'microbatch_batch_size_sum{model="other",task="tag",version="9"} 5.0' in text
 
 
 def test_several_processes_are_summed_from_the_multiprocess_directory(tmp_path: Path) -> None:
@@ -127,7 +132,10 @@ def test_several_processes_are_summed_from_the_multiprocess_directory(tmp_path: 
     import subprocess
     import sys
 
-    code = "from app.metrics import Metrics; m = Metrics(); m.on_request('/predict/tag', 200, 0.01)"
+    code = (
+        "from app.metrics import Metrics; m = Metrics(); "
+        "m.on_request('/predict/tag', 200, 0.01, 'tagger', '2')"
+    )
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     repo = Path(__file__).resolve().parents[2]
     for _ in range(2):  # two processes, one request each
@@ -146,4 +154,5 @@ def test_several_processes_are_summed_from_the_multiprocess_directory(tmp_path: 
         text=True,
         check=True,
     )
-    assert 'microbatch_http_requests_total{route="/predict/tag",status="200"} 2.0' in reader.stdout
+    answered = 'model="tagger",route="/predict/tag",status="200",version="2"'
+    assert f"microbatch_http_requests_total{{{answered}}} 2.0" in reader.stdout

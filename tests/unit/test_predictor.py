@@ -86,7 +86,7 @@ def test_where_the_predictor_decodes(plan: DecodePlan, idle: bool, decoded: bool
         asyncio.run(predictor.embedding(upload, time.monotonic() + 10))
     ((job, key),) = streamer.submitted
     # Decoded and encoded images never share a batch: the key tells them apart.
-    assert key == BatchKey(Task.EMBEDDING, encoded=not decoded)
+    assert key == BatchKey(Task.EMBEDDING, not decoded, predictor.model_id)
     if decoded:
         assert isinstance(job.image, np.ndarray) and job.image.shape == (32, 32, 3)
     else:
@@ -124,7 +124,7 @@ def test_infer_runs_each_image_once_as_one_task(embedding: bool, top_k: bool, ta
     inferred = asyncio.run(
         predictor.infer(uploads, None, time.monotonic() + 10, embedding=embedding, top_k=top_k)
     )
-    assert [key for _, key in streamer.submitted] == [BatchKey(task, encoded=True)] * 3
+    assert [key for _, key in streamer.submitted] == [BatchKey(task, True, predictor.model_id)] * 3
     assert sorted(job.image for job, _ in streamer.submitted) == sorted(uploads)
     if embedding:
         assert inferred.embeddings is not None and inferred.embeddings.shape == (3, 4)

@@ -72,8 +72,8 @@ def test_another_transport_serves_the_app_unchanged(tmp_path: Path) -> None:
     assert info.json()["batching"]["batch_size"] == 4
     # MB_DECODE=worker: uploads travelled encoded, each with a deadline about 20 s out.
     assert {batch.key for batch in fake.batches} == {
-        BatchKey(Task.EMBEDDING, True),
-        BatchKey(Task.TAG, True),
+        BatchKey(Task.EMBEDDING, True, manifest.model_id),
+        BatchKey(Task.TAG, True, manifest.model_id),
     }
     assert all(d is not None for batch in fake.batches for d in batch.deadlines)
 
@@ -118,16 +118,13 @@ def test_a_precision_below_fp32_is_part_of_every_served_id(
     """Vectors of two precisions are never taken for one another: the answer's header, /info,
     the v2 metadata and the metrics all name the precision below fp32; and a broker front
     end's streams are its own (workers of another precision never answer it)."""
-    from app.engine import default_transport
-    from app.plan import Role, plan_serving
+    from app.broker.keys import Keys
 
     store = export_tiny(tmp_path / "store")
     manifest = read_manifest(store)
     settings = Settings(model_store=store, mb_dtype=dtype)
     ids = asyncio.run(_identities(settings, echo(manifest)))
     served = manifest.model_id + tag
-    assert ids == [served, served, manifest.version + tag, served]
-    front_end = Settings(model_store=store, mb_dtype=dtype, mb_broker="redis://127.0.0.1:1")
-    front = plan_serving(front_end, Role.FRONT_END)
-    broker = default_transport(front, manifest)
-    assert broker.keys.model == manifest.version + tag  # type: ignore[attr-defined]
+    assert ids == [served, served, "1", served]  # v2 names the repository's version number
+    keys = Keys("mb")
+    assert keys.stream(served, Task.TAG) == f"mb:{{q}}:{manifest.version + tag}:tag"

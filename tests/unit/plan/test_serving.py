@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from app.errors import WorkerStartError
 from app.plan import Placement, Role, WorkerConfig, plan_serving, plan_workers
 from app.settings import Settings
-from app.workers.pool import ENCODED_BYTES_PER_IMAGE, buffer_bytes
+from app.workers.pool import COMMON_IMAGE_SHAPE, ENCODED_BYTES_PER_IMAGE, buffer_bytes
 
 
 def _plan(gpus: int, **options: Any) -> Placement:
@@ -61,12 +62,15 @@ def test_the_decode_plan_follows_the_devices() -> None:
     assert _plan(2, worker_num=4).decode.worker_threads == 4  # 16 cores / 4 workers
 
 
-def test_a_worker_that_decodes_gets_room_for_encoded_uploads() -> None:
-    shape = (32, 32, 3)
-    pixels_only = WorkerConfig("unused", max_batch_size=8)
-    decoding = WorkerConfig("unused", max_batch_size=8, decode_threads=2)
-    assert buffer_bytes(pixels_only, shape) == 8 * 32 * 32 * 3
-    assert buffer_bytes(decoding, shape) == 8 * ENCODED_BYTES_PER_IMAGE
+def test_a_worker_buffer_holds_a_full_batch_of_the_largest_model() -> None:
+    """At least a batch of common 224x224 images (a model loaded later fits), more for the
+    largest model's; with the workers decoding, room for typical encoded uploads too."""
+    config = WorkerConfig(max_batch_size=8)
+    common = 8 * int(np.prod(COMMON_IMAGE_SHAPE))
+    assert buffer_bytes(config, [(32, 32, 3)]) == common
+    assert buffer_bytes(config, [(32, 32, 3), (512, 512, 3)]) == 8 * 512 * 512 * 3
+    decoding = WorkerConfig(max_batch_size=8, decode_threads=2)
+    assert buffer_bytes(decoding, [(32, 32, 3)]) >= 8 * ENCODED_BYTES_PER_IMAGE
 
 
 def test_the_plan_of_a_server_holds_every_decision() -> None:

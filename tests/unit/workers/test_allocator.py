@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from app.plan import WorkerConfig
+from app.repository import ModelSpec
 from app.workers import allocator, process
 from app.workers.messages import StartFailed, WorkerSpec
 
@@ -78,8 +79,9 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     monkeypatch.setattr(process, "read_manifest", fail_to_load)  # the first read of the store
     monkeypatch.setattr(process, "choose_runtime", fail_to_load)
     ours, theirs = multiprocessing.Pipe()
-    config = WorkerConfig(model_store="unused", max_batch_size=8)
-    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0)
+    config = WorkerConfig(max_batch_size=8)
+    model = ModelSpec("unused", 1, "unused", "unused@000000000000")
+    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0, (model,))
     process.worker_main(spec, theirs)
     assert isinstance(ours.recv(), StartFailed)
     assert calls == ["allocator", "load_models"]

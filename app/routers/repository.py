@@ -1,0 +1,108 @@
+"""The model repository, over the Open Inference Protocol's repository extension (as Triton
+serves it): the index of every model and version, and, for the operator, loading and
+unloading versions while the server serves.
+
+``GET`` or ``POST /v2/repository/index`` is always there. ``POST
+/v2/repository/models/{name}/load`` and ``.../unload`` exist only when ``ADMIN_API_KEY`` is
+set, and need it as a bearer token (``admin``, below). A load reads only from inside the
+repository, by name, verifying every sha256; nothing is ever fetched from a URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
+from app.routers.common import ERRORS
+from app.settings import VERSION_PATTERN
+
+router = APIRouter(prefix="/v2/repository", tags=["model repository"])
+admin = APIRouter(
+    prefix="/v2/repository", tags=["model repository"], dependencies=REQUIRES_ADMIN_KEY
+)
+ADMIN_ERRORS = {
+    **ERRORS,
+    422: {"description": "the load failed (model_load_failed); the version before serves on"},
+    507: {"description": "over MB_MODEL_MEMORY (model_memory_budget)"},
+}
+
+
+class IndexEntry(BaseModel):
+    name: str
+    version: str
+    model_id: str | None = Field(description="the served id its answers carry (X-Model-Id)")
+    state: str = Field(description="unavailable, loading, ready, draining or failed")
+    serving: bool = Field(description="the version its name serves now")
+    reason: str = ""
+    in_flight: int = 0
+    workers: int = Field(0, description="workers holding it ready")
+    memory_bytes: int | None = Field(None, description="what it costs a worker holding it")
+
+
+class LoadParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(
+        None, pattern=VERSION_PATTERN, description="the version to load (default: the newest)"
+    )
+    replace: bool = Field(
+        False,
+        description="unload the serving version first (less memory; the name answers 503 "
+        "until the new one serves)",
+    )
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: LoadParameters = Field(default_factory=LoadParameters)
+
+
+class Loaded(BaseModel):
+    name: str
+    version: str
+    model_id: str
+    state: str
+
+
+@router.get("/index", response_model=list[IndexEntry])
+@router.post("/index", response_model=list[IndexEntry])
+async def index(request: Request) -> list[dict[str, Any]]:
+    """Every model and version: on disk (``unavailable``), loading, ready, draining or
+    failed (with the reason), its served id and what it costs a worker."""
+    engine = serving_engine(request)
+    return engine.models.index(engine.transport.worker_status())
+
+
+@admin.post("/models/{name}/load", response_model=Loaded, responses=ADMIN_ERRORS)
+async def load(name: str, request: Request, body: LoadRequest | None = None) -> Loaded:
+    """Load a version of ``name`` (the newest on disk, or ``parameters.version``) beside
+    the one serving, and switch to it once verified, self-tested and warmed up; answers once
+    it serves. If it fails, the version before serves on and the answer says why."""
+    engine = serving_engine(request)
+    parameters = (body or LoadRequest()).parameters
+    number = int(parameters.version) if parameters.version is not None else None
+    version = await engine.models.load(name, number, replace=parameters.replace)
+    return Loaded(
+        name=version.name,
+        version=str(version.version),
+        model_id=version.served_id,
+        state=version.state.value,
+    )
+
+
+@admin.post("/models/{name}/unload", response_model=Loaded, responses=ERRORS)
+async def unload(name: str, request: Request) -> Loaded:
+    """Stop serving ``name``: requests already admitted finish, then its models are
+    unloaded; answers once their memory is given back."""
+    engine = serving_engine(request)
+    version = await engine.models.unload(name)
+    return Loaded(
+        name=version.name,
+        version=str(version.version),
+        model_id=version.served_id,
+        state=version.state.value,
+    )
