@@ -13,7 +13,9 @@ copied into another project as a single file. Against ``make run``, from the rep
 An image is ``bytes``, a path or a binary file object; a list or tuple of them is one request
 (up to the server's ``MAX_IMAGES_PER_REQUEST``), answered as a list in order, even a list of
 one. Every call sends ``X-Request-ID`` (kept across its retries) and ``X-Request-Timeout:
-timeout_s``; ``model_id`` is the ``X-Model-Id`` of the last answer.
+timeout_s``; ``model_id`` is the ``X-Model-Id`` of the last answer. ``model=`` chooses the
+model of a server that serves several (``Client(url, model="tagger")`` for every call, or per
+call: ``client.embed(image, model="embedder")``).
 
 Errors: ``ServerReplyError`` for any non-2xx answer (``status``, ``type``, ``message`` from the
 server's error body, ``retry_after_s``, ``request_id``), after retrying a 503 that carries
@@ -98,9 +100,15 @@ class _Call(Generic[T]):
     files: list[tuple[str, tuple[str, bytes]]] | None = None
     data: dict[str, str] | None = None
     answered: frozenset[int] = frozenset({200})  # the statuses `parse` reads
+    params: dict[str, str] | None = None  # the query: the model chosen
 
     def request_args(self) -> dict[str, Any]:
-        return {"headers": self.headers, "files": self.files, "data": self.data}
+        return {
+            "headers": self.headers,
+            "files": self.files,
+            "data": self.data,
+            "params": self.params,
+        }
 
 
 def _read_image(image: Image, index: int) -> tuple[str, bytes]:
@@ -212,7 +220,12 @@ class _Core:
     """Everything both clients share: settings, building calls, reading answers, retries."""
 
     def __init__(
-        self, api_key: str | None, timeout_s: float, retries: int, max_retry_wait_s: float
+        self,
+        api_key: str | None,
+        timeout_s: float,
+        retries: int,
+        max_retry_wait_s: float,
+        model: str | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -225,7 +238,12 @@ class _Core:
         self.retries = retries
         self.max_retry_wait_s = max_retry_wait_s
         self.http_timeout = httpx.Timeout(timeout_s + HTTP_TIMEOUT_MARGIN_S)
+        self.model = model  # every call's model unless it names one
         self.model_id: str | None = None
+
+    def _params(self, model: str | None) -> dict[str, str] | None:
+        chosen = model if model is not None else self.model
+        return None if chosen is None else {"model": chosen}
 
     def _headers(self, request_id: str | None, accept: str = "application/json") -> dict[str, str]:
         headers = {
@@ -237,18 +255,22 @@ class _Core:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def embed(self, images: Image | Images, request_id: str | None) -> _Call[Embedding]:
+    def embed(
+        self, images: Image | Images, request_id: str | None, model: str | None
+    ) -> _Call[Embedding]:
         files, wants_list = _image_files(images)
         headers = self._headers(request_id, accept="application/octet-stream")
         parse = _embeddings(len(files) > 1, wants_list)
-        return _Call("POST", "/predict/embedding", headers, parse, files)
+        params = self._params(model)
+        return _Call("POST", "/predict/embedding", headers, parse, files, params=params)
 
     def tag(
-        self, images: Image | Images, k: int, request_id: str | None
+        self, images: Image | Images, k: int, request_id: str | None, model: str | None
     ) -> _Call[list[Tag] | list[list[Tag]]]:
         files, wants_list = _image_files(images)
         parse = _tags(len(files) > 1, wants_list)
-        return _Call("POST", "/predict/tag", self._headers(request_id), parse, files, {"k": str(k)})
+        headers, params = self._headers(request_id), self._params(model)
+        return _Call("POST", "/predict/tag", headers, parse, files, {"k": str(k)}, params=params)
 
     def info(self, request_id: str | None) -> _Call[dict[str, Any]]:
         return _Call("GET", "/info", self._headers(request_id), _json)
@@ -257,8 +279,8 @@ class _Core:
         headers = self._headers(request_id)
         return _Call("GET", "/readyz", headers, _is_ready, answered=_READYZ_ANSWERS)
 
-    def tags(self, request_id: str | None) -> _Call[list[str]]:
-        return _Call("GET", "/tags", self._headers(request_id), _json)
+    def tags(self, request_id: str | None, model: str | None) -> _Call[list[str]]:
+        return _Call("GET", "/tags", self._headers(request_id), _json, params=self._params(model))
 
     def retry_delay(self, call: _Call[Any], response: httpx.Response, attempt: int) -> float | None:
         """None when ``response`` is the call's answer; else the seconds to wait before the
@@ -306,8 +328,9 @@ class Client(_ClientBase):
         retries: int = 3,
         max_retry_wait_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        model: str | None = None,
     ) -> None:
-        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s)
+        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s, model)
         self._http = httpx.Client(
             base_url=base_url, timeout=self._core.http_timeout, transport=transport
         )
@@ -322,23 +345,37 @@ class Client(_ClientBase):
             time.sleep(wait)
             attempt += 1
 
-    def embed(self, images: Image | Images, *, request_id: str | None = None) -> Embedding:
+    def embed(
+        self, images: Image | Images, *, request_id: str | None = None, model: str | None = None
+    ) -> Embedding:
         """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
-        return self._send(self._core.embed(images, request_id))
+        return self._send(self._core.embed(images, request_id, model))
 
     @overload
     def tag(
-        self, images: Images, k: int = 5, *, request_id: str | None = None
+        self,
+        images: Images,
+        k: int = 5,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
     ) -> list[list[Tag]]: ...
 
     @overload
-    def tag(self, images: Image, k: int = 5, *, request_id: str | None = None) -> list[Tag]: ...
+    def tag(
+        self, images: Image, k: int = 5, *, request_id: str | None = None, model: str | None = None
+    ) -> list[Tag]: ...
 
     def tag(
-        self, images: Image | Images, k: int = 5, *, request_id: str | None = None
+        self,
+        images: Image | Images,
+        k: int = 5,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
     ) -> list[Tag] | list[list[Tag]]:
         """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
-        return self._send(self._core.tag(images, k, request_id))
+        return self._send(self._core.tag(images, k, request_id, model))
 
     def info(self, *, request_id: str | None = None) -> dict[str, Any]:
         """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
@@ -348,9 +385,9 @@ class Client(_ClientBase):
         """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
         return self._send(self._core.ready(request_id))
 
-    def tags(self, *, request_id: str | None = None) -> list[str]:
+    def tags(self, *, request_id: str | None = None, model: str | None = None) -> list[str]:
         """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
-        return self._send(self._core.tags(request_id))
+        return self._send(self._core.tags(request_id, model))
 
     def close(self) -> None:
         self._http.close()
@@ -379,8 +416,9 @@ class AsyncClient(_ClientBase):
         retries: int = 3,
         max_retry_wait_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        model: str | None = None,
     ) -> None:
-        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s)
+        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s, model)
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=self._core.http_timeout, transport=transport
         )
@@ -395,25 +433,37 @@ class AsyncClient(_ClientBase):
             await asyncio.sleep(wait)
             attempt += 1
 
-    async def embed(self, images: Image | Images, *, request_id: str | None = None) -> Embedding:
+    async def embed(
+        self, images: Image | Images, *, request_id: str | None = None, model: str | None = None
+    ) -> Embedding:
         """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
-        return await self._send(self._core.embed(images, request_id))
+        return await self._send(self._core.embed(images, request_id, model))
 
     @overload
     async def tag(
-        self, images: Images, k: int = 5, *, request_id: str | None = None
+        self,
+        images: Images,
+        k: int = 5,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
     ) -> list[list[Tag]]: ...
 
     @overload
     async def tag(
-        self, images: Image, k: int = 5, *, request_id: str | None = None
+        self, images: Image, k: int = 5, *, request_id: str | None = None, model: str | None = None
     ) -> list[Tag]: ...
 
     async def tag(
-        self, images: Image | Images, k: int = 5, *, request_id: str | None = None
+        self,
+        images: Image | Images,
+        k: int = 5,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
     ) -> list[Tag] | list[list[Tag]]:
         """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
-        return await self._send(self._core.tag(images, k, request_id))
+        return await self._send(self._core.tag(images, k, request_id, model))
 
     async def info(self, *, request_id: str | None = None) -> dict[str, Any]:
         """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
@@ -423,9 +473,9 @@ class AsyncClient(_ClientBase):
         """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
         return await self._send(self._core.ready(request_id))
 
-    async def tags(self, *, request_id: str | None = None) -> list[str]:
+    async def tags(self, *, request_id: str | None = None, model: str | None = None) -> list[str]:
         """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
-        return await self._send(self._core.tags(request_id))
+        return await self._send(self._core.tags(request_id, model))
 
     async def aclose(self) -> None:
         await self._http.aclose()

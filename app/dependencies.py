@@ -11,8 +11,8 @@ and the OpenAPI docs show them."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request, Security
@@ -52,18 +52,24 @@ def serving_engine(request: Request) -> Engine:
     return engine
 
 
-@contextmanager
-def admitted(
+@asynccontextmanager
+async def admitted(
     request: Request, name: str | None = None, number: str | None = None
-) -> Iterator[ModelVersion]:
+) -> AsyncIterator[ModelVersion]:
     """The model version this request gets, resolved once, now: ``name`` (default: the
     ``model`` query parameter, else the default model), pinned by an ``X-Model-Id`` header
     or a version ``number``; held until the block ends, so it is not unloaded under the
-    request. Its id goes on the answer and in the request's log line and metrics."""
+    request. Its id goes on the answer and in the request's log line and metrics. A broker
+    front end that knows the model but has seen no worker serve it looks at the workers
+    again first (they may have come since its last look)."""
     engine = serving_engine(request)
     if name is None:
         name = request.query_params.get(MODEL_PARAMETER)
-    pinned = request.headers.get(MODEL_ID_HEADER)
+    pinned = request.headers.get(MODEL_ID_HEADER, "").strip() or None  # empty: no pin
+    try:
+        engine.registry.resolve(name, pinned, number)
+    except NotReady:
+        await engine.refresh_routes()
     with engine.registry.admit(name, pinned, number) as version:
         state = request.state
         state.model_id, state.model, state.model_version = (

@@ -137,6 +137,13 @@ class Engine:
         """Requests waiting: in this process's queue, and (broker mode) in the shared one."""
         return self.streamer.queue_depth + self.transport.shared_queue_depth
 
+    async def refresh_routes(self) -> None:
+        """Broker mode: look at the workers now (which versions serve), rather than wait for
+        the front end's next look; a no-op for a transport that routes nothing."""
+        refresh = getattr(self.transport, "refresh", None)
+        if refresh is not None:
+            await refresh()
+
     def labels(self, served_id: str) -> tuple[str, str]:
         """The ``model`` and ``version`` metric labels of a served id."""
         for version in self.registry.versions():

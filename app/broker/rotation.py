@@ -71,6 +71,7 @@ class ModelRotation:
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # -> (served id, reason)
         self._retiring: dict[str, float] = {}  # served id -> when its streams left the reads
         self._unrouted: dict[str, float] = {}  # served id -> since when it serves no name
+        self._unloaded: dict[str, float] = {}  # served id -> when this worker unloaded it
         self._reload = threading.Event()
         self._next_poll = time.monotonic() + (self.poll_s or 0)
         self._pause_fetching = threading.Event()
@@ -159,6 +160,7 @@ class ModelRotation:
         try:
             workers = self._live_workers()
             self._retire_unrouted(workers, time.monotonic())
+            self._drop_unheld_streams(workers, time.monotonic())
         except (RedisError, OSError) as exc:
             self._unreachable(exc)
 
@@ -296,12 +298,20 @@ class ModelRotation:
         self._retiring.pop(served_id, None)
         self._unrouted.pop(served_id, None)
         self.worker.unload(served_id)
+        self._unloaded[served_id] = time.monotonic()
         self._advertise()
         log.info("worker %s: %s drained and unloaded", self.name, served_id)
-        others = [w for w in workers if w.name != self.name]
-        if not any(m.served_id == served_id for w in others for m in w.models):
-            # The last to hold it: its streams (and their group) go, if still empty.
-            self._drop_if_empty(keys=list(self.keys.streams(served_id)))
+
+    def _drop_unheld_streams(self, workers: Sequence[WorkerInfo], now: float) -> None:
+        """Once no live worker holds a version this one unloaded, its streams (and their
+        group) go, if still empty: every worker that unloaded it tries (``DEL`` twice is
+        harmless), for a minute."""
+        for served_id, since in list(self._unloaded.items()):
+            held = any(m.served_id == served_id for w in workers for m in w.models)
+            if not held:
+                self._drop_if_empty(keys=list(self.keys.streams(served_id)))
+            if not held or now - since > 60:
+                del self._unloaded[served_id]
 
     # -- draining, when told to stop ---------------------------------------------------------
 

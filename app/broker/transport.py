@@ -382,6 +382,12 @@ class BrokerTransport:
         except Exception:  # a bug must not freeze readiness: log it, look again
             log.exception("broker: looking at Redis failed")
 
+    async def refresh(self) -> None:
+        """Look at the workers (and so at which version each name serves) now, shared and
+        throttled as ``_look_again`` is: for a request whose model no worker served at the
+        last look."""
+        await self._look_again()
+
     async def _look_again(self) -> None:
         """Look at Redis before refusing for want of a worker, rather than trust the monitor's
         last look (up to a second old: a front end that just started, or whose workers just

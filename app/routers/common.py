@@ -20,7 +20,7 @@ T = TypeVar("T")
 TIMEOUT_HEADER = "X-Request-Timeout"
 MAX_K = 1000  # the most labels a request may ask for (the Predictor refuses more than classes)
 ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503, 504)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 422, 503, 504)
 }
 
 

@@ -91,7 +91,7 @@ async def info(request: Request) -> dict[str, Any]:
 async def tags(request: Request) -> list[str]:
     """The class names the tagger can return, in the model's index order (``?model=NAME``
     chooses the model; 404 for an embedding-only model)."""
-    with admitted(request) as version:
+    async with admitted(request) as version:
         if version.predictor is None:
             raise NoClassifier(f"{version.label} has no classes")
         version.predictor.require_classifier()

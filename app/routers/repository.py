@@ -68,8 +68,7 @@ class Loaded(BaseModel):
     state: str
 
 
-@router.get("/index", response_model=list[IndexEntry])
-@router.post("/index", response_model=list[IndexEntry])
+@router.api_route("/index", methods=["GET", "POST"], response_model=list[IndexEntry])
 async def index(request: Request) -> list[dict[str, Any]]:
     """Every model and version: on disk (``unavailable``), loading, ready, draining or
     failed (with the reason), its served id and what it costs a worker."""

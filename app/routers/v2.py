@@ -32,7 +32,7 @@ from app.dependencies import (
     is_ready,
     readiness_response,
 )
-from app.errors import InvalidRequest, ModelVersionUnavailable, NotReady, PayloadTooLarge
+from app.errors import InvalidRequest, PayloadTooLarge
 from app.routers.common import (
     ERRORS,
     batch_trace,
@@ -132,27 +132,23 @@ def _metadata(version: ModelVersion) -> ModelMetadata:
 
 
 @router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
-@router.get(VERSIONED, response_model=ModelMetadata, responses={**ERRORS, 409: ERRORS[404]})
+@router.get(VERSIONED, response_model=ModelMetadata, responses=ERRORS)
 async def model_metadata(name: str, request: Request, version: str | None = None) -> ModelMetadata:
     """A served model: the version serving (its number), its input and outputs."""
-    with admitted(request, name, version) as served:
+    async with admitted(request, name, version) as served:
         return _metadata(served)
 
 
 @router.get("/models/{name}/ready", responses={**ERRORS, 503: {"description": "not ready"}})
 @router.get(VERSIONED + "/ready", responses={**ERRORS, 503: {"description": "not ready"}})
 async def model_ready(name: str, request: Request, version: str | None = None) -> JSONResponse:
-    """The model's readiness (or that version's): it serves and a worker is ready."""
+    """The model's readiness (or that version's): 200 while it serves and a worker is ready,
+    503 while not; 409 ``model_version_unavailable`` for a version that is not the one
+    serving, 404 for a name not served."""
     body: dict[str, Any] = {"name": name, "ready": False}
-    if version is not None:
-        body["version"] = version
-    try:
-        with admitted(request, name, version):
-            ready = is_ready(request)
-    except (ModelVersionUnavailable, NotReady):
-        ready = False
-    body["ready"] = ready
-    return readiness_response(body, ready)
+    async with admitted(request, name, version) as served:
+        body.update(version=str(served.version), ready=is_ready(request))
+    return readiness_response(body, body["ready"])
 
 
 @router.post(
@@ -164,7 +160,7 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
 @router.post(
     VERSIONED + "/infer",
     response_model=InferResponse,
-    responses={**ERRORS, 409: ERRORS[404]},
+    responses=ERRORS,
     dependencies=REQUIRES_API_KEY,
 )
 async def infer(
@@ -189,14 +185,15 @@ async def infer(
     k = parse_k((body.parameters or {}).get("k"), "parameters.k") if top_k else None
     deadline = request_deadline(request, settings.mb_request_timeout)
     outputs: list[InferOutput] = []
-    with admitted(request, name, version) as served, batch_trace(request) as trace:
+    async with admitted(request, name, version) as served:
         assert served.predictor is not None
-        inferred = await unless_disconnected(
-            request,
-            served.predictor.infer(
-                images, k, deadline, trace, embedding="embedding" in wanted, top_k=top_k
-            ),
-        )
+        with batch_trace(request) as trace:
+            inferred = await unless_disconnected(
+                request,
+                served.predictor.infer(
+                    images, k, deadline, trace, embedding="embedding" in wanted, top_k=top_k
+                ),
+            )
     if inferred.embeddings is not None:
         outputs.append(_output("embedding", "FP32", inferred.embeddings))
     top = inferred.top_k

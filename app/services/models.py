@@ -285,7 +285,11 @@ class ModelManager:
     def follow(self, routes: Mapping[str, Route]) -> None:
         """Switch each name to the version its route names (the workers loaded it, and the
         routing rule says it serves now); a version no longer routed drains."""
+        names = set(self.repository.names())
         for name, route in routes.items():
+            if name not in names:  # workers serving a model this front end does not have
+                self._log_once(name, route.served_id, f"{name!r} is not in its repository")
+                continue
             current = self.registry.serving(name)
             if current is not None and current.served_id == route.served_id:
                 continue
@@ -314,6 +318,16 @@ class ModelManager:
                 continue
             self._serve(version, item)
             log.info("broker: %s serves now", version.label)
+
+    def _log_once(self, name: str, served_id: str, reason: str) -> None:
+        if (name, served_id) not in self._unreadable:
+            self._unreadable[(name, served_id)] = reason
+            log.error(
+                "broker: the workers serve %s, which this front end cannot: %s", served_id, reason
+            )
+
+    def _where(self) -> str:
+        return "this front end's repository"
 
     # -- what there is ------------------------------------------------------------------------
 

@@ -412,16 +412,17 @@ def test_long_multipart_boundary(findings_server: ServerProcess, route: str) -> 
 
 
 def _answers(server: ServerProcess, route: str) -> dict[str, float]:
-    """``microbatch_http_requests_total`` for ``route``, by status."""
+    """``microbatch_http_requests_total`` for ``route``, by status (every model together)."""
     pattern = re.compile(
-        rf'^microbatch_http_requests_total\{{route="{re.escape(route)}",status="(\d+)"\}} (\S+)$'
+        rf'^microbatch_http_requests_total\{{model="[^"]*",route="{re.escape(route)}",'
+        rf'status="(\d+)",version="[^"]*"\}} (\S+)$'
     )
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=HTTP_TIMEOUT_S).text
-    return {
-        match[1]: float(match[2])
-        for match in map(pattern.match, metrics.splitlines())
-        if match is not None
-    }
+    counts: dict[str, float] = {}
+    for match in map(pattern.match, metrics.splitlines()):
+        if match is not None:
+            counts[match[1]] = counts.get(match[1], 0.0) + float(match[2])
+    return counts
 
 
 @pytest.mark.parametrize(

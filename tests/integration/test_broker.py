@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from app.manifest import read_manifest
 from app.workers.allocator import jemalloc_library
 from bench.loadgen import Response, closed_loop, multipart_request
 from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, stream_state
@@ -47,11 +48,13 @@ def png(rgb: tuple[int, int, int], size: int = 40) -> bytes:
 
 
 def sizes_run(workers: Workers, task: str) -> Counter[int]:
-    """Batches of each size the live workers ran for ``task`` (from their heartbeats)."""
+    """Batches of each size the live workers ran for ``task``, of any model (from their
+    heartbeats: served id -> task -> size -> batches)."""
     total: Counter[int] = Counter()
     for info in workers.live().values():
-        for size, count in (info.get("sizes", {}).get(task) or {}).items():
-            total[int(size)] += count
+        for tasks in info.get("sizes", {}).values():
+            for size, count in (tasks.get(task) or {}).items():
+                total[int(size)] += count
     return total
 
 
@@ -641,7 +644,8 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
             process.wait(timeout=30)
     served = [
         line for line in metrics.splitlines()
-        if line.startswith('microbatch_http_requests_total{route="/predict/embedding",status="200"}')
+        if line.startswith("microbatch_http_requests_total{")
+        and 'route="/predict/embedding",status="200"' in line
     ]  # fmt: skip
     assert len(_pids(metrics_dir)) == 2, "one process served every request"
     assert set(statuses) == {200}
@@ -770,8 +774,10 @@ async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) 
 async def test_front_ends_never_reach_workers_of_another_export(
     tiny_store: Path, tmp_path: Path
 ) -> None:
-    """Vectors of two exports never mix: a front end counts, and sends to, only the workers
-    serving its own export (their streams are the export's own)."""
+    """Vectors of two exports never mix: a front end whose repository holds another export
+    than the workers serve routes nothing to them (their streams are their export's own):
+    its model has no version ready, and its requests are refused, never answered by the
+    other export."""
     other = export_slow(tmp_path / "other", rounds=1)
     with RedisServer() as redis_server, Workers(redis_server, other, count=1):
         front = front_end(redis_server, tiny_store)
@@ -786,5 +792,6 @@ async def test_front_ends_never_reach_workers_of_another_export(
             )
         finally:
             front.stop()
-    assert status == 503 and body["workers"] == []
-    assert answer.status_code == 503 and answer.json()["error"]["type"] == "worker_died"
+    held = [m["served_id"] for worker in body["workers"] for m in worker["models"]]
+    assert status == 503 and held == [read_manifest(other).served_id("auto")]
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "not_ready"

@@ -121,7 +121,7 @@ async def test_a_repository_of_two_models_serves_both(tmp_path: Path) -> None:
         assert (await client.get("/v2/models/tiny")).json()["versions"] == ["1"]
         assert (await client.get("/v2/models/nope/ready")).status_code == 404
         assert (await client.get("/v2/models/tiny/versions/1/ready")).status_code == 200
-        assert (await client.get("/v2/models/tiny/versions/7/ready")).status_code == 503
+        assert (await client.get("/v2/models/tiny/versions/7/ready")).status_code == 409
         rows = await index(client)
         assert [(r["name"], r["version"], r["state"], r["serving"]) for r in rows] == [
             ("backbone", "1", "ready", True),

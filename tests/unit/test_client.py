@@ -265,3 +265,38 @@ def test_the_module_can_be_copied_alone(tmp_path: Path, monkeypatch: pytest.Monk
     answer = httpx.Response(200, json=[{"name": "cat", "prob": 1.0}])
     with module.Client("http://server", transport=httpx.MockTransport(lambda _: answer)) as c:
         assert c.tag(b"x")[0] == module.Tag("cat", 1.0)
+
+
+def test_model_chooses_the_model_for_every_call_or_one() -> None:
+    """``model=`` on the client is every call's ``?model=``; on a call, that call's."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/predict/embedding":
+            return vectors(np.zeros(2, np.float32))
+        if request.url.path == "/tags":
+            return httpx.Response(200, json=["a"])
+        return httpx.Response(200, json=[{"name": "a", "prob": 1.0}])
+
+    with client(handler, model="tagger") as c:
+        c.embed(b"x")
+        c.tag(b"x", k=1, model="other")
+        c.tags()
+    with client(handler) as c:
+        c.embed(b"x")
+    assert [r.url.params.get("model") for r in seen] == ["tagger", "other", "tagger", None]
+
+
+async def test_the_async_client_chooses_a_model_too() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return vectors(np.zeros(2, np.float32))
+
+    transport = httpx.MockTransport(handler)
+    async with AsyncClient("http://server", transport=transport, model="a") as c:
+        await c.embed(b"x")
+        await c.embed(b"x", model="b")
+    assert [r.url.params["model"] for r in seen] == ["a", "b"]

@@ -40,10 +40,10 @@ def test_a_version_loads_serves_drains_and_goes() -> None:
     registry.ready(v2, MANIFEST, PREDICTOR)
     assert registry.resolve("tagger") is v1  # ready, but not switched yet
     assert registry.switch(v2) is v1
-    assert v1.state is ModelState.DRAINING and v1.drained.is_set()  # nothing was in flight
+    assert _state(v1) is ModelState.DRAINING and v1.drained.is_set()  # nothing was in flight
     assert registry.resolve("tagger") is v2
     registry.gone(v1)
-    assert v1.state is ModelState.GONE and v1 not in registry.versions()
+    assert _state(v1) is ModelState.GONE and v1 not in registry.versions()
 
 
 def test_a_failed_load_leaves_the_version_before_serving() -> None:
