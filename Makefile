@@ -18,6 +18,7 @@ REDIS_PORT ?= 6379
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
 
+# MODEL_REPOSITORY=DIR serves several models (kill -HUP the cluster process to roll in new versions).
 run-cluster: install redis-server $(MODEL_STORE)/manifest.json  ## broker mode on one machine: redis + front ends + workers
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app.broker.cluster \
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)

@@ -30,6 +30,7 @@ from app.engine import Engine
 from app.errors import ServerError, StartupError
 from app.logs import configure_logging
 from app.plan import plan_serving
+from app.services.predictor import Predictor
 from app.settings import load_settings
 
 log = logging.getLogger("app.bulk")
@@ -85,7 +86,14 @@ class ResultWriter:
 
 
 async def run(
-    root: Path, task: str, out: Path, *, top_k: int | None, resume: bool, progress: bool = True
+    root: Path,
+    task: str,
+    out: Path,
+    *,
+    top_k: int | None,
+    resume: bool,
+    progress: bool = True,
+    model: str | None = None,
 ) -> dict[str, int]:
     plan = plan_serving(load_settings(mb_request_timeout=3600.0))
     files, todo = await asyncio.to_thread(_plan, root, out, resume)
@@ -95,7 +103,9 @@ async def run(
     started = time.perf_counter()
     try:
         async with Engine(plan) as engine:
-            await _feed(engine, root, task, todo, top_k, writer, bar, counts)
+            predictor = engine.registry.resolve(model).predictor  # one version for every file
+            assert predictor is not None
+            await _feed(engine, predictor, root, task, todo, top_k, writer, bar, counts)
             # Which runtime computed the results (each worker chose at its start).
             runtimes = sorted({w.runtime for w in engine.transport.worker_status() if w.runtime})
             counts["runtimes"] = runtimes  # type: ignore[assignment]
@@ -110,6 +120,7 @@ async def run(
 
 async def _feed(
     engine: Engine,
+    predictor: Predictor,
     root: Path,
     task: str,
     todo: list[Path],
@@ -121,7 +132,7 @@ async def _feed(
     """Submit every file, a bounded window at a time, and write each answer as it comes.
     Raises (and leaves nothing running) if writing fails."""
     limits = engine.plan.limits
-    model_id = engine.predictor.model_id  # on every line: never mix two exports (or precisions)
+    model_id = predictor.model_id  # on every line: never mix two exports (or precisions)
     # Enough in flight to keep every worker busy with full batches, not so much that the
     # queue bound or memory is at risk.
     transport = engine.transport
@@ -133,10 +144,10 @@ async def _feed(
             data = await asyncio.to_thread(path.read_bytes)
             deadline = time.monotonic() + limits.request_timeout_s
             if task == "tag":
-                tags = await engine.predictor.tag(data, top_k, deadline)
+                tags = await predictor.tag(data, top_k, deadline)
                 entry["result"] = [{"name": t.name, "prob": t.prob} for t in tags]
             else:
-                vector = await engine.predictor.embedding(data, deadline)
+                vector = await predictor.embedding(data, deadline)
                 entry["result"] = vector.tolist()
             counts["ok"] += 1
         except (ServerError, OSError) as exc:
@@ -165,6 +176,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="JSON lines file to write")
     parser.add_argument(
         "-k", "--top-k", type=int, help="labels per image (tag; default 5, or every class if fewer)"
+    )
+    parser.add_argument(
+        "--model", help="the model's name (default: the only one, or MB_DEFAULT_MODEL)"
     )
     parser.add_argument("--resume", action="store_true", help="skip paths already in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -196,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.task,
                 args.out,
                 top_k=args.top_k,
+                model=args.model,
                 resume=args.resume,
                 progress=not args.no_progress,
             )
         )
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ServerError as exc:  # --model names no model served
+        print(f"error: {exc.message}", file=sys.stderr)
         return 2
     print(json.dumps(counts))
     return 0

@@ -8,8 +8,10 @@ Starts a throwaway ``redis-server`` on 127.0.0.1 (unless ``MB_BROKER`` names one
 workers (``python -m app.broker.worker``, ``--workers`` processes) and the front ends (gunicorn with
 ``app.gunicorn_worker.Worker``, ``--front-ends`` processes on ``HOST``:``PORT``, sharing one
 ``/metrics`` through a fresh ``PROMETHEUS_MULTIPROC_DIR``). Every other setting comes from
-the environment, as usual. Ctrl-C or SIGTERM stops the front ends, then the workers (each
-finishes its batch), then Redis; if any of them dies, the rest are stopped too.
+the environment, as usual (``MODEL_REPOSITORY`` for several models). ``kill -HUP`` makes the
+workers load what is new in the repository (the front ends switch once every worker has it).
+Ctrl-C or SIGTERM stops the front ends, then the workers (each finishes its batch), then
+Redis; if any of them dies, the rest are stopped too.
 """
 
 from __future__ import annotations
@@ -72,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def reload(signum: int, frame: FrameType | None) -> None:
+        for process in workers:  # the supervisor tells each of its workers
+            if process.poll() is None:
+                process.send_signal(signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     try:
         if settings.mb_broker is None:
             binary = shutil.which("redis-server")
@@ -93,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             env["MB_BROKER"] = f"redis://127.0.0.1:{args.redis_port}/0"
         env["MB_WORKER_NUM"] = str(args.workers)
-        started.append(
+        workers.append(
             subprocess.Popen(
                 [sys.executable, "-m", "app.broker.worker"], env=env, start_new_session=True
             )
         )
+        started.append(workers[0])
         metrics = scratch / "metrics"
         metrics.mkdir()
         front_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}

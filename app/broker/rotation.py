@@ -195,9 +195,12 @@ class ModelRotation:
                 self._error(f"reload: {name}: {exc}")
                 continue
             served_id = manifest.served_id(self.worker.config.dtype)
-            if served_id in self.worker.models or (automatic and (name, number) in self._failed):
-                continue
             spec = ModelSpec(name, number, str(store), served_id, manifest.input.image_shape)
+            if served_id in self.worker.models:
+                self._renumber(spec)
+                continue
+            if automatic and (name, number) in self._failed:
+                continue
             if not self._load_one(spec):
                 return False
         return True
@@ -249,6 +252,21 @@ class ModelRotation:
             except (RedisError, OSError) as exc:
                 self._unreachable(exc)
 
+    def _renumber(self, spec: ModelSpec) -> None:
+        """The export chosen is one this worker holds already, under another version number
+        (a rollback published as the next version): it serves under the new number, and
+        stops retiring if it was."""
+        held = self.worker.models[spec.served_id]
+        if held.spec.version == spec.version:
+            return
+        held.spec = spec
+        self._unrouted.pop(spec.served_id, None)
+        if self._retiring.pop(spec.served_id, None) is not None:
+            self._read_streams_of(spec.served_id)
+        self._advertise()
+        log.info("worker %s: %s serves as %s version %d", self.name, spec.served_id, spec.name,
+                 spec.version)  # fmt: skip
+
     def _hand_over_reads(self) -> None:
         """Before a load: stop reading, and run what was read already (a read in flight
         lands within its one-second block), so nothing waits here while it loads."""
@@ -267,10 +285,12 @@ class ModelRotation:
         ``SWITCH_GRACE_S`` and they are empty, and it is unloaded ``RETIRE_S`` later if they
         still are."""
         chosen = routes(workers, self.switch_min_workers)
-        for served_id, model in list(self.worker.models.items()):
-            route = chosen.get(model.spec.name)
-            held = route is not None and route.served_id in self.worker.models
-            if route is None or route.served_id == served_id or not held:
+        # Names only: a reference to a model held here would keep its memory past the unload.
+        held = [(served_id, model.spec.name) for served_id, model in self.worker.models.items()]
+        for served_id, name in held:
+            route = chosen.get(name)
+            has_it = route is not None and route.served_id in self.worker.models
+            if route is None or route.served_id == served_id or not has_it:
                 self._unrouted.pop(served_id, None)
                 if self._retiring.pop(served_id, None) is not None:
                     self._read_streams_of(served_id)  # routed again: read it again

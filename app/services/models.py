@@ -196,7 +196,8 @@ class ModelManager:
                 raise ModelLoadFailed(f"{name} version {number}: {reason}", "verify") from None
             current = self.registry.serving(name)
             if current is not None and current.served_id == item.spec.served_id:
-                return current  # already serving exactly this
+                self.registry.renumber(current, number)  # already serving exactly this
+                return current
             version = self.registry.loading(name, number, item.spec.served_id)
             if version.state is ModelState.DRAINING:  # a rollback before it was unloaded
                 self.registry.revive(version)
@@ -209,7 +210,7 @@ class ModelManager:
                     current.label,
                     item.spec.served_id,
                 )
-                self.registry.retire(name)
+                self.registry.retire(name, coming_back=True)
                 await self._unload_when_drained(current)
             try:
                 await self.host.load(item.spec)
@@ -292,6 +293,7 @@ class ModelManager:
                 continue
             current = self.registry.serving(name)
             if current is not None and current.served_id == route.served_id:
+                self.registry.renumber(current, route.version)
                 continue
             version = self.registry.loading(name, route.version, route.served_id)
             if version.state is ModelState.DRAINING:

@@ -219,13 +219,21 @@ class ModelRegistry:
         self._drain(old)
         return old
 
-    def retire(self, name: str) -> ModelVersion | None:
-        """The name serves nothing any more (an unload): its version drains, and is
-        returned."""
+    def retire(self, name: str, *, coming_back: bool = False) -> ModelVersion | None:
+        """The name serves nothing any more: its version drains, and is returned. Unloaded,
+        the name is then unknown (404); ``coming_back`` (a replacement in place) keeps it
+        known, answered 503 until its next version serves."""
         old = self._serving.pop(name, None)
         if old is not None:
             self._drain(old)
+        if not coming_back:
+            self._known.discard(name)
         return old
+
+    def renumber(self, version: ModelVersion, number: int) -> None:
+        """The same export published again as another version (a rollback written as the
+        next version): it serves under that number, with no load."""
+        version.version = number
 
     def revive(self, version: ModelVersion) -> None:
         """DRAINING -> READY, before its models are unloaded: a rollback to it needs no load

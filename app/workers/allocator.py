@@ -147,7 +147,8 @@ def release_freed_memory() -> None:
     """Hand every freed page back to the kernel now (a model was unloaded, or one was just
     loaded and is being measured): the workers' allocator keeps freed pages on purpose (see
     the module's docstring), so without this an unloaded model's memory would stay
-    resident. Python's garbage first, so the runtimes' objects are really freed."""
+    resident. Python's garbage first, so the runtimes' objects are really freed; the caller
+    must hold no reference to what it unloaded (its memory is kept otherwise)."""
     import gc
 
     gc.collect()

@@ -101,3 +101,28 @@ def test_refuses_to_clobber_or_read_a_missing_folder(folder: Path, tmp_path: Pat
     assert main([str(folder), "--task", "tag", "--out", str(out)]) == 2
     assert main([str(tmp_path / "nope"), "--task", "tag", "--out", str(tmp_path / "x")]) == 2
     shutil.rmtree(folder)
+
+
+def test_the_batch_job_runs_the_model_it_is_given(
+    folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With a repository of two models: ``--model`` chooses one (every line says which);
+    none, with no default, or one not there, is a clear error."""
+    from tests.models import export_embedding_only, export_tiny
+
+    repository = tmp_path / "models"
+    export_tiny(repository / "tiny" / "1")
+    backbone = export_embedding_only(repository / "backbone" / "1")
+    monkeypatch.setenv("MODEL_REPOSITORY", str(repository))
+    out = tmp_path / "out.jsonl"
+    args = [str(folder), "--task", "embedding", "--out", str(out), "--no-progress", "--overwrite"]
+    assert main([*args, "--model", "backbone"]) == 0
+    ids = {entry["model_id"] for entry in iter_results(out)}
+    assert ids == {read_manifest(backbone).model_id}
+    assert main([*args, "--model", "nope"]) == 2
+    assert "no model named 'nope'" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "several models" in capsys.readouterr().err

@@ -419,3 +419,47 @@ async def test_memory_stays_flat_over_swaps(tmp_path: Path) -> None:
             )
             rss.append((await client.get("/info")).json()["workers"][0]["rss_bytes"])
         assert rss[-1] <= 1.15 * rss[1], [r >> 20 for r in rss]
+
+
+async def test_unload_gives_the_memory_back_and_replace_trades_a_gap_for_it(
+    tmp_path: Path,
+) -> None:
+    """Unload: the name is no longer served (404), its memory is back when the call answers.
+    A load with ``replace``: the old version goes first, the name answers 503 with
+    Retry-After until the new one serves, then the new one answers."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    export_embedding_only(repository / "backbone")
+    watched = Watched()
+    async with running_app(
+        watched.wrap, model_repository=repository, admin_api_key="admin-secret",
+        cuda_devices="cpu", mb_worker_num=1, mb_default_model="tiny",
+    ) as (_, client):  # fmt: skip
+        unloaded = await client.post("/v2/repository/models/backbone/unload", headers=ADMIN)
+        assert unloaded.status_code == 200 and unloaded.json()["state"] == "gone"
+        assert set(watched.inner.models) == {served_id(v1)}  # type: ignore[attr-defined]
+        gone = await embed(client, model="backbone")
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
+        again = await client.post("/v2/repository/models/backbone/unload", headers=ADMIN)
+        assert again.status_code == 404
+        v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+        watched.hold()  # the old version's last request holds the gap open
+        first = asyncio.create_task(embed(client))
+        await watched.wait_entered()
+        replace = {"parameters": {"replace": True}}
+        load = asyncio.create_task(
+            client.post("/v2/repository/models/tiny/load", headers=ADMIN, json=replace)
+        )
+
+        async def draining() -> bool:
+            return any(r["state"] == "draining" for r in await index(client))
+
+        await until(draining, "version 1 draining")
+        gap = await embed(client)
+        assert gap.status_code == 503 and gap.json()["error"]["type"] == "not_ready"
+        assert gap.headers["Retry-After"].isdigit()
+        watched.release()
+        assert (await first).headers["X-Model-Id"] == served_id(v1)
+        assert (await load).status_code == 200
+        assert (await embed(client)).headers["X-Model-Id"] == served_id(v2)
+        assert set(watched.inner.models) == {served_id(v2)}  # type: ignore[attr-defined]

@@ -127,6 +127,11 @@ def test_an_unloaded_name_drains_and_is_no_longer_served() -> None:
     v1 = _serving(registry, "tagger", 1, "t@1")
     assert registry.retire("tagger") is v1
     assert v1.state is ModelState.DRAINING and registry.names() == []
-    with pytest.raises(NotReady):  # known: it may be loaded again
+    with pytest.raises(ModelNotFound):
         registry.resolve("tagger")
     assert registry.retire("tagger") is None
+    # Replaced in place: 503 until the next version serves.
+    _serving(registry, "tagger", 2, "t@2")
+    registry.retire("tagger", coming_back=True)
+    with pytest.raises(NotReady):
+        registry.resolve("tagger")

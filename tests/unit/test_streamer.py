@@ -205,6 +205,36 @@ async def test_items_with_different_keys_never_share_a_batch() -> None:
     ]
 
 
+async def test_each_key_batches_up_to_its_own_size() -> None:
+    """Two models with their own largest batch (``batch_size_for``): each key's batches stop
+    there, never above ``max_batch_size``."""
+    model = FakeModel(gated=True)
+    sizes: dict[Hashable, int] = {"small": 3, "big": 100}
+    async with Streamer[object, Echo](
+        model, max_batch_size=8, max_latency_s=10, batch_size_for=sizes.__getitem__
+    ) as streamer:
+        blocker = asyncio.create_task(streamer.submit(0, key="small"))
+        await model.started.wait()
+        tasks = [
+            asyncio.create_task(streamer.submit(i, key="small" if i % 2 else "big"))
+            for i in range(1, 21)
+        ]
+        await wait_until(lambda: streamer.queue_depth == 20)
+        model.release.set()
+        await asyncio.gather(blocker, *tasks)
+    by_key = sorted((str(key), len(payloads)) for key, payloads in model.batches)
+    assert by_key == [
+        ("big", 2),
+        ("big", 8),
+        ("small", 1),
+        ("small", 1),
+        ("small", 3),
+        ("small", 3),
+        ("small", 3),
+    ]
+    assert streamer.batch_size("small") == 3 and streamer.batch_size("big") == 8
+
+
 async def test_full_queue_rejects_at_once_with_retry_after() -> None:
     model = FakeModel(gated=True)
     async with Streamer[object, Echo](
