@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import (
@@ -71,7 +72,10 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         kind = HTTP_ERROR_KINDS.get(exc.status_code)
         if kind is not None:
             metrics.on_error(kind)
-        return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # every method of the path, not the first route's alone
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed(request))}
+        return error_response(exc.status_code, code, str(exc.detail), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -85,6 +89,17 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal_error", "internal server error")
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods the routes matching ``request``'s path take (Starlette's own 405 names
+    those of the first such route only)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches({**request.scope, "method": "__ANY__"})
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 class BodySizeLimit:

@@ -68,12 +68,17 @@ class Loaded(BaseModel):
     state: str
 
 
-@router.api_route("/index", methods=["GET", "POST"], response_model=list[IndexEntry])
+@router.get("/index", response_model=list[IndexEntry], operation_id="repository_index")
 async def index(request: Request) -> list[dict[str, Any]]:
     """Every model and version: on disk (``unavailable``), loading, ready, draining or
     failed (with the reason), its served id and what it costs a worker."""
     engine = serving_engine(request)
     return engine.models.index(engine.transport.worker_status())
+
+
+# The same by POST, as Triton's clients ask for it: a route of its own, so that each method
+# has its own OpenAPI operation id.
+router.post("/index", response_model=list[IndexEntry], operation_id="repository_index_post")(index)
 
 
 @admin.post("/models/{name}/load", response_model=Loaded, responses=ADMIN_ERRORS)
