@@ -8,17 +8,25 @@ own model workers and batches only its own requests.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from uvicorn_worker import UvicornWorker
 
 from app.http_protocol import http_protocol
+from app.workers.lineage import die_with_parent
 
 
 class Worker(UvicornWorker):  # type: ignore[misc]
     """``uvicorn_worker.UvicornWorker`` with our HTTP protocol and no access log (the app
-    logs each request itself, with its request id)."""
+    logs each request itself, with its request id); it stops (SIGTERM: admitted requests
+    finish) the moment its gunicorn master dies, even by ``kill -9`` (gunicorn itself would
+    notice only at its next timeout check)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.CONFIG_KWARGS = {"loop": "auto", "http": http_protocol(), "access_log": False}
         super().__init__(*args, **kwargs)
+
+    def init_process(self) -> None:
+        die_with_parent(self.ppid, signal.SIGTERM)
+        super().init_process()

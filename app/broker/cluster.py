@@ -11,7 +11,8 @@ workers (``python -m app.broker.worker``, ``--workers`` processes) and the front
 the environment, as usual (``MODEL_REPOSITORY`` for several models). ``kill -HUP`` makes the
 workers load what is new in the repository (the front ends switch once every worker has it).
 Ctrl-C or SIGTERM stops the front ends, then the workers (each finishes its batch), then
-Redis; if any of them dies, the rest are stopped too.
+Redis; if any of them dies, the rest are stopped too; if it is killed (even with ``-9``),
+each of them gets SIGTERM (``app.workers.lineage``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from types import FrameType
 
 from app.errors import SettingsError
 from app.settings import get_settings
+from app.workers.lineage import preexec
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             broker = subprocess.Popen(
                 [binary, "--port", str(args.redis_port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--dir", str(scratch)],
-                start_new_session=True,
+                start_new_session=True, preexec_fn=preexec(),
             )  # fmt: skip
             started.append(broker)
             _wait_for_redis(args.redis_port, broker)
@@ -105,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         env["MB_WORKER_NUM"] = str(args.workers)
         workers.append(
             subprocess.Popen(
-                [sys.executable, "-m", "app.broker.worker"], env=env, start_new_session=True
+                [sys.executable, "-m", "app.broker.worker"],
+                env=env,
+                start_new_session=True,
+                preexec_fn=preexec(),
             )
         )
         started.append(workers[0])
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                  "app.main:create_app()"],
                 env=front_env,
                 start_new_session=True,
+                preexec_fn=preexec(),
             )
         )  # fmt: skip
         while not stopping and all(process.poll() is None for process in started):

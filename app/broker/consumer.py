@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -33,8 +35,8 @@ from typing import Any, cast
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app.broker.health import Heartbeat, TroubleLog
-from app.broker.keys import GROUP, HEARTBEAT_S, REPLY_TTL_S, Keys
+from app.broker.health import Heartbeat, NameTaken, TroubleLog
+from app.broker.keys import GROUP, HEARTBEAT_S, REPLY_TTL_S, STALE_S, Keys
 from app.broker.orphans import Entry, EntryId, OrphanClaims
 from app.broker.readahead import ReadAhead
 from app.broker.rotation import ModelRotation
@@ -58,6 +60,10 @@ from app.workers.transfer import results
 log = logging.getLogger("app.worker")
 
 RECLAIM_S = 1.0  # how often a worker looks for entries a dead or hung worker left pending
+# A worker whose name another live process holds waits this long (an earlier life's last
+# heartbeat goes stale in STALE_S), then exits with this code.
+JOIN_TIMEOUT_S = 2 * STALE_S + 1.0
+NAME_TAKEN_EXIT = 3
 RETRY_S = 0.5  # after Redis failed us
 
 
@@ -107,7 +113,7 @@ class Consumer(ModelRotation, OrphanClaims):
         self.switch_min_workers = switch_min_workers
         self.poll_s = poll_s
         self.stats = ConsumerStats()
-        self._heartbeat = Heartbeat(client, keys, name)
+        self._heartbeat = Heartbeat(client, keys, name, uuid.uuid4().hex)
         self._trouble = TroubleLog(name)
         # One read ahead at most (at most one batch per task), timed to the compute.
         self._ahead: ReadAhead[Fetched] = ReadAhead()
@@ -126,7 +132,8 @@ class Consumer(ModelRotation, OrphanClaims):
         last answers, and take this worker out of the heartbeats."""
         self._stop = stop
         self._ensure_groups()
-        self._send_heartbeat()
+        if not self._join(stop):
+            return
         beat = _thread(self._beat, "heartbeat")
         self._recover(own=True)  # what this worker's last life left pending
         fetch = _thread(self._fetch, "fetcher")
@@ -175,11 +182,30 @@ class Consumer(ModelRotation, OrphanClaims):
                     return served_id, task
         return None
 
+    def _join(self, stop: threading.Event) -> bool:
+        """Take this worker's name with a first heartbeat, before reading anything: if a live
+        process holds it (an earlier life still exiting, or a second process started under
+        the same name), wait up to ``JOIN_TIMEOUT_S`` for its heartbeat to go stale, then
+        exit with ``NAME_TAKEN_EXIT`` (its supervisor retries with backoff). Never two
+        consumers under one name: the reclaim, the heartbeat and the pending entries are
+        each one process's. False if told to stop meanwhile."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not stop.is_set():
+            try:
+                self._send_heartbeat(raising=True)
+                return True
+            except NameTaken as exc:
+                self._error(str(exc))
+                if time.monotonic() > deadline:
+                    log.error("worker %s: %s; exiting", self.name, exc)
+                    sys.exit(NAME_TAKEN_EXIT)
+            time.sleep(HEARTBEAT_S)
+        return False
+
     def _leave(self) -> None:
         """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
         try:
-            self.client.zrem(self.keys.heartbeats, self.name)
-            self.client.hdel(self.keys.worker_info, self.name)
+            self._heartbeat.leave()
         except (RedisError, OSError) as exc:
             self._unreachable(exc)
 
@@ -373,7 +399,9 @@ class Consumer(ModelRotation, OrphanClaims):
     def _redis_now_ms(self) -> int:
         return self._heartbeat.redis_now_ms()
 
-    def _send_heartbeat(self) -> None:
+    def _send_heartbeat(self, *, raising: bool = False) -> None:
+        """Tell Redis this worker lives. Another live process holding the name ends this
+        one (``raising``: the caller decides), so that two never consume under one name."""
         first = self._advertised[0] if self._advertised else {}
         info = {
             **self.description,
@@ -391,7 +419,12 @@ class Consumer(ModelRotation, OrphanClaims):
         }
         try:
             self._heartbeat.send(info)
-        except (RedisError, OSError) as exc:
+        except NameTaken as exc:
+            if raising:
+                raise
+            log.error("worker %s: %s; exiting", self.name, exc)
+            os._exit(NAME_TAKEN_EXIT)
+        except (RedisError, OSError) as exc:  # checked again at the next heartbeat
             self._unreachable(exc)
         else:
             self._trouble.reachable()

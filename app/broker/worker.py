@@ -40,6 +40,7 @@ from app.repository import ModelSpec, Repository
 from app.settings import get_settings
 from app.workers import allocator
 from app.workers.backoff import RestartBackoff
+from app.workers.lineage import die_with_parent
 
 log = logging.getLogger("app.worker")
 
@@ -62,6 +63,7 @@ class ConsumerSpec:
     repository: RepositoryPlan  # where it looks for new versions
     load_timeout_s: float = 300.0
     restarts: int = 0
+    parent_pid: int = 0  # the supervisor: the worker dies with it (app.workers.lineage)
 
     @property
     def name(self) -> str:
@@ -71,7 +73,10 @@ class ConsumerSpec:
 
 
 def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
-    """Entry point of one broker worker process; sets ``loaded`` once its models are."""
+    """Entry point of one broker worker process; sets ``loaded`` once its models are. It
+    dies with its supervisor (killed, even with ``-9``): an orphan would go on consuming
+    under the name its replacement takes."""
+    die_with_parent(spec.parent_pid)
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -154,6 +159,7 @@ class Supervisor:
         self._loaded: dict[int, EventType] = {}  # index -> set once its current life loaded
 
     def _start(self, spec: ConsumerSpec) -> None:
+        spec = replace(spec, parent_pid=os.getpid())
         context = mp.get_context("spawn")
         self._loaded[spec.index] = loaded = context.Event()
         process = context.Process(

@@ -27,6 +27,7 @@ from app.repository import ModelSpec, ModelState
 from app.workers import allocator
 from app.workers.buffer import InputBuffer
 from app.workers.channel import Channel, channel_pair
+from app.workers.lineage import die_with_parent
 from app.workers.messages import (
     STOP,
     BatchDone,
@@ -50,7 +51,9 @@ log = logging.getLogger("app.workers.pool")
 
 
 def _worker_entry(spec: WorkerSpec, conn: Connection) -> None:
-    """The worker process's target: torch is imported there, never in the pool's process."""
+    """The worker process's target: it dies with the pool's process (killed, even with
+    ``-9``); torch is imported there, never in the pool's process."""
+    die_with_parent(spec.parent_pid)
     from app.workers.process import worker_main
 
     worker_main(spec, conn)
@@ -137,7 +140,9 @@ class WorkerHandle:
     ) -> WorkerHandle:
         """Start a worker process (it loads ``models`` in the background)."""
         buffer = InputBuffer.create(buffer_size)
-        spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size, models)
+        spec = WorkerSpec(
+            index, device, threads, config, buffer.path, buffer.size, models, os.getpid()
+        )
         parent, child = channel_pair()
         process = mp.get_context("spawn").Process(
             target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True

@@ -30,6 +30,7 @@ class WorkerSpec:
     buffer_path: str
     buffer_size: int
     models: tuple[ModelSpec, ...] = ()
+    parent_pid: int = 0  # the pool's process: the worker dies with it (app.workers.lineage)
 
 
 @dataclass(frozen=True)
