@@ -13,7 +13,7 @@ FRONT_ENDS ?= 2
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
-.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick loadtest model install install-dev redis-server jemalloc clean
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model install install-dev redis-server jemalloc clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -48,6 +48,13 @@ soak: install-dev $(MODEL_STORE)/manifest.json  ## 100,000 requests in-process, 
 soak-quick: install-dev $(MODEL_STORE)/manifest.json  ## the same, 10,000 requests each (about 5 min)
 	$(PY) -m bench.soak --mode inprocess --requests 10000 --every 2500
 	$(PY) -m bench.soak --mode broker --requests 10000 --every 2500
+
+# Faults in broker mode, one kind of process at a time, under load: every invariant must hold.
+chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py, about 12 min)
+	$(PY) -m bench.chaos
+
+rollout: install-dev redis-server  ## model versions swapped under load, in-process and broker (about 25 min)
+	$(PY) -m bench.rollout
 
 loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, against a local server
 	PY=$(PY) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) tests/load/run_loadtest.sh
