@@ -47,6 +47,7 @@ import numpy.typing as npt
 import psutil
 import redis
 
+from app.workers.lineage import stop_child
 from bench.loadgen import Connection, multipart_request
 
 HOST = "127.0.0.1"
@@ -175,13 +176,8 @@ class Cluster:
     def stop(self) -> None:
         for name in ("master", "supervisor-a", "supervisor-b", "redis"):
             process = self.processes.get(name)
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            if process is not None:
+                stop_child(process, timeout_s=90)
 
 
 def _cmdline(process: psutil.Process) -> list[str]:

@@ -29,6 +29,7 @@ from app.images import preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
 from app.workers.allocator import retain_freed_memory
+from app.workers.lineage import stop_child
 from app.workers.models import LoadOptions, Runtime, load_models
 from app.workers.runner import BatchRunner
 
@@ -374,11 +375,6 @@ def serve(
                 time.sleep(0.2)
             yield RunningServer(kind, port, process, stats_path, time.monotonic() - launched)
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=stop_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_child(process, timeout_s=stop_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)

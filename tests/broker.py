@@ -136,7 +136,7 @@ class Workers(ChildProcess):
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
-        while len(self.live()) < self.count:
+        while len(self.own()) < self.count:
             if self.process.poll() is not None:
                 self.output = self.process.communicate()[0]
                 raise AssertionError(f"workers exited during start:\n{self.output}")
@@ -172,6 +172,12 @@ class Workers(ChildProcess):
         return {
             text(name): json.loads(info) for name, info in zip(names, infos, strict=True) if info
         }
+
+    def own(self) -> dict[str, dict[str, Any]]:
+        """The live workers of this supervisor's host (its ``MB_WORKER_NAME``; every live
+        worker when it has none): another host's heartbeats say nothing of this one."""
+        host = self.env.get("MB_WORKER_NAME")
+        return {n: beat for n, beat in self.live().items() if host in (None, beat["host"])}
 
     def __enter__(self) -> Workers:
         return self.start()

@@ -30,7 +30,7 @@ from types import FrameType
 
 from app.errors import SettingsError
 from app.settings import get_settings
-from app.workers.lineage import preexec
+from app.workers.lineage import preexec, stop_child
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -133,13 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if stopping else 1
     finally:
         for process in reversed(started):  # front ends, workers, Redis: in that order
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=70)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_child(process, timeout_s=70)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -202,6 +202,11 @@ class Consumer(ModelRotation, OrphanClaims):
             time.sleep(HEARTBEAT_S)
         return False
 
+    def _forget_stats(self, served_id: str) -> None:
+        """An unloaded version's figures leave the heartbeat (which would otherwise grow with
+        every rollout); the front ends' sums for it stop there."""
+        self.stats.forget(served_id)
+
     def _leave(self) -> None:
         """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
         try:

@@ -13,6 +13,7 @@ deletes its streams.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,6 +73,8 @@ class ModelRotation:
         self._retiring: dict[str, float] = {}  # served id -> when its streams left the reads
         self._unrouted: dict[str, float] = {}  # served id -> since when it serves no name
         self._unloaded: dict[str, float] = {}  # served id -> when this worker unloaded it
+        self._withdrawn: set[str] = set()  # held, newer than the version its name chooses
+        self._read_batch = 1
         self._reload = threading.Event()
         self._next_poll = time.monotonic() + (self.poll_s or 0)
         self._pause_fetching = threading.Event()
@@ -86,6 +89,9 @@ class ModelRotation:
         raise NotImplementedError
 
     def _ensure_groups(self, streams: Sequence[str] | None = None) -> None:
+        raise NotImplementedError
+
+    def _forget_stats(self, served_id: str) -> None:
         raise NotImplementedError
 
     def _unreachable(self, exc: BaseException) -> None:
@@ -136,11 +142,17 @@ class ModelRotation:
                 {"name": name, "version": version, "served_id": served_id,
                  "state": ModelState.FAILED.value, "reason": reason[:1000]}
             )  # fmt: skip
+        for entry in held:  # no longer chosen: it serves no new name's requests from here
+            if entry["served_id"] in self._withdrawn and entry["state"] == ModelState.READY.value:
+                entry["state"] = ModelState.DRAINING.value
         self._advertised = held
+        self._read_batch = max((m.batch_size for m in self.worker.models.values()), default=1)
 
     @property
     def read_batch_size(self) -> int:
-        return max((m.batch_size for m in self.worker.models.values()), default=1)
+        """The most entries one read takes (the largest batch of a model held); a snapshot
+        taken by ``_advertise``, as the fetcher and heartbeat threads read it."""
+        return self._read_batch
 
     # -- each round --------------------------------------------------------------------------
 
@@ -151,7 +163,7 @@ class ModelRotation:
     def _rotate(self) -> None:
         """One round: load what is new if asked (or the poll is due), unload what drained."""
         now = time.monotonic()
-        if self.poll_s is not None and now >= self._next_poll:
+        if self.poll_s is not None and now >= self._next_poll and self.draining_since is None:
             self._next_poll = now + self.poll_s
             self._reload_new(automatic=True)
         asked = self._reload.is_set() and self.draining_since is None
@@ -184,8 +196,33 @@ class ModelRotation:
     # -- loading -----------------------------------------------------------------------------
 
     def _reload_new(self, *, automatic: bool) -> bool:
-        """Load the chosen version of each model that this worker lacks; False if the host's
-        load lock was busy (try again next round)."""
+        """Load the chosen version of each model that this worker lacks, then withdraw the
+        held versions newer than the chosen one (the repository went back, by the newest's
+        removal or a pin): they drain and go as any unrouted version. An older version needs
+        no withdrawal: the name leaves it by the rule once the chosen one is ready on every
+        worker. False if the host's load lock was busy (try again next round)."""
+        done = self._load_chosen(automatic=automatic)
+        self._withdraw_newer()
+        return done
+
+    def _withdraw_newer(self) -> None:
+        chosen: dict[str, int] = {}
+        for name in self.repository.names():
+            with contextlib.suppress(Exception):  # reported by _load_chosen
+                chosen[name] = self.repository.chosen(name)
+        held = {(m.spec.name, m.spec.version) for m in self.worker.models.values()}
+        withdrawn = {
+            served_id
+            for served_id, model in self.worker.models.items()
+            if (name := model.spec.name) in chosen
+            and model.spec.version > chosen[name]
+            and (name, chosen[name]) in held
+        }
+        if withdrawn != self._withdrawn:
+            self._withdrawn = withdrawn
+            self._advertise()
+
+    def _load_chosen(self, *, automatic: bool) -> bool:
         for name in self.repository.names():
             try:
                 number = self.repository.chosen(name)
@@ -319,6 +356,8 @@ class ModelRotation:
         self._unrouted.pop(served_id, None)
         self.worker.unload(served_id)
         self._unloaded[served_id] = time.monotonic()
+        self._withdrawn.discard(served_id)
+        self._forget_stats(served_id)
         self._advertise()
         log.info("worker %s: %s drained and unloaded", self.name, served_id)
 
@@ -351,7 +390,8 @@ class ModelRotation:
                 name = model.spec.name
                 if any(w.holds(served_id) for w in others):
                     continue
-                if not any(m.name == name for w in others for m in w.models):
+                live = (ModelState.LOADING, ModelState.READY)
+                if not any(m.name == name and m.state in live for w in others for m in w.models):
                     continue
                 route = chosen.get(name)
                 moved = route is not None and route.served_id != served_id

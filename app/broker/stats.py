@@ -54,3 +54,8 @@ class ConsumerStats:
         histogram = self.wait_s.setdefault(served_id, {}).setdefault(task, _histogram())
         for wait in waits:
             _observe(histogram, wait)
+
+    def forget(self, served_id: str) -> None:
+        """Drop an unloaded version's figures, so the heartbeat stays bounded."""
+        for table in (self.sizes, self.model_s, self.wait_s):
+            table.pop(served_id, None)

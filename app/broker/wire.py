@@ -275,8 +275,11 @@ class WorkerInfo(BaseModel):
     model_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
 
-    def holds(self, served_id: str, state: ModelState = ModelState.READY) -> bool:
-        return any(m.served_id == served_id and m.state is state for m in self.models)
+    def holds(self, served_id: str) -> bool:
+        """Whether it reads ``served_id``'s streams: ready, or draining (it no longer takes
+        the name's new requests, and finishes those sent to it)."""
+        reading = (ModelState.READY, ModelState.DRAINING)
+        return any(m.served_id == served_id and m.state in reading for m in self.models)
 
 
 def decode_worker_info(raw: bytes | str | None) -> WorkerInfo:

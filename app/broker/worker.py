@@ -26,7 +26,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -59,8 +58,7 @@ class ConsumerSpec:
     broker: BrokerPlan
     batch_timeout_s: float
     max_image_bytes: int
-    models: tuple[ModelSpec, ...]  # what it loads at start
-    repository: RepositoryPlan  # where it looks for new versions
+    repository: RepositoryPlan  # what it loads at each start (the chosen versions), and reloads
     load_timeout_s: float = 300.0
     restarts: int = 0
     parent_pid: int = 0  # the supervisor: the worker dies with it (app.workers.lineage)
@@ -85,14 +83,20 @@ def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
     from app.broker.keys import Keys
     from app.workers.process import prepare, start_failure
 
+    reload = threading.Event()  # SIGHUP before the consumer exists: it looks at once
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    # The supervisor started this process with SIGHUP blocked: one sent before this handler
+    # was in place waited, instead of ending the process.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     configure_logging(spec.config.log_level, spec.config.log_format)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
-    reload = threading.Event()  # SIGHUP before the consumer exists: it looks at once
-    signal.signal(signal.SIGHUP, lambda *_: reload.set())
     try:
-        worker = prepare(spec.config, spec.device, spec.threads, spec.models)
+        # The versions chosen now, not when the supervisor started: a worker restarted after
+        # a rollout comes back with the new version.
+        models = chosen_models(spec.repository, spec.config.dtype, verify=False)
+        worker = prepare(spec.config, spec.device, spec.threads, tuple(models))
     except Exception as exc:
         log.error("worker %s on %s failed to start: %s", spec.name, spec.device, start_failure(exc))
         sys.exit(2)
@@ -165,8 +169,14 @@ class Supervisor:
         process = context.Process(
             target=consumer_main, args=(spec, loaded), name=f"model-worker-{spec.index}"
         )
-        with allocator.for_children():
-            process.start()
+        # Started with SIGHUP blocked (the child unblocks it once it handles it): a SIGHUP
+        # that reaches it sooner must not end it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            with allocator.for_children():
+                process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         self.processes[spec.index] = process
         self._started[spec.index] = time.monotonic()
 
@@ -264,7 +274,7 @@ class Supervisor:
                 self._start(self.specs[index])
 
 
-def consumer_specs(plan: ServingPlan, models: Sequence[ModelSpec]) -> list[ConsumerSpec]:
+def consumer_specs(plan: ServingPlan) -> list[ConsumerSpec]:
     """One spec per planned worker of this host (the plan's role is ``Role.WORKERS``: the
     workers decode every upload, which crosses the broker encoded)."""
     assert plan.role is Role.WORKERS and plan.broker is not None
@@ -277,7 +287,6 @@ def consumer_specs(plan: ServingPlan, models: Sequence[ModelSpec]) -> list[Consu
             broker=plan.broker,
             batch_timeout_s=plan.limits.batch_timeout_s,
             max_image_bytes=plan.limits.max_image_bytes,
-            models=tuple(models),
             repository=plan.repository,
             load_timeout_s=plan.limits.start_timeout_s,
         )
@@ -302,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         plan = plan_serving(settings, Role.WORKERS)
-        models = chosen_models(plan)  # fail here, once
-        specs = consumer_specs(plan, models)
+        models = chosen_models(plan.repository, plan.worker.dtype, verify=True)  # fail here
+        specs = consumer_specs(plan)
     except (ModelStoreError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -316,20 +325,21 @@ def main(argv: list[str] | None = None) -> int:
     return Supervisor(specs).run()
 
 
-def chosen_models(plan: ServingPlan) -> list[ModelSpec]:
-    """The version of every model this host's workers load first, verified (every sha256)."""
+def chosen_models(plan: RepositoryPlan, dtype: str, *, verify: bool) -> list[ModelSpec]:
+    """The version of every model a worker loads as it starts (its pin, else its newest);
+    ``verify``: every sha256 checked here (a worker's load checks them anyway)."""
     from app.manifest import read_manifest
 
-    repository = repository_of(plan.repository)
+    repository = repository_of(plan)
     names = repository.names()
     if not names:
-        raise ModelStoreError(f"no model in {plan.repository.root}: export one first")
+        raise ModelStoreError(f"no model in {plan.root}: export one first")
     models = []
     for name in names:
         number = repository.chosen(name)
         store = repository.path(name, number)
-        manifest = read_manifest(store, verify=True)
-        served_id = manifest.served_id(plan.worker.dtype)
+        manifest = read_manifest(store, verify=verify)
+        served_id = manifest.served_id(dtype)
         models.append(ModelSpec(name, number, str(store), served_id, manifest.input.image_shape))
     return models
 

@@ -201,6 +201,7 @@ class ModelManager:
             version = self.registry.loading(name, number, item.spec.served_id)
             if version.state is ModelState.DRAINING:  # a rollback before it was unloaded
                 self.registry.revive(version)
+                self.registry.renumber(version, number)
                 self._switch_to(version)
                 self._observe(name, number, started, None)
                 return version
@@ -243,7 +244,11 @@ class ModelManager:
 
     async def unload(self, name: str) -> ModelVersion:
         """Stop serving ``name``: its version drains (requests admitted for it finish), then
-        its models are unloaded; answers once the memory is given back."""
+        its models are unloaded; answers once the memory is given back. Shielded, as a
+        load is."""
+        return await asyncio.shield(self._unload(name))
+
+    async def _unload(self, name: str) -> ModelVersion:
         async with self._lock:
             check_name(name)
             version = self.registry.retire(name)
@@ -298,6 +303,7 @@ class ModelManager:
             version = self.registry.loading(name, route.version, route.served_id)
             if version.state is ModelState.DRAINING:
                 self.registry.revive(version)
+                self.registry.renumber(version, route.version)
                 self._switch_to(version)
                 continue
             if version.state is not ModelState.LOADING:

@@ -18,10 +18,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_S = 0.5  # where the parent is watched by polling
@@ -56,3 +58,15 @@ def preexec(sig: int = signal.SIGTERM) -> Callable[[], None]:
             die_with_parent(parent, sig)
 
     return in_the_child
+
+
+def stop_child(process: subprocess.Popen[Any], timeout_s: float) -> int:
+    """Stop a child well: SIGTERM, then SIGKILL if it is still there after ``timeout_s``;
+    its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()

@@ -249,6 +249,14 @@ class WorkerPool:
         If it fails anywhere (a bad file, a failed self-test, over ``MB_MODEL_MEMORY``, a
         worker that dies or hangs), the workers that loaded it drop it again and
         ``ModelLoadFailed`` says why: the models served before are untouched."""
+        image_bytes = int(np.prod(spec.image_shape))
+        if image_bytes > self._buffer_size:
+            raise ModelLoadFailed(
+                f"one {'x'.join(map(str, spec.image_shape))} image takes {image_bytes} bytes; the "
+                f"workers' buffers hold {self._buffer_size} (sized at start for the models then "
+                "and MB_BATCH_SIZE): start the server with this model in the repository",
+                "load",
+            )
         async with self._control:
             if spec.served_id in self._models:
                 return [w.models[spec.served_id] for w in self._workers if w.holds(spec.served_id)]
@@ -278,17 +286,22 @@ class WorkerPool:
         async with self._control:
             self._models.pop(served_id, None)
             for worker in list(self._workers):
-                if worker.holds(served_id):
-                    with contextlib.suppress(WorkerDied):
+                if worker.holds(served_id):  # one that fails (dies) restarts without it
+                    with contextlib.suppress(WorkerDied, ModelLoadFailed):
                         await self._ask(worker, UnloadModel(next(self._batch_ids), served_id))
+            self._idle.wake_all()  # a batch still waiting for it sees none holds it
 
     async def _ask(self, worker: WorkerHandle, message: LoadModel | UnloadModel) -> Reply:
         """Send a load or unload to ``worker`` once it is idle, taking it out of the batch
         rotation until it answers; a worker that dies or passes the start timeout meanwhile
         fails the load (it restarts with the models served before)."""
-        await self._hold(worker)
-        future = worker.send(message)
         what = "loading" if isinstance(message, LoadModel) else "unloading"
+        await self._hold(worker)
+        if not worker.alive:
+            raise ModelLoadFailed(
+                f"worker {worker.index} died before {what} the model", "worker crash"
+            )
+        future = worker.send(message)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.start_timeout_s)
         except WorkerDied:
@@ -311,15 +324,21 @@ class WorkerPool:
 
     async def _hold(self, worker: WorkerHandle) -> None:
         """Take ``worker`` out of the batch rotation once its batch (if any) is answered."""
-        if self._idle.take(worker):
-            return
-        if not worker.alive:
-            raise WorkerDied(f"model worker {worker.index} died")
         held = self._holds[worker.index] = asyncio.get_running_loop().create_future()
         try:
-            await held
+            while not held.done():
+                # Idle already, or put back idle by a caller that gave up the worker it was
+                # handed (which skips _on_idle): take it from there.
+                if self._idle.take(worker):
+                    return
+                if not worker.alive:
+                    raise WorkerDied(f"model worker {worker.index} died")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(held), 0.5)
+            held.result()
         finally:
-            self._holds.pop(worker.index, None)
+            if self._holds.get(worker.index) is held:
+                del self._holds[worker.index]
 
     async def _catch_up(self, worker: WorkerHandle) -> None:
         """A restarted worker loads what was loaded while it was down, and drops what was
@@ -353,9 +372,13 @@ class WorkerPool:
         worker = await self._acquire(key.model)
         ids = tuple(item.id for item in items)
         top_ks = [item.payload.top_k for item in items]
-        spans, inline = write_images(
-            worker.buffer, [item.payload.image for item in items], spec.image_shape
-        )
+        try:
+            spans, inline = write_images(
+                worker.buffer, [item.payload.image for item in items], spec.image_shape
+            )
+        except BaseException:  # nothing was sent: the worker is idle still
+            self._on_idle(worker)
+            raise
         threads = batch_threads(worker, self._workers, time.monotonic())
         batch_id = next(self._batch_ids)
         message = RunBatch(
@@ -462,12 +485,12 @@ class WorkerPool:
                 log.info(
                     "worker %d on %s restarted (pid %s)", index, dead.device, worker.process.pid
                 )
-                if set(worker.models) != set(self._models):
-                    try:
-                        await self._catch_up(worker)
-                    except (ModelLoadFailed, WorkerDied) as exc:
-                        log.error("worker %d could not catch up on the models: %s", index, exc)
-                        worker.kill()
+                try:  # under the lock: after any load or unload that ran meanwhile
+                    await self._catch_up(worker)
+                except (ModelLoadFailed, WorkerDied) as exc:
+                    log.error("worker %d could not catch up on the models: %s", index, exc)
+                    worker.kill()
                 return
         finally:
-            self._restarts.pop(index, None)
+            if self._restarts.get(index) is asyncio.current_task():
+                del self._restarts[index]

@@ -329,7 +329,8 @@ async def test_a_front_end_killed_mid_request_leaves_the_other_serving_and_redis
 
 
 async def test_a_corrupt_image_fails_alone_in_its_batch(tiny_store: Path, tmp_path: Path) -> None:
-    slow = export_slow(tmp_path / "slow", rounds=300)
+    # Each batch outlasts the heartbeat interval, so that a heartbeat shows the blocker running.
+    slow = export_slow(tmp_path / "slow", rounds=900)
     expect = Expectation(slow)
     with RedisServer() as redis_server, Workers(redis_server, slow, count=1) as workers:
         with front_end(redis_server, slow) as front:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from app.manifest import read_manifest
@@ -96,13 +98,17 @@ async def until(check: Callable[[], bool], what: str, timeout_s: float = 90) -> 
 
 def holds(workers: Workers, *ids: str) -> bool:
     """Whether this host's live worker holds exactly ``ids``, ready (and only them)."""
-    name = workers.env["MB_WORKER_NAME"]
-    beats = [beat for beat in workers.live().values() if beat["host"] == name]
+    beats = list(workers.own().values())
     return bool(beats) and all(
         sorted(m["served_id"] for m in beat["models"]) == sorted(ids)
         and all(m["state"] == "ready" for m in beat["models"])
         for beat in beats
     )
+
+
+def worker_pid(workers: Workers) -> int | None:
+    beats = list(workers.own().values())
+    return int(beats[0]["pid"]) if beats else None
 
 
 def streams_of(redis_server: RedisServer, served: str) -> list[bytes]:
@@ -137,25 +143,38 @@ async def test_a_version_rolls_out_host_by_host_under_load(tmp_path: Path) -> No
             await until(lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), "v1 unloaded")
             assert checked.ids[served_id(v2)] > 0
             await until(lambda: not streams_of(redis_server, served_id(v1)), "v1's streams gone")
+            # A worker that dies now comes back with version 2, chosen at its restart (not
+            # version 1, what its supervisor found at its own start).
+            (worker,) = [p for p in psutil.Process(a.process.pid).children()  # type: ignore[union-attr]
+                         if "spawn_main" in " ".join(p.cmdline())]  # fmt: skip
+            worker.kill()
+            await until(lambda: worker_pid(a) not in (None, worker.pid), "host a's worker back")
+            await until(partial(holds, a, served_id(v2)), "the restarted worker on version 2")
             # By restarting one host at a time with version 3 on disk.
             v3 = add_version(repository, "tiny", lambda out: export_scaled(out, 3.0))
-            scales[served_id(v3)] = 3.0
+            v3_id = served_id(v3)  # before its folder goes
+            scales[v3_id] = 3.0
             for workers in (a, b):  # in threads: the clients go on meanwhile
                 assert await asyncio.to_thread(workers.stop, signal.SIGTERM) == 0
                 await asyncio.to_thread(workers.start)
-                await until(partial(holds, workers, served_id(v3)), "the host back on v3")
-            await until(
-                lambda: holds(a, served_id(v3)) and holds(b, served_id(v3)), "v3 everywhere"
-            )
-            at_v3 = checked.ids[served_id(v3)]
-            await until(lambda: checked.ids[served_id(v3)] > at_v3 + 20, "answers from version 3")
+                await until(partial(holds, workers, v3_id), "the host back on v3")
+            await until(lambda: holds(a, v3_id) and holds(b, v3_id), "v3 everywhere")
+            at_v3 = checked.ids[v3_id]
+            await until(lambda: checked.ids[v3_id] > at_v3 + 20, "answers from version 3")
+            # Version 3 removed from disk: a SIGHUP rolls every host back to version 2.
+            shutil.rmtree(v3)
+            for workers in (a, b):
+                os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+            await until(lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), "v3 gone")
+            at_v2 = checked.ids[served_id(v2)]
+            await until(lambda: checked.ids[served_id(v2)] > at_v2 + 20, "answers from version 2")
         info = httpx.get(f"{front.base_url}/v2/repository/index").json()
     print(f"\nbroker rollout: statuses {dict(checked.statuses)}, answers by id {dict(checked.ids)}")
     assert checked.statuses.keys() == {200}, checked.refused
     assert checked.mismatched == 0
-    assert all(checked.ids[served_id(v)] > 0 for v in (v1, v2, v3))
+    assert all(checked.ids[i] > 0 for i in (served_id(v1), served_id(v2), v3_id))
     serving = [(r["version"], r["state"]) for r in info if r["state"] != "unavailable"]
-    assert serving == [("3", "ready")]
+    assert serving == [("2", "ready")]
 
 
 async def test_two_models_over_the_broker(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from app.broker.wire import text
+from app.workers.lineage import stop_child
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.server import REPO, ServerProcess, alive, free_port
 
@@ -64,6 +65,21 @@ def test_a_child_dies_with_its_parent_and_a_late_one_exits_at_once(tmp_path: Pat
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert late.returncode == 1 and "still here" not in late.stdout
+
+
+def test_stop_child_terminates_and_kills_one_that_ignores_sigterm() -> None:
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert stop_child(polite, timeout_s=10) == -signal.SIGTERM
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+         "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    assert stop_child(stubborn, timeout_s=0.5) == -signal.SIGKILL
+    assert time.monotonic() - started < 5
+    stubborn.stdout.close()
 
 
 def test_the_model_workers_die_within_two_seconds_of_their_server(tiny_store: Path) -> None:

@@ -1,0 +1,133 @@
+"""``WorkerPool.load``/``unload`` against fake worker handles (no processes): a worker that
+dies in the middle of a load or an unload comes back with exactly the models served."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+from app.errors import WorkerDied
+from app.repository import ModelSpec
+from app.workers.messages import LoadDone, LoadModel, ModelLoaded, ModelUnloaded
+from app.workers.pool import WorkerPool
+
+V1 = ModelSpec("t", 1, "/x", "t@v1", (8, 8, 3))
+V2 = ModelSpec("t", 2, "/y", "t@v2", (8, 8, 3))
+
+
+class FakeProcess:
+    pid = 1
+    exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+
+class FakeHandle:
+    """A worker that loads and unloads in ``step_s``, and can be made to die."""
+
+    def __init__(self, index: int, models: tuple[ModelSpec, ...], step_s: float = 0.2) -> None:
+        self.index, self.device, self.threads = index, "cpu", 1
+        self.models = {m.served_id: ModelLoaded(m.served_id, 8, "torchscript", 0) for m in models}
+        self.ready, self.alive, self.batches, self.process = False, True, 0, FakeProcess()
+        self.step_s = step_s
+        self._pending: asyncio.Future[Any] | None = None
+        self._on_idle: Any = None
+        self._on_exit: Any = None
+
+    def holds(self, served_id: str) -> bool:
+        return self.alive and self.ready and served_id in self.models
+
+    async def wait_ready(self) -> None:
+        await asyncio.sleep(0.01)
+        self.ready = True
+
+    def start_reading(self, on_idle: Any, on_exit: Any) -> None:
+        self._on_idle, self._on_exit = on_idle, on_exit
+        on_idle(self)
+
+    def send(self, message: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending = future
+
+        async def reply() -> None:
+            await asyncio.sleep(self.step_s)
+            if not self.alive:
+                return
+            self._pending = None
+            if isinstance(message, LoadModel):
+                report = ModelLoaded(message.spec.served_id, 8, "torchscript", 0)
+                self.models[report.served_id] = report
+                answer: Any = LoadDone(message.batch_id, report)
+            else:
+                self.models.pop(message.served_id, None)
+                answer = ModelUnloaded(message.batch_id, message.served_id, 0)
+            self._on_idle(self)
+            if not future.done():
+                future.set_result(answer)
+
+        asyncio.get_running_loop().create_task(reply())
+        return future
+
+    def die(self) -> None:
+        self._on_exit(self)
+
+    def mark_dead(self, reason: str) -> None:
+        self.alive = False
+        future, self._pending = self._pending, None
+        if future is not None and not future.done():
+            future.set_exception(WorkerDied(reason))
+
+    def kill(self) -> None:
+        self.die()
+
+    def ask_to_stop(self) -> None:
+        return None
+
+    async def stop(self, timeout_s: float, reason: str) -> None:
+        self.mark_dead(reason)
+
+
+def fake_pool(models: list[ModelSpec]) -> WorkerPool:
+    plan: Any = types.SimpleNamespace(
+        placement=types.SimpleNamespace(devices=("cpu", "cpu"), threads=1, decode=None),
+        worker=types.SimpleNamespace(
+            max_batch_size=8, decode_threads=0, runtime="torchscript", auto_batch=False
+        ),
+        limits=types.SimpleNamespace(start_timeout_s=5, batch_timeout_s=5),
+    )
+    pool = WorkerPool(models, plan)
+    pool._backoff.next_delay = lambda index: 0.05  # type: ignore[method-assign]
+    pool._spawn = lambda index: FakeHandle(index, tuple(pool._models.values()))  # type: ignore[assignment, method-assign, return-value]
+    return pool
+
+
+def holdings(pool: WorkerPool) -> list[set[str]]:
+    return [set(worker.models) for worker in pool.workers if worker.alive]
+
+
+async def test_a_worker_that_restarts_during_a_load_catches_up_on_it() -> None:
+    pool = fake_pool([V1])
+    await pool.start()
+    load = asyncio.create_task(pool.load(V2))
+    await asyncio.sleep(0.05)
+    pool.workers[1].die()  # type: ignore[attr-defined]  # while worker 0 loads version 2
+    await load
+    await asyncio.sleep(1.0)  # restarted, then caught up under the pool's lock
+    assert holdings(pool) == [{"t@v1", "t@v2"}, {"t@v1", "t@v2"}]
+    await pool.unload("t@v1")
+    assert holdings(pool) == [{"t@v2"}, {"t@v2"}]
+    await pool.aclose()
+
+
+async def test_an_unload_goes_on_past_a_worker_that_dies_during_it() -> None:
+    pool = fake_pool([V1, V2])
+    await pool.start()
+    unload = asyncio.create_task(pool.unload("t@v1"))
+    await asyncio.sleep(0.05)
+    pool.workers[0].die()  # type: ignore[attr-defined]  # while it unloads
+    await unload  # no error: the other worker was told too
+    await asyncio.sleep(1.0)
+    assert holdings(pool) == [{"t@v2"}, {"t@v2"}]  # the dead one restarted without it
+    await pool.aclose()
