@@ -18,6 +18,7 @@ from app.manifest import Manifest
 from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
 from app.repository import ModelSpec, Repository, Route
+from app.schemas import Backlog
 from app.services.models import ModelHost, ModelManager, VersionOnDisk
 from app.services.predictor import Predictor
 from app.services.registry import ModelRegistry
@@ -55,6 +56,7 @@ def default_transport(
             switch_min_workers=plan.repository.switch_min_workers,
             on_workers=metrics.on_workers if metrics else None,
             on_routes=on_routes,
+            scale_from_zero=plan.broker.scale_from_zero,
         )
     from app.workers.pool import WorkerPool
 
@@ -136,6 +138,17 @@ class Engine:
     def queue_depth(self) -> int:
         """Requests waiting: in this process's queue, and (broker mode) in the shared one."""
         return self.streamer.queue_depth + self.transport.shared_queue_depth
+
+    async def backlog(self) -> Backlog:
+        """The work waiting for model workers (``GET /backlog``): in broker mode every front
+        end's, from Redis (the same figure from each); in-process, this server's queue (lag)
+        and the batches its workers run (pending)."""
+        shared = getattr(self.transport, "backlog", None)
+        if shared is not None:
+            counted: Backlog = await shared()
+            return counted
+        lag, pending = self.streamer.queue_depth, self.streamer.in_flight
+        return Backlog(backlog=lag + pending, lag=lag, pending=pending, streams=[])
 
     async def refresh_routes(self) -> None:
         """Broker mode: look at the workers now (which versions serve), rather than wait for

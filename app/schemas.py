@@ -54,6 +54,26 @@ class WorkerState(BaseModel):
     )
 
 
+class StreamBacklog(BaseModel):
+    stream: str = Field(description="a model version's stream for one task")
+    group: str | None = Field(description="the workers' consumer group; null until one reads")
+    lag: int = Field(ge=0, description="entries no worker has read yet")
+    pending: int = Field(ge=0, description="entries read and not yet answered")
+
+
+class Backlog(BaseModel):
+    """The work waiting for model workers, for an autoscaler (KEDA's metrics-api trigger):
+    the same figure from every front end, summed over every version's streams."""
+
+    backlog: int = Field(ge=0, description="lag + pending")
+    lag: int = Field(ge=0, description="requests no worker has read yet")
+    pending: int = Field(
+        ge=0,
+        description="requests read by a worker, not answered yet (in-process: batches running)",
+    )
+    streams: list[StreamBacklog] = Field(description="broker mode: each stream counted")
+
+
 class Readiness(BaseModel):
     status: str = Field(description="'ready' or 'not_ready'")
     queue_depth: int = Field(description="requests waiting for a batch")

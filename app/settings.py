@@ -268,6 +268,24 @@ class Settings(BaseSettings):
             "worker i is '<name>:<i>', the same across restarts."
         ),
     )
+    mb_health_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Broker mode: the port `python -m app.broker.worker` answers GET /healthz and "
+            "/readyz on (Kubernetes probes), from its workers' heartbeats; unset: no port."
+        ),
+    )
+    mb_scale_from_zero: bool = Field(
+        False,
+        description=(
+            "Broker mode, front ends: while no worker is live (an autoscaler scaled them to "
+            "zero), stay ready and queue each request for the version its model last served, "
+            "up to its deadline, so the queue's lag can start workers; off: such requests get "
+            "503 at once."
+        ),
+    )
     prometheus_multiproc_dir: Path | None = Field(
         None,
         description=(

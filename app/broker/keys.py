@@ -39,6 +39,18 @@ class Keys:
         """The served id's streams, one per task."""
         return tuple(self.stream(served_id, task) for task in Task)
 
+    @property
+    def all_streams(self) -> str:
+        """A ``SCAN MATCH`` pattern for every model version's streams."""
+        return f"{self.prefix}:{{q}}:*"
+
+    @property
+    def routes(self) -> str:
+        """Hash: model name -> the version it served last (JSON), as front ends saw the
+        workers' heartbeats: what a front end routes to while no worker is live
+        (``MB_SCALE_FROM_ZERO``)."""
+        return f"{self.prefix}:routes"
+
     def loading(self, host: str) -> str:
         """A lock one worker of a host holds while it loads a model: one at a time per host,
         so its other workers serve meanwhile."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -35,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from app.batching import BatchItem, HeldModel, WorkerStatus
-from app.broker.keys import STALE_S, Keys
+from app.broker.keys import GROUP, STALE_S, Keys
 from app.broker.routing import routes
 from app.broker.wire import (
     MalformedMessage,
@@ -54,6 +55,7 @@ from app.errors import (
 )
 from app.jobs import BatchKey, ImageJob, Task
 from app.repository import Route
+from app.schemas import Backlog, StreamBacklog
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +92,13 @@ class BrokerTransport:
         switch_min_workers: int | None = None,
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
         on_routes: Callable[[dict[str, Route]], None] | None = None,
+        scale_from_zero: bool = False,
     ) -> None:
         self.keys = Keys(prefix)
         self.max_queue = max_queue
         self.switch_min_workers = switch_min_workers
+        self.scale_from_zero = scale_from_zero
+        self._last_routes: dict[str, Route] = {}  # the routes hash in Redis, at the last look
         self._on_routes = on_routes  # each monitor round: the version each name serves
         self.routes: dict[str, Route] = {}
         self._names: dict[str, str] = {}  # served id -> its model's name, as heartbeats say
@@ -134,7 +139,10 @@ class BrokerTransport:
 
     @property
     def ready(self) -> bool:
-        return self._connected and bool(self._workers)
+        """Connected, and a worker is live; or, scaling from zero, a route is known (the
+        requests queue, and their lag starts workers)."""
+        waits = self.scale_from_zero and bool(self.routes)
+        return self._connected and (bool(self._workers) or waits)
 
     @property
     def shared_queue_depth(self) -> int:
@@ -210,12 +218,59 @@ class BrokerTransport:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         if not self._served(key.model):
             await self._look_again()
-            if not self._served(key.model):
+            if not self._served(key.model) and not self._waits_for(key.model):
                 raise WorkerDied(f"no live model worker holds {key.model}", retry_after_s=2)
         return {item.id: await self._one(key.model, key.task, item) for item in items}
 
     def _served(self, served_id: str) -> bool:
         return any(worker.holds(served_id) for worker in self._workers)
+
+    def _waits_for(self, served_id: str) -> bool:
+        """Scaling from zero, a request for a routed version no live worker holds yet
+        queues for it (its deadline bounds the wait)."""
+        return self.scale_from_zero and any(r.served_id == served_id for r in self.routes.values())
+
+    async def backlog(self) -> Backlog:
+        """The work waiting for workers over every version's streams, from ``XINFO GROUPS``:
+        entries no worker has read (``lag``; Redis cannot tell it after an unread entry was
+        deleted, and then it is the entries not pending, as answered entries are deleted), and
+        entries read and not answered (``pending``, a dead worker's included). A stream no
+        worker has read yet (scaled to zero) counts whole. Raises ``BrokerUnavailable``."""
+        if self._redis is None:
+            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+        try:
+            streams = sorted(
+                [
+                    text(key)
+                    async for key in self._redis.scan_iter(
+                        match=self.keys.all_streams, count=1000, _type="STREAM"
+                    )
+                ]
+            )
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for stream in streams:
+                    pipe.xlen(stream)
+                    pipe.xinfo_groups(stream)
+                answers = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as exc:
+            raise BrokerUnavailable(
+                f"the broker (Redis) cannot be reached: {exc}", retry_after_s=1
+            ) from exc
+        counted = []
+        for index, stream in enumerate(streams):
+            length, groups = answers[2 * index : 2 * index + 2]
+            if isinstance(length, Exception) or isinstance(groups, Exception):
+                continue  # deleted between the scan and the look
+            group = next((g for g in groups if text(g["name"]) == GROUP), None)
+            if group is None:
+                counted.append(StreamBacklog(stream=stream, group=None, lag=length, pending=0))
+                continue
+            pending = int(group["pending"])
+            lag = group.get("lag")
+            lag = max(0, length - pending) if lag is None else int(lag)
+            counted.append(StreamBacklog(stream=stream, group=GROUP, lag=lag, pending=pending))
+        lag, pending = sum(s.lag for s in counted), sum(s.pending for s in counted)
+        return Backlog(backlog=lag + pending, lag=lag, pending=pending, streams=counted)
 
     def _queue_streams(self, served_id: str) -> list[str]:
         """The streams the queue bound counts: every routed version's, and this one's."""
@@ -419,6 +474,7 @@ class BrokerTransport:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.time()
                 pipe.info("server")
+                pipe.hgetall(self.keys.routes)
                 for stream in counted:
                     pipe.xlen(stream)
                 answers = await pipe.execute()
@@ -441,7 +497,8 @@ class BrokerTransport:
         if not self._connected:
             log.info("broker: connected to Redis (front end %s)", self.frontend)
         self._connected = True
-        self._queue_depth = sum(answers[2:])
+        self._queue_depth = sum(answers[3:])
+        self._last_routes = decode_routes(answers[2])
         workers = []
         for raw in infos:
             try:
@@ -451,8 +508,29 @@ class BrokerTransport:
         self._workers = sorted(workers, key=lambda w: w.name)
         self._update_rate(time.monotonic(), sum(w.items for w in workers))
         self._route()
+        if self.scale_from_zero and self._workers and self.routes != self._last_routes:
+            await self._remember_routes()
         if self._on_workers is not None:
             self._on_workers(self._workers)
+
+    async def _remember_routes(self) -> None:
+        """Scaling from zero: the routes, for every front end (one started after the last
+        worker left included) to route by while no worker is live."""
+        assert self._redis is not None
+        fields: dict[Any, Any] = {  # (redis-py types the mapping invariantly)
+            name: json.dumps({"version": r.version, "served_id": r.served_id})
+            for name, r in self.routes.items()
+        }
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.keys.routes)
+                if fields:
+                    pipe.hset(self.keys.routes, mapping=fields)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # written again at the next look
+            log.warning("broker: could not record the routes: %s", exc)
+            return
+        self._last_routes = dict(self.routes)
 
     def _route(self) -> None:
         """Which version each name serves now, by the heartbeats. Requests still waiting on
@@ -461,6 +539,9 @@ class BrokerTransport:
         serves a name at all (its only worker restarting), its requests wait for it."""
         before = self.routes
         self.routes = routes(self._workers, self.switch_min_workers, sticky=before)
+        if self.scale_from_zero:  # a name no worker serves yet keeps its last route
+            for name, last in {**self._last_routes, **before}.items():
+                self.routes.setdefault(name, last)
         for model in (m for w in self._workers for m in w.models):
             self._names[model.served_id] = model.name
         moved = {
@@ -482,3 +563,20 @@ class BrokerTransport:
                 rate = (items - before) / (now - then)
                 self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate
         self._last_items = (now, items)
+
+
+def decode_routes(raw: Mapping[Any, Any]) -> dict[str, Route]:
+    """The routes hash (``Keys.routes``) as routes; a field that does not parse is left out.
+
+    >>> decode_routes({b"tagger": b'{"version": 2, "served_id": "tagger@1a2b3c4d5e6f"}',
+    ...                b"odd": b"{"})
+    {'tagger': Route(version=2, served_id='tagger@1a2b3c4d5e6f')}
+    """
+    decoded = {}
+    for name, value in raw.items():
+        try:
+            fields = json.loads(value)
+            decoded[text(name)] = Route(int(fields["version"]), str(fields["served_id"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return decoded

@@ -32,6 +32,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 
+from app.broker.keys import Keys
+from app.broker.probes import Probes, Running
+from app.broker.probes import client_for as probes_client
+from app.broker.probes import serve as serve_probes
 from app.errors import ModelStoreError, SettingsError, StartupError
 from app.logs import configure_logging
 from app.plan import BrokerPlan, RepositoryPlan, Role, ServingPlan, WorkerConfig, plan_serving
@@ -161,6 +165,7 @@ class Supervisor:
         self._started: dict[int, float] = {}  # index -> when its current life began
         self._signalled: set[int] = set()  # pids told to stop
         self._loaded: dict[int, EventType] = {}  # index -> set once its current life loaded
+        self.last_turn = time.monotonic()  # when the loop last turned (liveness)
 
     def _start(self, spec: ConsumerSpec) -> None:
         spec = replace(spec, parent_pid=os.getpid())
@@ -214,6 +219,7 @@ class Supervisor:
                 self._tell_to_stop()
                 if deadline is None:
                     deadline = time.monotonic() + STOP_TIMEOUT_S
+            self.last_turn = time.monotonic()
             alive = {p.sentinel: i for i, p in self.processes.items() if p.exitcode is None}
             if self.stopping.is_set() and not alive:
                 return 0
@@ -259,6 +265,31 @@ class Supervisor:
         self.specs = [
             replace(spec, config=replace(spec.config, runtime="torchscript")) for spec in self.specs
         ]
+
+    def running(self) -> list[Running]:
+        """Each worker as the probes see it (read from the probes' thread)."""
+        return [
+            Running(
+                spec.name,
+                alive=(process := self.processes.get(spec.index)) is not None
+                and process.exitcode is None,
+                loaded=spec.index in self._loaded and self._loaded[spec.index].is_set(),
+            )
+            for spec in list(self.specs)
+        ]
+
+    def serve_probes(self, broker: BrokerPlan) -> None:
+        """``MB_HEALTH_PORT``: answer /healthz and /readyz (``app.broker.probes``)."""
+        if broker.health_port is None:
+            return
+        probes = Probes(
+            probes_client(broker.url),
+            Keys(broker.prefix),
+            self.running,
+            lambda: self.last_turn,
+            self.stopping.is_set,
+        )
+        serve_probes(probes, broker.health_port)
 
     def _restart_due(self) -> None:
         now = time.monotonic()
@@ -322,7 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         ", ".join(spec.served_id for spec in models),
         ", ".join(s.device for s in specs),
     )
-    return Supervisor(specs).run()
+    assert plan.broker is not None
+    supervisor = Supervisor(specs)
+    try:
+        supervisor.serve_probes(plan.broker)
+    except OSError as exc:  # the port is taken
+        print(f"error: health port {plan.broker.health_port}: {exc}", file=sys.stderr)
+        return 2
+    return supervisor.run()
 
 
 def chosen_models(plan: RepositoryPlan, dtype: str, *, verify: bool) -> list[ModelSpec]:

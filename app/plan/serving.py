@@ -110,6 +110,8 @@ class BrokerPlan:
     prefix: str
     max_deliveries: int
     host_name: str  # this host's workers are ``<host_name>:<index>``
+    health_port: int | None = None  # workers: where their probes answer (app.broker.probes)
+    scale_from_zero: bool = False  # front ends: queue for the last routes with no worker live
 
     @property
     def address(self) -> str:
@@ -238,6 +240,8 @@ def plan_serving(
             prefix=settings.mb_broker_prefix,
             max_deliveries=settings.mb_max_deliveries,
             host_name=_host_name(settings),
+            health_port=settings.mb_health_port,
+            scale_from_zero=settings.mb_scale_from_zero,
         )
     repository_root = settings.model_repository or settings.model_store
     return ServingPlan(

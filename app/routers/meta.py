@@ -17,7 +17,7 @@ from app.dependencies import (
     serving_engine,
 )
 from app.errors import NoClassifier
-from app.schemas import Health, Readiness, WorkerState
+from app.schemas import Backlog, ErrorResponse, Health, Readiness, WorkerState
 
 router = APIRouter(tags=["meta"])
 
@@ -47,6 +47,14 @@ async def readyz(request: Request) -> JSONResponse:
         workers=_workers(request),
     )
     return readiness_response(body.model_dump(), ready)
+
+
+@router.get("/backlog", response_model=Backlog, responses={503: {"model": ErrorResponse}})
+async def backlog(request: Request) -> Backlog:
+    """The work waiting for model workers (for an autoscaler: KEDA's metrics-api trigger reads
+    ``backlog``). Broker mode: lag + pending over every model version's streams, the same
+    from every front end."""
+    return await serving_engine(request).backlog()
 
 
 @router.get("/metrics", response_class=Response)
