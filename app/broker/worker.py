@@ -271,8 +271,8 @@ class Supervisor:
         return [
             Running(
                 spec.name,
-                alive=(process := self.processes.get(spec.index)) is not None
-                and process.exitcode is None,
+                pid=process.pid if (process := self.processes.get(spec.index)) else None,
+                alive=process is not None and process.exitcode is None,
                 loaded=spec.index in self._loaded and self._loaded[spec.index].is_set(),
             )
             for spec in list(self.specs)

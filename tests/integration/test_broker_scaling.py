@@ -67,7 +67,8 @@ async def _queue(base_url: str, images: list[bytes]) -> list[asyncio.Task[httpx.
 def _backlog(base_url: str) -> dict[str, int]:
     answer = httpx.get(f"{base_url}/backlog", timeout=5)
     assert answer.status_code == 200, answer.text
-    return answer.json()
+    counts: dict[str, int] = answer.json()
+    return counts
 
 
 async def test_workers_scaled_to_zero_and_back_lose_nothing(tiny_store: Path) -> None:
@@ -157,18 +158,21 @@ def test_liveness_fails_for_a_loaded_worker_whose_heartbeat_went_silent() -> Non
         now_ms = seconds * 1000 + micros // 1000
         client.zadd(keys.heartbeats, {"h:0": now_ms})
         client.hset(keys.worker_info, "h:0", json.dumps(info))
-        running = [Running("h:0", alive=True, loaded=True)]
+        running = [Running("h:0", pid=1, alive=True, loaded=True)]
         turned = time.monotonic()
         probes = Probes(
             probes_client(redis_server.url), keys, lambda: running, lambda: turned, lambda: False
         )
         assert probes.readiness().status == 200, probes.readiness()
+        running = [Running("h:0", pid=2, alive=True, loaded=True)]  # another process's name
+        assert probes.readiness().status == 503
+        running = [Running("h:0", pid=1, alive=True, loaded=True)]
         assert probes.liveness().status == 200
         client.zadd(keys.heartbeats, {"h:0": now_ms - 31_000})
         assert probes.readiness().status == 503
         assert probes.liveness().status == 503
         assert "h:0" in str(probes.liveness().body["reason"])
-        running = [Running("h:0", alive=True, loaded=False)]  # loading: startup probe's job
+        running = [Running("h:0", pid=1, alive=True, loaded=False)]  # loading: startup probe's job
         assert probes.liveness().status == 200
         turned = time.monotonic() - 60  # the supervisor's loop stopped turning
         assert probes.liveness().status == 503

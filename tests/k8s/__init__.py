@@ -1,0 +1,1 @@
+"""The Helm chart, checked without a cluster (``make check-k8s``; not part of ``make test``)."""

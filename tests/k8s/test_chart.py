@@ -1,0 +1,511 @@
+"""The Helm chart (deploy/helm/microbatch-server) with each profile in its ci/ folder: helm lint
+--strict, the values schema enforced, every rendered document valid for Kubernetes 1.25 and
+1.37 (strict: an unknown field fails), the custom resources against their documented fields
+(crds.py), and the invariants a production chart must keep (manifests.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s import crds
+from tests.k8s import manifests as m
+from tests.k8s.conftest import (
+    CHART,
+    NAMESPACE,
+    PROFILE_DIR,
+    PROFILES,
+    RELEASE,
+    REQUIRED_PROFILES,
+    profile_path,
+    render,
+    run_helm,
+)
+from tests.k8s.crds import KUBE_VERSIONS
+
+# The mode each shipped profile must render (tests/k8s checks the shape; others may be either).
+EXPECTED_MODE = {
+    "cpu-single": "single",
+    "kserve": "single",
+    "cpu-broker": "broker",
+    "gpu-broker": "broker",
+    "keda": "broker",
+}
+
+
+def mode_of(docs: list[m.Doc]) -> str:
+    components = {m.component(w) for w in m.workloads(docs)}
+    if "server" in components and not components & {"frontend", "worker"}:
+        return "single"
+    if {"frontend", "worker"} <= components and "server" not in components:
+        return "broker"
+    return f"neither ({sorted(map(str, components))})"
+
+
+def broker_profiles() -> list[str]:
+    return [p for p in PROFILES if EXPECTED_MODE.get(p, "broker") == "broker"]
+
+
+def gpu_profiles() -> list[str]:
+    return [p for p in PROFILES if p.startswith("gpu")]
+
+
+# -- the chart and its profiles --------------------------------------------------------------
+
+
+def test_the_required_profiles_exist(chart: Path) -> None:
+    present = sorted(path.stem for path in PROFILE_DIR.glob("*.yaml"))
+    assert set(REQUIRED_PROFILES) <= set(present), f"{PROFILE_DIR} has {present}"
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("profile", [None, *PROFILES], ids=lambda p: p or "defaults")
+def test_helm_lint_strict_is_clean(chart: Path, profile: str | None, kube_version: str) -> None:
+    args = ["lint", "--strict", str(chart), "--kube-version", kube_version]
+    if profile is not None:
+        args += ["-f", str(profile_path(profile))]
+    result = run_helm(*args)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "[WARNING]" not in output, output
+    assert "[ERROR]" not in output, output
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_each_profile_renders_its_mode(profile: str) -> None:
+    docs = render(profile)
+    assert docs, f"{profile} renders nothing"
+    assert mode_of(docs) in {"single", "broker"}, mode_of(docs)
+    assert mode_of(docs) == EXPECTED_MODE.get(profile, mode_of(docs)), profile
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_two_objects_share_a_kind_and_name(profile: str) -> None:
+    seen = [m.ident(doc) for doc in render(profile)]
+    assert sorted({x for x in seen if seen.count(x) > 1}) == []
+
+
+# -- the values schema is enforced -----------------------------------------------------------
+
+
+def chart_values() -> dict[str, Any]:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert isinstance(values, dict)
+    return values
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "bogusKey=1",
+        "image.bogusKey=1",
+        "config.bogusKey=1",
+        "auth.bogusKey=1",
+        "models.bogusKey=1",
+        "frontend.bogusKey=1",
+        "workers.bogusKey=1",
+        "workers.autoscaling.bogusKey=1",
+        "redis.bogusKey=1",
+    ],
+)
+def test_the_values_schema_rejects_unknown_keys(chart: Path, setting: str) -> None:
+    parent = setting.split("=", 1)[0].rpartition(".")[0]
+    if parent:
+        # Else the chart renamed the section and this setting would fail for another reason.
+        node: Any = chart_values()
+        for part in parent.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        assert isinstance(node, dict), f"values.yaml has no section {parent}: update this test"
+    result = run_helm("lint", "--strict", str(chart), "--set", setting)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, f"--set {setting} was accepted:\n{output}"
+    assert "additional properties 'bogusKey' not allowed" in output, output
+
+
+def test_the_values_schema_rejects_an_unknown_mode(chart: Path) -> None:
+    result = run_helm("lint", "--strict", str(chart), "--set", "mode=nonsense")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, f"mode=nonsense was accepted:\n{output}"
+    assert "/mode" in output, output
+
+
+@pytest.mark.parametrize("name", ["API_KEY", "ADMIN_API_KEY", "REDIS_PASSWORD", "MB_BROKER"])
+def test_the_values_schema_refuses_an_inline_credential_in_extra_env(
+    chart: Path, name: str
+) -> None:
+    inline = run_helm(
+        "lint",
+        "--strict",
+        str(chart),
+        "--set-json",
+        f'config.extraEnv=[{{"name":"{name}","value":"x"}}]',
+    )
+    assert inline.returncode != 0, f"{name} given inline was accepted:\n{inline.stdout}"
+    other = run_helm(
+        "lint",
+        "--strict",
+        str(chart),
+        "--set-json",
+        'config.extraEnv=[{"name":"MB_DTYPE","value":"x"}]',
+    )
+    assert other.returncode == 0, other.stdout + other.stderr
+
+
+def test_kubernetes_before_1_25_is_refused(chart: Path) -> None:
+    result = run_helm("template", RELEASE, str(chart), "--kube-version", "1.24.0")
+    assert result.returncode != 0, "the chart rendered for Kubernetes 1.24"
+    assert "requires kubeVersion" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("setting", ["mode=single", "mode=broker"])
+def test_the_values_schema_accepts_the_modes(chart: Path, setting: str) -> None:
+    result = run_helm("lint", "--strict", str(chart), "--set", setting)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- every document against the Kubernetes schemas, custom resources against crds.py ----------
+
+
+def validation_errors(doc: m.Doc, kube_version: str) -> list[str]:
+    """Strict kubernetes-validate for a built-in kind; crds.check for a described custom
+    resource. A missing schema (an unknown kind) is an error, never a warning."""
+    if crds.is_custom(doc):
+        return [f"{m.ident(doc)}: {error}" for error in crds.check(doc)]
+    try:
+        kubernetes_validate.validate(doc, kube_version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(str(part) for part in error.path)
+        return [f"{m.ident(doc)}: {path}: {error.message}"]
+    except (
+        kubernetes_validate.SchemaNotFoundError,
+        kubernetes_validate.InvalidSchemaError,
+    ) as error:
+        return [f"{m.ident(doc)}: {error.message}"]
+    return []
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_document_is_valid(profile: str, kube_version: str) -> None:
+    errors = [
+        error
+        for doc in render(profile, kube_version)
+        for error in validation_errors(doc, kube_version)
+    ]
+    assert errors == []
+
+
+def test_a_broken_document_fails_validation() -> None:
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "s"},
+        "spec": {"ports": [{"port": 8000, "targetPortt": "http"}]},
+    }
+    assert validation_errors(service, KUBE_VERSIONS[0]) != []
+    unknown = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
+    assert validation_errors(unknown, KUBE_VERSIONS[0]) != []
+
+
+# -- custom resources: the field checks can fail ---------------------------------------------
+
+SCALED_OBJECT: dict[str, Any] = {
+    "apiVersion": "keda.sh/v1alpha1",
+    "kind": "ScaledObject",
+    "metadata": {"name": "w"},
+    "spec": {
+        "scaleTargetRef": {"name": "w"},
+        "minReplicaCount": 0,
+        "triggers": [
+            {
+                "type": "metrics-api",
+                "metadata": {
+                    "url": "http://f:8000/backlog",
+                    "valueLocation": "backlog",
+                    "targetValue": "64",
+                },
+            }
+        ],
+    },
+}
+SERVICE_MONITOR: dict[str, Any] = {
+    "apiVersion": "monitoring.coreos.com/v1",
+    "kind": "ServiceMonitor",
+    "metadata": {"name": "f"},
+    "spec": {
+        "selector": {"matchLabels": {"a": "b"}},
+        "endpoints": [{"port": "http", "path": "/metrics"}],
+    },
+}
+SERVING_RUNTIME: dict[str, Any] = {
+    "apiVersion": "serving.kserve.io/v1alpha1",
+    "kind": "ServingRuntime",
+    "metadata": {"name": "r"},
+    "spec": {
+        "supportedModelFormats": [{"name": "microbatch", "version": "1", "autoSelect": True}],
+        "protocolVersions": ["v2"],
+        "multiModel": False,
+        "containers": [
+            {"name": "kserve-container", "image": "i", "ports": [{"containerPort": 8080}]}
+        ],
+    },
+}
+
+
+def rendered_or_sample(kind: str, sample: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sample, and every rendered object of that kind (so the chart's own copy is broken too)."""
+    found = [
+        doc
+        for p in PROFILES
+        if (PROFILE_DIR / f"{p}.yaml").is_file()
+        for doc in m.of_kind(render(p), kind)
+    ]
+    return [copy.deepcopy(sample), *found]
+
+
+def test_the_samples_pass_the_field_checks() -> None:
+    for doc in (SCALED_OBJECT, SERVICE_MONITOR, SERVING_RUNTIME):
+        assert crds.check(doc) == [], m.ident(doc)
+
+
+def test_an_unknown_trigger_metadata_key_fails() -> None:
+    for doc in rendered_or_sample("ScaledObject", SCALED_OBJECT):
+        doc["spec"]["triggers"][0]["metadata"]["valueLocaton"] = "backlog"
+        assert any(
+            "triggers[0].metadata.valueLocaton: unknown key" in e for e in crds.check(doc)
+        ), m.ident(doc)
+
+
+def test_a_non_string_trigger_metadata_value_fails() -> None:
+    doc = copy.deepcopy(SCALED_OBJECT)
+    doc["spec"]["triggers"][0]["metadata"]["targetValue"] = 64
+    assert crds.check(doc) != []
+
+
+def test_an_undescribed_trigger_type_fails() -> None:
+    doc = copy.deepcopy(SCALED_OBJECT)
+    doc["spec"]["triggers"][0]["type"] = "redis-streams"
+    assert crds.check(doc) != []
+
+
+def test_a_typo_in_service_monitor_endpoints_fails() -> None:
+    for doc in rendered_or_sample("ServiceMonitor", SERVICE_MONITOR):
+        endpoint = doc["spec"]["endpoints"][0]
+        endpoint["pathh"] = endpoint.pop("path", "/metrics")
+        assert any("endpoints[0].pathh: unknown key" in e for e in crds.check(doc)), m.ident(doc)
+
+
+def test_a_bad_serving_runtime_container_fails() -> None:
+    for doc in rendered_or_sample("ServingRuntime", SERVING_RUNTIME):
+        doc["spec"]["containers"][0]["portz"] = []
+        errors = crds.check(doc)
+        assert any("spec.containers: not a valid" in e for e in errors), (m.ident(doc), errors)
+
+
+def test_a_missing_required_field_fails() -> None:
+    doc = copy.deepcopy(SCALED_OBJECT)
+    del doc["spec"]["scaleTargetRef"]
+    assert crds.check(doc) == ["spec.scaleTargetRef: required key missing"]
+
+
+# -- invariants over every pod template ------------------------------------------------------
+
+
+def workloads_of(profile: str) -> list[m.Doc]:
+    found = m.workloads(render(profile))
+    assert found, f"{profile} renders no Deployment or StatefulSet"
+    return found
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_pods_are_restricted_and_read_only(profile: str) -> None:
+    assert [p for w in workloads_of(profile) for p in m.security_problems(w)] == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_container_has_requests_and_limits(profile: str) -> None:
+    assert [p for w in workloads_of(profile) for p in m.resource_problems(w)] == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_model_pods_mount_a_memory_backed_dev_shm(profile: str) -> None:
+    model_pods = [w for w in workloads_of(profile) if m.component(w) in m.MODEL_COMPONENTS]
+    assert model_pods, f"{profile} renders no server or worker"
+    assert [p for w in model_pods for p in m.shm_problems(w)] == []
+
+
+# Every credential the chart takes, set, so that the env vars that carry them are rendered.
+CREDENTIALS = {
+    "auth.apiKey": "check-k8s-api-key",
+    "auth.adminApiKey": "check-k8s-admin-api-key",
+    "redis.auth.password": "check-k8s-redis-password",
+}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_credentials_only_come_from_secrets(profile: str) -> None:
+    docs = render(profile, sets=tuple(f"{k}={v}" for k, v in CREDENTIALS.items()))
+    assert [p for w in m.workloads(docs) for p in m.secret_env_problems(w)] == []
+    api_keys = [
+        c for w in m.workloads(docs) for c in m.containers(w) if "API_KEY" in m.env_names(c)
+    ]
+    assert api_keys, "auth.apiKey is set but no container gets API_KEY"
+    for doc in docs:
+        if doc.get("kind") != "Secret":
+            text = yaml.safe_dump(doc)
+            leaked = [v for v in CREDENTIALS.values() if v in text]
+            assert leaked == [], f"{m.ident(doc)} holds a credential in clear"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_dependent_variable_resolves(profile: str) -> None:
+    assert [p for w in workloads_of(profile) for p in m.env_reference_problems(w)] == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_container_is_probed(profile: str) -> None:
+    assert [p for w in workloads_of(profile) for p in m.probe_problems(w)] == []
+
+
+@pytest.mark.parametrize("profile", broker_profiles())
+def test_front_ends_drain_before_they_stop(profile: str) -> None:
+    assert m.frontend_shutdown_problems(m.the_workload(render(profile), "frontend")) == []
+
+
+@pytest.mark.parametrize("profile", broker_profiles())
+def test_workers_finish_their_batch_before_sigkill(profile: str) -> None:
+    assert m.worker_shutdown_problems(m.the_workload(render(profile), "worker")) == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_workload_selectors_select_their_own_pods(profile: str) -> None:
+    assert m.workload_selector_problems(render(profile)) == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_deployment_has_one_disruption_budget(profile: str) -> None:
+    assert m.pdb_problems(render(profile)) == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_services_reach_declared_ports(profile: str) -> None:
+    assert m.service_problems(render(profile)) == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_standard_labels(profile: str) -> None:
+    assert m.standard_label_problems(render(profile), RELEASE) == []
+
+
+@pytest.mark.parametrize("profile", broker_profiles())
+def test_only_front_ends_and_workers_reach_redis(profile: str) -> None:
+    assert m.redis_network_policy_problems(render(profile)) == []
+
+
+# -- autoscaling, monitoring, GPUs, KServe ---------------------------------------------------
+
+
+def front_end_service(docs: list[m.Doc]) -> m.Doc:
+    frontend = m.the_workload(docs, "frontend")
+    found = [s for s in m.of_kind(docs, "Service") if m.service_selects(s, frontend)]
+    assert len(found) == 1, (
+        f"expected one Service for the front ends, found {[m.ident(s) for s in found]}"
+    )
+    return found[0]
+
+
+def test_keda_scales_workers_on_the_front_ends_backlog() -> None:
+    docs = render("keda")
+    worker, service = m.the_workload(docs, "worker"), front_end_service(docs)
+    scaled = m.of_kind(docs, "ScaledObject")
+    assert len(scaled) == 1, [m.ident(s) for s in scaled]
+    spec = scaled[0]["spec"]
+    assert spec["scaleTargetRef"]["name"] == m.name(worker)
+    assert spec["scaleTargetRef"].get("kind", "Deployment") == worker["kind"] == "Deployment"
+    assert spec["scaleTargetRef"].get("apiVersion", "apps/v1") == "apps/v1"
+    assert [t["type"] for t in spec["triggers"]] == ["metrics-api"]
+    metadata = spec["triggers"][0]["metadata"]
+    url = urlsplit(metadata["url"])
+    http_ports = [p["port"] for p in service["spec"]["ports"] if p.get("name") == "http"]
+    assert url.hostname == f"{m.name(service)}.{NAMESPACE}.svc.cluster.local", metadata["url"]
+    assert [url.port] == http_ports, (metadata["url"], http_ports)
+    assert url.path == "/backlog", metadata["url"]
+    assert metadata["valueLocation"] == "backlog"
+    assert "replicas" not in worker["spec"], "KEDA owns the worker replicas"
+
+
+def test_keda_scale_to_zero_tells_the_front_ends() -> None:
+    docs = render("keda")
+    spec = m.of_kind(docs, "ScaledObject")[0]["spec"]
+    frontend = m.containers(m.the_workload(docs, "frontend"))[0]
+    expected = "1" if spec.get("minReplicaCount", 0) == 0 else None
+    assert m.env_value(frontend, "MB_SCALE_FROM_ZERO") == expected
+
+
+def test_an_hpa_scales_the_front_ends_only() -> None:
+    docs = render("keda")
+    frontend, worker = m.the_workload(docs, "frontend"), m.the_workload(docs, "worker")
+    hpas = m.of_kind(docs, "HorizontalPodAutoscaler")
+    assert [h["apiVersion"] for h in hpas] == ["autoscaling/v2"]
+    target = hpas[0]["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": "Deployment", "name": m.name(frontend)}
+    assert target["name"] != m.name(worker), "KEDA makes the workers' HPA"
+    assert "replicas" not in frontend["spec"], "the HPA owns the front-end replicas"
+
+
+def test_the_service_monitor_scrapes_the_front_ends() -> None:
+    docs = render("keda")
+    service = front_end_service(docs)
+    monitors = m.of_kind(docs, "ServiceMonitor")
+    assert len(monitors) == 1, [m.ident(s) for s in monitors]
+    spec = monitors[0]["spec"]
+    assert m.selector_matches(spec["selector"], m.labels(service))
+    assert [(e.get("port"), e.get("path")) for e in spec["endpoints"]] == [("http", "/metrics")]
+    assert "http" in [p.get("name") for p in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("profile", gpu_profiles())
+def test_gpu_workers_request_a_gpu_and_tolerate_gpu_nodes(profile: str) -> None:
+    worker = m.the_workload(render(profile), "worker")
+    container = m.containers(worker)[0]
+    resources = container.get("resources") or {}
+    assert m.quantity((resources.get("limits") or {}).get("nvidia.com/gpu", 0)) >= 1, resources
+    tolerations = m.pod_spec(worker).get("tolerations") or []
+    assert any(t.get("key") == "nvidia.com/gpu" for t in tolerations), tolerations
+    assert m.env_value(container, "CUDA_DEVICES") != "cpu"
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p not in gpu_profiles()])
+def test_cpu_profiles_request_no_gpu(profile: str) -> None:
+    for workload in m.workloads(render(profile)):
+        for container in m.all_containers(workload):
+            resources = container.get("resources") or {}
+            assert "nvidia.com/gpu" not in {
+                **resources.get("requests", {}),
+                **resources.get("limits", {}),
+            }
+
+
+def test_the_kserve_runtime_matches_the_server() -> None:
+    docs = render("kserve")
+    runtimes = m.of_kind(docs, "ServingRuntime")
+    assert len(runtimes) == 1, [m.ident(r) for r in runtimes]
+    spec = runtimes[0]["spec"]
+    assert {"name": "microbatch", "version": "1", "autoSelect": True} in spec[
+        "supportedModelFormats"
+    ]
+    assert spec["protocolVersions"] == ["v2"]
+    assert spec["multiModel"] is False
+    container = spec["containers"][0]
+    assert container["name"] == "kserve-container"
+    assert [p["containerPort"] for p in container["ports"]] == [8080]
+    assert m.env_value(container, "PORT") == "8080"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in container, probe
