@@ -22,6 +22,7 @@ container engine would give, and this machine substitutes (each substitution is 
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import re
 import shutil
@@ -83,6 +84,36 @@ def expand(value: str, env: Mapping[str, str]) -> str:
         lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
         value,
     )
+
+
+# Runs "$@" after "--" with the root filesystem read-only, except the folders before "--"
+# (bind-mounted onto themselves first) and what is mounted apart (/dev/shm, /proc, /dev), in a
+# mount namespace of its own (unshare): readOnlyRootFilesystem, for real.
+READ_ONLY_ROOT = (
+    'while [ "$1" != -- ]; do mount --bind "$1" "$1"; shift; done; shift; '
+    'mount -o remount,bind,ro / && exec "$@"'
+)
+
+
+@functools.cache
+def can_unshare() -> bool:
+    """Whether this machine lets a mount namespace of its own be made (root, not forbidden)."""
+    probe = ["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT]
+    try:
+        done = subprocess.run([*probe, "sh", "--", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def read_only_root(argv: list[str], writable: list[str]) -> list[str]:
+    """``argv`` wrapped to run with a read-only root filesystem but ``writable`` (the
+    container's writable volumes); unchanged, and said so, where no namespace can be made."""
+    if not can_unshare():
+        note("readOnlyRootFilesystem NOT emulated: this machine refuses `unshare --mount`")
+        return argv
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh"]
+    return [*wrap, *writable, "--", *argv]
 
 
 @dataclass
@@ -279,6 +310,13 @@ class Kubelet:
             note(f"{pod.name}: the redis image -> redis-server on 127.0.0.1:{local}")
         elif not argv:
             argv = ["python", "-m", "app"]  # the Dockerfile's CMD
+        if spec.get("securityContext", {}).get("readOnlyRootFilesystem"):
+            writable = [
+                volumes[m["name"]]
+                for m in spec.get("volumeMounts", [])
+                if not m.get("readOnly") and volumes[m["name"]] != "/dev/shm"
+            ]
+            argv = read_only_root(argv, writable)
         return Container(spec["name"], spec, argv, env, ports, rewrite)
 
     def route(self, text: str) -> str:
