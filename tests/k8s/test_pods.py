@@ -15,10 +15,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import yaml
 
 from app.manifest import read_manifest
-from tests.k8s.conftest import CHART, NAMESPACE, RELEASE, profile_path, run_helm
+from tests.k8s.conftest import NAMESPACE, RELEASE, render
 from tests.k8s.pods import Kubelet, Pod
 from tests.models import export_scaled, export_tiny
 
@@ -32,14 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def rendered(profile: str, *overrides: str) -> list[dict[str, Any]]:
-    """``helm template`` of ``ci/<profile>.yaml``, Secrets set to test values."""
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-    args += ["-f", str(profile_path(profile)), "--api-versions", "keda.sh/v1alpha1"]
-    for value in (f"auth.apiKey={API_KEY}", f"redis.auth.password={REDIS_PASSWORD}", *overrides):
-        args += ["--set", value]
-    result = run_helm(*args)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    """``ci/<profile>.yaml`` rendered with Secrets set to test values, and ``overrides``."""
+    secrets = (f"auth.apiKey={API_KEY}", f"redis.auth.password={REDIS_PASSWORD}")
+    return render(profile, sets=(*secrets, *overrides))
 
 
 def post(base: str, image: bytes = b"", key: str | None = API_KEY) -> httpx.Response:
@@ -162,6 +156,21 @@ async def _load(kubelet: Kubelet, seconds: float, clients: int = 4) -> list[int]
     return statuses
 
 
+def terminated_under_load(kubelet: Kubelet, pod: Pod) -> None:
+    """8 s of load from 4 clients; 2 s in, ``pod`` is terminated as the kubelet does it: it
+    exits 0 within its grace period, and every request is answered 200."""
+
+    async def run() -> list[int]:
+        load = asyncio.create_task(_load(kubelet, 8))
+        await asyncio.sleep(2)
+        await asyncio.to_thread(assert_terminated_cleanly, kubelet, pod)
+        return await load
+
+    statuses = asyncio.run(run())
+    assert len(statuses) > 20
+    assert set(statuses) == {200}, sorted(set(statuses))
+
+
 def test_a_worker_pod_terminated_under_load_loses_nothing(broker: Kubelet) -> None:
     """Two worker pods under load; one goes through the kubelet's termination (its preStop,
     if any, then SIGTERM, SIGKILL at the grace period): it exits 0 in time, and every request
@@ -170,15 +179,7 @@ def test_a_worker_pod_terminated_under_load_loses_nothing(broker: Kubelet) -> No
     broker.wait_started(second)
     first = next(p for p in broker.pods if p.labels["app.kubernetes.io/component"] == "worker")
 
-    async def run() -> list[int]:
-        load = asyncio.create_task(_load(broker, 8))
-        await asyncio.sleep(2)
-        await asyncio.to_thread(assert_terminated_cleanly, broker, first)
-        return await load
-
-    statuses = asyncio.run(run())
-    assert len(statuses) > 20
-    assert set(statuses) == {200}, sorted(set(statuses))
+    terminated_under_load(broker, first)
 
 
 def test_a_front_end_pod_terminated_under_load_loses_nothing(broker: Kubelet) -> None:
@@ -191,15 +192,7 @@ def test_a_front_end_pod_terminated_under_load_loses_nothing(broker: Kubelet) ->
         broker.serve(serving)
     assert broker.behind(SERVICE) is serving
 
-    async def run() -> list[int]:
-        load = asyncio.create_task(_load(broker, 8))
-        await asyncio.sleep(2)
-        await asyncio.to_thread(assert_terminated_cleanly, broker, serving)
-        return await load
-
-    statuses = asyncio.run(run())
-    assert len(statuses) > 20
-    assert set(statuses) == {200}, sorted(set(statuses))
+    terminated_under_load(broker, serving)
     assert broker.behind(SERVICE) is not serving
 
 
@@ -257,7 +250,14 @@ def _queue_and_drain(kubelet: Kubelet, served_id: str) -> None:
                         )
                     )
                 )
-                await _until(lambda n=index + 1: trigger_value(kubelet)[0] == n)
+                queued = index + 1
+                await _until(
+                    lambda n=queued: trigger_value(kubelet)[0] == n,
+                    lambda n=queued: (
+                        f"the trigger to read {n} (answered meanwhile: "
+                        f"{[t.result().status_code for t in sent if t.done()]})"
+                    ),
+                )
                 value, body = trigger_value(kubelet)
                 streams = [s["stream"] for s in body["streams"] if s["lag"] or s["pending"]]
                 assert all(served_id.split("@")[1].split("+")[0] in s for s in streams)
@@ -267,7 +267,7 @@ def _queue_and_drain(kubelet: Kubelet, served_id: str) -> None:
             worker = await asyncio.to_thread(kubelet.start, "worker")
             await asyncio.to_thread(kubelet.wait_started, worker)
             answers = await asyncio.gather(*sent)
-            await _until(lambda: trigger_value(kubelet)[0] == 0)
+            await _until(lambda: trigger_value(kubelet)[0] == 0, lambda: "the trigger to read 0")
             return answers
 
     answers = asyncio.run(run())
@@ -275,10 +275,11 @@ def _queue_and_drain(kubelet: Kubelet, served_id: str) -> None:
     assert {a.headers["X-Model-Id"] for a in answers} == {served_id}
 
 
-async def _until(condition: Any, timeout_s: float = 30) -> None:
+async def _until(condition: Any, what: Any, timeout_s: float = 30) -> None:
+    """Until ``condition()``; ``what()`` says what was waited for, when it never came."""
     deadline = time.monotonic() + timeout_s
     while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out waiting for {what()}"
         await asyncio.sleep(0.1)
 
 

@@ -14,7 +14,7 @@ from app.manifest import InputSpec
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-DOCS = ("docs/performance.md", "docs/design.md")
+DOCS = ("docs/performance.md", "docs/design.md", "docs/kubernetes.md")
 # The default model's preprocessing (EfficientNet-Lite0), what the curl examples run through.
 DEFAULT_INPUT = InputSpec(
     crop_size=224, resize_size=256, interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3
