@@ -57,6 +57,7 @@ def default_transport(
             on_workers=metrics.on_workers if metrics else None,
             on_routes=on_routes,
             scale_from_zero=plan.broker.scale_from_zero,
+            own_routes={model.name: Route(model.version, model.served_id) for model in models},
         )
     from app.workers.pool import WorkerPool
 

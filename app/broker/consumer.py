@@ -98,8 +98,10 @@ class Consumer(ModelRotation, OrphanClaims):
         load_timeout_s: float = 300.0,
         switch_min_workers: int | None = None,
         poll_s: float | None = None,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
+        self._on_beat = on_beat  # each turn of the heartbeat thread, Redis reachable or not
         self.keys = keys
         self.name = name
         self.worker = worker
@@ -393,12 +395,16 @@ class Consumer(ModelRotation, OrphanClaims):
     def _beat(self) -> None:
         """The heartbeat thread: until the last answer is out (not merely until SIGTERM:
         a worker finishing its batch must not look dead, or others would redo it)."""
+        if self._on_beat is not None:
+            self._on_beat()
         while not self._done.wait(HEARTBEAT_S):
             if self._ahead.busy_for > self.batch_timeout_s:
                 # Hung: die, so the supervisor restarts this worker and others claim its
                 # entries (as the in-process pool kills a worker past MB_BATCH_TIMEOUT).
                 log.error("worker %s spent over MB_BATCH_TIMEOUT on a batch: exiting", self.name)
                 os._exit(70)
+            if self._on_beat is not None:
+                self._on_beat()
             self._send_heartbeat()
 
     def _redis_now_ms(self) -> int:

@@ -40,11 +40,6 @@ class Keys:
         return tuple(self.stream(served_id, task) for task in Task)
 
     @property
-    def all_streams(self) -> str:
-        """A ``SCAN MATCH`` pattern for every model version's streams."""
-        return f"{self.prefix}:{{q}}:*"
-
-    @property
     def routes(self) -> str:
         """Hash: model name -> the version it served last (JSON), as front ends saw the
         workers' heartbeats: what a front end routes to while no worker is live

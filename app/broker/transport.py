@@ -93,12 +93,18 @@ class BrokerTransport:
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
         on_routes: Callable[[dict[str, Route]], None] | None = None,
         scale_from_zero: bool = False,
+        own_routes: Mapping[str, Route] | None = None,
     ) -> None:
         self.keys = Keys(prefix)
         self.max_queue = max_queue
         self.switch_min_workers = switch_min_workers
+        # Scaling from zero, what a name routes to while no worker serves it: the route it had
+        # here, else the one front ends keep in Redis, else the version this front end's own
+        # repository chooses (so a front end is ready, and queues, before any worker ran).
         self.scale_from_zero = scale_from_zero
+        self._own_routes = dict(own_routes or {})
         self._last_routes: dict[str, Route] = {}  # the routes hash in Redis, at the last look
+        self._derived: dict[str, Route] = {}  # the routes the live workers' heartbeats give
         self._on_routes = on_routes  # each monitor round: the version each name serves
         self.routes: dict[str, Route] = {}
         self._names: dict[str, str] = {}  # served id -> its model's name, as heartbeats say
@@ -114,6 +120,7 @@ class BrokerTransport:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._connected = False
+        self._closing = False  # aclose() began: the reader and the monitor end their loops
         self._run_id: str | None = None
         self._workers: list[WorkerInfo] = []
         self._queue_depth = 0
@@ -191,10 +198,17 @@ class BrokerTransport:
             log.warning("broker: Redis is not reachable yet; requests get 503 until it is")
 
     async def aclose(self) -> None:
+        """Stop the reader and the monitor, fail what waits, close the clients. The loops
+        also end by themselves once ``_closing`` is set: a cancellation that the Redis client
+        swallows (mid-command) must not leave one running, and this waiting forever."""
+        self._closing = True
         tasks = [*self._tasks, *([self._looking] if self._looking else [])]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, running = await asyncio.wait(tasks, timeout=REPLY_BLOCK_S + 5)
+            for task in running:
+                log.error("broker: %s did not stop; leaving it", task.get_name())
         self._tasks = []
         self._fail_pending(NotReady("server is shutting down"))
         for client in (self._redis, self._reader):
@@ -231,22 +245,19 @@ class BrokerTransport:
         return self.scale_from_zero and any(r.served_id == served_id for r in self.routes.values())
 
     async def backlog(self) -> Backlog:
-        """The work waiting for workers over every version's streams, from ``XINFO GROUPS``:
-        entries no worker has read (``lag``; Redis cannot tell it after an unread entry was
-        deleted, and then it is the entries not pending, as answered entries are deleted), and
-        entries read and not answered (``pending``, a dead worker's included). A stream no
-        worker has read yet (scaled to zero) counts whole. Raises ``BrokerUnavailable``."""
+        """The work waiting for workers, from ``XINFO GROUPS`` on the streams of every version
+        a name routes to or a live worker holds (entries of any other version have nobody to
+        compute them, and must not keep an autoscaler up): entries no worker has read
+        (``lag``; Redis cannot tell it after an unread entry was deleted, and then it is the
+        entries not pending, as answered entries are deleted), and entries read and not
+        answered (``pending``, a dead worker's included). A stream no worker has read yet
+        (scaled to zero) counts whole. Raises ``BrokerUnavailable``."""
         if self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+        held = {m.served_id for w in self._workers for m in w.models if w.holds(m.served_id)}
+        served = sorted(held | {route.served_id for route in self.routes.values()})
+        streams = [stream for served_id in served for stream in self.keys.streams(served_id)]
         try:
-            streams = sorted(
-                [
-                    text(key)
-                    async for key in self._redis.scan_iter(
-                        match=self.keys.all_streams, count=1000, _type="STREAM"
-                    )
-                ]
-            )
             async with self._redis.pipeline(transaction=False) as pipe:
                 for stream in streams:
                     pipe.xlen(stream)
@@ -260,7 +271,7 @@ class BrokerTransport:
         for index, stream in enumerate(streams):
             length, groups = answers[2 * index : 2 * index + 2]
             if isinstance(length, Exception) or isinstance(groups, Exception):
-                continue  # deleted between the scan and the look
+                continue  # no such stream (nothing sent to that version yet)
             group = next((g for g in groups if text(g["name"]) == GROUP), None)
             if group is None:
                 counted.append(StreamBacklog(stream=stream, group=None, lag=length, pending=0))
@@ -331,8 +342,12 @@ class BrokerTransport:
             async with asyncio.timeout(None if timeout is None else timeout + 1.0):
                 return await asyncio.shield(future)
         except TimeoutError:
+            self._forget(stream, entry_id)  # stale: a worker that reads it drops it anyway
             return BrokerUnavailable("no reply came before the deadline")
         except ServerError as exc:
+            # A worker's error (it has deleted the entry: this delete finds nothing), or this
+            # front end's (the version moved, Redis lost): the entry must not wait on.
+            self._forget(stream, entry_id)
             return exc
         except asyncio.CancelledError:
             self._forget(stream, entry_id)
@@ -361,7 +376,7 @@ class BrokerTransport:
 
     async def _read_replies(self) -> None:
         key = self.keys.replies(self.frontend)
-        while True:
+        while not self._closing:
             assert self._reader is not None
             try:
                 popped = await self._reader.blmpop(
@@ -427,9 +442,10 @@ class BrokerTransport:
     # -- the workers and the queue, as Redis sees them ---------------------------------------
 
     async def _monitor(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(MONITOR_S)
-            await self._look_safely()
+            if not self._closing:
+                await self._look_safely()
 
     async def _look_safely(self) -> None:
         try:
@@ -508,29 +524,30 @@ class BrokerTransport:
         self._workers = sorted(workers, key=lambda w: w.name)
         self._update_rate(time.monotonic(), sum(w.items for w in workers))
         self._route()
-        if self.scale_from_zero and self._workers and self.routes != self._last_routes:
+        if self.scale_from_zero and any(
+            self._last_routes.get(n) != r for n, r in self._derived.items()
+        ):
             await self._remember_routes()
         if self._on_workers is not None:
             self._on_workers(self._workers)
 
     async def _remember_routes(self) -> None:
-        """Scaling from zero: the routes, for every front end (one started after the last
-        worker left included) to route by while no worker is live."""
+        """Scaling from zero: the routes the live workers give (only those: never one kept
+        from before), for every front end to route by while no worker is live, one started
+        since included. A name no worker serves any more keeps its field: a front end
+        serves only the names in its own repository."""
         assert self._redis is not None
         fields: dict[Any, Any] = {  # (redis-py types the mapping invariantly)
             name: json.dumps({"version": r.version, "served_id": r.served_id})
-            for name, r in self.routes.items()
+            for name, r in self._derived.items()
+            if self._last_routes.get(name) != r
         }
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.keys.routes)
-                if fields:
-                    pipe.hset(self.keys.routes, mapping=fields)
-                await pipe.execute()
+            await self._redis.hset(self.keys.routes, mapping=fields)
         except (RedisError, OSError) as exc:  # written again at the next look
             log.warning("broker: could not record the routes: %s", exc)
             return
-        self._last_routes = dict(self.routes)
+        self._last_routes.update(self._derived)
 
     def _route(self) -> None:
         """Which version each name serves now, by the heartbeats. Requests still waiting on
@@ -538,10 +555,11 @@ class BrokerTransport:
         nothing will compute them (after a proper drain there are none). While no worker
         serves a name at all (its only worker restarting), its requests wait for it."""
         before = self.routes
-        self.routes = routes(self._workers, self.switch_min_workers, sticky=before)
-        if self.scale_from_zero:  # a name no worker serves yet keeps its last route
-            for name, last in {**self._last_routes, **before}.items():
-                self.routes.setdefault(name, last)
+        self._derived = routes(self._workers, self.switch_min_workers, sticky=before)
+        self.routes = dict(self._derived)
+        if self.scale_from_zero:  # a name no worker serves yet keeps a route
+            for name, kept in {**self._own_routes, **self._last_routes, **before}.items():
+                self.routes.setdefault(name, kept)
         for model in (m for w in self._workers for m in w.models):
             self._names[model.served_id] = model.name
         moved = {

@@ -31,6 +31,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 from types import FrameType
+from typing import Any
 
 from app.broker.keys import Keys
 from app.broker.probes import Probes, Running
@@ -74,9 +75,12 @@ class ConsumerSpec:
         return f"{self.broker.host_name}:{self.index}"
 
 
-def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
-    """Entry point of one broker worker process; sets ``loaded`` once its models are. It
-    dies with its supervisor (killed, even with ``-9``): an orphan would go on consuming
+def consumer_main(
+    spec: ConsumerSpec, loaded: EventType | None = None, beat: Any | None = None
+) -> None:
+    """Entry point of one broker worker process; sets ``loaded`` once its models are, and
+    ``beat`` (a shared double) to ``time.monotonic()`` at each turn of its heartbeat thread.
+    It dies with its supervisor (killed, even with ``-9``): an orphan would go on consuming
     under the name its replacement takes."""
     die_with_parent(spec.parent_pid)
     import redis
@@ -132,6 +136,7 @@ def consumer_main(spec: ConsumerSpec, loaded: EventType | None = None) -> None:
         load_timeout_s=spec.load_timeout_s,
         switch_min_workers=spec.repository.switch_min_workers,
         poll_s=spec.repository.poll_s,
+        on_beat=None if beat is None else lambda: setattr(beat, "value", time.monotonic()),
     )
     signal.signal(signal.SIGHUP, lambda *_: consumer.request_reload())
     if reload.is_set():
@@ -165,14 +170,17 @@ class Supervisor:
         self._started: dict[int, float] = {}  # index -> when its current life began
         self._signalled: set[int] = set()  # pids told to stop
         self._loaded: dict[int, EventType] = {}  # index -> set once its current life loaded
+        self._beats: dict[int, Any] = {}  # index -> its current life's heartbeat-thread clock
         self.last_turn = time.monotonic()  # when the loop last turned (liveness)
+        self.snapshot: tuple[Running, ...] = ()  # the workers, as of the last turn (probes)
 
     def _start(self, spec: ConsumerSpec) -> None:
         spec = replace(spec, parent_pid=os.getpid())
         context = mp.get_context("spawn")
         self._loaded[spec.index] = loaded = context.Event()
+        self._beats[spec.index] = beat = context.Value("d", 0.0, lock=False)
         process = context.Process(
-            target=consumer_main, args=(spec, loaded), name=f"model-worker-{spec.index}"
+            target=consumer_main, args=(spec, loaded, beat), name=f"model-worker-{spec.index}"
         )
         # Started with SIGHUP blocked (the child unblocks it once it handles it): a SIGHUP
         # that reaches it sooner must not end it.
@@ -220,6 +228,7 @@ class Supervisor:
                 if deadline is None:
                     deadline = time.monotonic() + STOP_TIMEOUT_S
             self.last_turn = time.monotonic()
+            self.snapshot = self._running()
             alive = {p.sentinel: i for i, p in self.processes.items() if p.exitcode is None}
             if self.stopping.is_set() and not alive:
                 return 0
@@ -266,17 +275,24 @@ class Supervisor:
             replace(spec, config=replace(spec.config, runtime="torchscript")) for spec in self.specs
         ]
 
-    def running(self) -> list[Running]:
-        """Each worker as the probes see it (read from the probes' thread)."""
-        return [
-            Running(
-                spec.name,
-                pid=process.pid if (process := self.processes.get(spec.index)) else None,
-                alive=process is not None and process.exitcode is None,
-                loaded=spec.index in self._loaded and self._loaded[spec.index].is_set(),
+    def _running(self) -> tuple[Running, ...]:
+        """Each worker as the probes see it; made by this loop (which alone waits on the
+        processes), read by the probes' thread as a whole."""
+        now = time.monotonic()
+        found = []
+        for spec in self.specs:
+            process = self.processes.get(spec.index)
+            beat = self._beats.get(spec.index)
+            found.append(
+                Running(
+                    spec.name,
+                    pid=process.pid if process is not None else None,
+                    alive=process is not None and process.exitcode is None,
+                    loaded=spec.index in self._loaded and self._loaded[spec.index].is_set(),
+                    silent_s=now - beat.value if beat is not None and beat.value else None,
+                )
             )
-            for spec in list(self.specs)
-        ]
+        return tuple(found)
 
     def serve_probes(self, broker: BrokerPlan) -> None:
         """``MB_HEALTH_PORT``: answer /healthz and /readyz (``app.broker.probes``)."""
@@ -285,7 +301,7 @@ class Supervisor:
         probes = Probes(
             probes_client(broker.url),
             Keys(broker.prefix),
-            self.running,
+            lambda: self.snapshot,
             lambda: self.last_turn,
             self.stopping.is_set,
         )

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +19,8 @@ from app.broker.keys import GROUP, Keys
 from app.broker.probes import Probes, Running
 from app.broker.probes import client_for as probes_client
 from app.broker.transport import BrokerTransport
+from app.jobs import Task
+from app.repository import Route
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import distinct_images
 from tests.integration.test_broker import front_end, post, wait_for
@@ -25,22 +29,26 @@ from tests.server import free_port
 pytestmark = pytest.mark.slow
 
 
-async def test_the_backlog_sums_lag_and_pending_over_every_versions_streams() -> None:
-    """Unread entries count as lag, read and unanswered ones as pending, a stream no worker
-    joined yet counts whole; once an unread entry is deleted Redis cannot tell the lag, and
-    the entries not pending count instead."""
+async def test_the_backlog_sums_lag_and_pending_over_the_served_versions_streams() -> None:
+    """Over the streams of every routed version: unread entries count as lag, read and
+    unanswered ones as pending, a stream no worker joined yet counts whole; once an unread
+    entry is deleted Redis cannot tell the lag, and the entries not pending count instead. A
+    version nobody routes to or holds does not count (nothing will compute its entries)."""
     with RedisServer() as redis_server:
         client = redis_server.client()
         keys = Keys(PREFIX)
-        read, fresh = f"{PREFIX}:{{q}}:aaaaaaaaaaaa:tag", f"{PREFIX}:{{q}}:bbbbbbbbbbbb:embedding"
+        read = keys.stream("m@aaaaaaaaaaaa", Task.TAG)
+        fresh = keys.stream("n@bbbbbbbbbbbb", Task.EMBEDDING)
+        stale = keys.stream("m@cccccccccccc", Task.TAG)
         client.xgroup_create(read, GROUP, id="0", mkstream=True)
         ids = [client.xadd(read, {"h": b"x"}) for _ in range(5)]
         client.xreadgroup(GROUP, "w:0", {read: ">"}, count=2)  # 2 pending, 3 unread
         for _ in range(4):
             client.xadd(fresh, {"h": b"x"})  # no group yet: workers at zero
-        client.set(f"{PREFIX}:{{q}}:not-a-stream", b"1")
+            client.xadd(stale, {"h": b"x"})  # an old version's leftovers
         transport = BrokerTransport(redis_server.url, PREFIX, max_queue=100)
         await transport.start()
+        transport.routes = {"m": Route(1, "m@aaaaaaaaaaaa"), "n": Route(1, "n@bbbbbbbbbbbb")}
         try:
             backlog = await transport.backlog()
             assert (backlog.lag, backlog.pending, backlog.backlog) == (7, 2, 9)
@@ -54,7 +62,6 @@ async def test_the_backlog_sums_lag_and_pending_over_every_versions_streams() ->
             assert (backlog.lag, backlog.pending) == (2 + 4, 2)
         finally:
             await transport.aclose()
-        assert keys.all_streams == f"{PREFIX}:{{q}}:*"
 
 
 async def _queue(base_url: str, images: list[bytes]) -> list[asyncio.Task[httpx.Response]]:
@@ -62,6 +69,10 @@ async def _queue(base_url: str, images: list[bytes]) -> list[asyncio.Task[httpx.
         asyncio.create_task(post(base_url, "/predict/embedding", image, timeout=60))
         for image in images
     ]
+
+
+def png_of(seed: int) -> bytes:
+    return distinct_images(1 + seed)[seed]
 
 
 def _backlog(base_url: str) -> dict[str, int]:
@@ -86,7 +97,7 @@ async def test_workers_scaled_to_zero_and_back_lose_nothing(tiny_store: Path) ->
                 lambda: redis_server.client().hlen(f"{PREFIX}:routes") == 1, what="routes kept"
             )
             workers.stop()  # scaled to zero
-            await wait_for(lambda: not workers.live(), what="no live worker")
+            await wait_for(lambda: not front.readiness()[1]["workers"], what="no worker seen")
             assert front.readiness()[0] == 200
             with front_end(redis_server, tiny_store, MB_SCALE_FROM_ZERO="1") as late:
                 assert late.readiness()[0] == 200  # routes from Redis, no worker seen
@@ -106,6 +117,59 @@ async def test_workers_scaled_to_zero_and_back_lose_nothing(tiny_store: Path) ->
     assert {a.headers["X-Model-Id"] for a in answers} == {served}
 
 
+async def test_a_front_end_scaling_from_zero_queues_before_any_worker_ever_ran(
+    tiny_store: Path,
+) -> None:
+    """A fresh install scaled to zero: no worker ever ran and Redis holds no routes; the
+    front end routes by its own repository's choice, is ready, and queues; the first worker
+    answers with that very export."""
+    from app.manifest import read_manifest
+
+    images = distinct_images(3)
+    with RedisServer() as redis_server:
+        with front_end(redis_server, tiny_store, MB_SCALE_FROM_ZERO="1") as front:
+            assert front.readiness()[0] == 200
+            waiting = await _queue(front.base_url, images)
+            await wait_for(lambda: _backlog(front.base_url)["lag"] == 3, what="lag 3")
+            with Workers(redis_server, tiny_store, count=1):
+                answers = await asyncio.gather(*waiting)
+                await wait_for(lambda: _backlog(front.base_url)["backlog"] == 0, what="0")
+    assert [a.status_code for a in answers] == [200] * 3
+    own = f"tiny-test@{read_manifest(tiny_store).version}"
+    assert {a.headers["X-Model-Id"] for a in answers} == {own}
+
+
+async def test_requests_for_a_version_gone_while_at_zero_are_refused_and_leave_nothing(
+    tmp_path: Path,
+) -> None:
+    """Requests queued with no worker for version 1; version 2 appears on disk, and the
+    worker that comes serves version 2 only: the front end answers the waiting requests
+    503 as soon as the name moves, deletes their entries, and the backlog falls to 0 (a
+    stale version's leftovers must not keep an autoscaler up)."""
+    from tests.broker import stream_key
+    from tests.models import export_scaled, export_tiny
+
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    env = {"MODEL_REPOSITORY": str(repository), "MB_SCALE_FROM_ZERO": "1"}
+    with RedisServer() as redis_server:
+        with front_end(redis_server, v1, **env) as front:
+            with Workers(redis_server, v1, count=1, MODEL_REPOSITORY=str(repository)):
+                assert (await post(front.base_url, "/predict/embedding", png_of(1))).is_success
+            await wait_for(lambda: not front.readiness()[1]["workers"], what="no worker seen")
+            waiting = await _queue(front.base_url, [png_of(i) for i in range(2, 5)])
+            await wait_for(lambda: _backlog(front.base_url)["lag"] == 3, what="lag 3")
+            staged = export_scaled(tmp_path / "staged", 2.0)
+            staged.rename(repository / "tiny" / "2")
+            with Workers(redis_server, v1, count=1, MODEL_REPOSITORY=str(repository)):
+                answers = await asyncio.gather(*waiting)
+                await wait_for(lambda: _backlog(front.base_url)["backlog"] == 0, what="0")
+                left = redis_server.client().xlen(stream_key(v1, "embedding"))
+    assert [a.status_code for a in answers] == [503] * 3
+    assert {a.json()["error"]["type"] for a in answers} == {"worker_died"}
+    assert left == 0
+
+
 async def test_without_scale_from_zero_routes_are_not_kept(tiny_store: Path) -> None:
     with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
         with front_end(redis_server, tiny_store) as front:
@@ -114,14 +178,16 @@ async def test_without_scale_from_zero_routes_are_not_kept(tiny_store: Path) -> 
             assert redis_server.client().exists(f"{PREFIX}:routes") == 0
 
 
-def _probe(port: int, path: str) -> tuple[int, dict[str, object]]:
+def _probe(port: int, path: str) -> tuple[int, dict[str, Any]]:
     answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
     return answer.status_code, answer.json()
 
 
 def test_the_worker_probes_answer_from_the_heartbeats(tiny_store: Path) -> None:
     """The worker command's health port: ready once its worker serves (naming it), live,
-    404 elsewhere."""
+    404 elsewhere; liveness reads the age of each worker's heartbeat thread from memory the
+    worker shares with its supervisor: a worker stopped (SIGSTOP) ages there, and is young
+    again once it goes on."""
     port = free_port()
     with RedisServer() as redis_server:
         workers = Workers(redis_server, tiny_store, count=1, MB_HEALTH_PORT=str(port))
@@ -131,18 +197,30 @@ def test_the_worker_probes_answer_from_the_heartbeats(tiny_store: Path) -> None:
             while _probe(port, "/readyz")[0] != 200:
                 assert time.monotonic() < deadline, "never ready"
                 time.sleep(0.2)
-            _, body = _probe(port, "/readyz")
-            assert body["workers"] == [next(iter(workers.own()))]
-            assert _probe(port, "/healthz")[0] == 200
+            name, beat = next(iter(workers.own().items()))
+            assert _probe(port, "/readyz")[1]["workers"] == [name]
             assert _probe(port, "/nope")[0] == 404
+            status, body = _probe(port, "/healthz")
+            assert status == 200 and body["heartbeat_age_s"][name] < 2.5, body
+            os.kill(beat["pid"], signal.SIGSTOP)
+            try:
+                time.sleep(4)
+                status, body = _probe(port, "/healthz")
+                assert status == 200 and body["heartbeat_age_s"][name] >= 3, body
+            finally:
+                os.kill(beat["pid"], signal.SIGCONT)
+            time.sleep(2)
+            assert _probe(port, "/healthz")[1]["heartbeat_age_s"][name] < 2.5
         finally:
             workers.stop()
 
 
-def test_liveness_fails_for_a_loaded_worker_whose_heartbeat_went_silent() -> None:
-    """The probes' rules on a Redis of their own: a fresh heartbeat with a model ready is
-    ready and live; the same heartbeat aged past the limits is neither; a worker not loaded
-    yet is not judged by liveness; Redis away keeps liveness 200 (restarting would not help)."""
+def test_the_probes_rules() -> None:
+    """On a Redis of their own: a fresh heartbeat, sent by the worker's own process, with a
+    model ready is ready; aged, or another process's, it is not. Liveness asks nothing of
+    Redis: it fails for a loaded worker whose heartbeat thread has been silent past the limit
+    and for a supervisor loop that stopped turning, never for a worker still loading, nor for
+    Redis being away."""
     with RedisServer() as redis_server:
         client = redis_server.client()
         keys = Keys(PREFIX)
@@ -158,21 +236,23 @@ def test_liveness_fails_for_a_loaded_worker_whose_heartbeat_went_silent() -> Non
         now_ms = seconds * 1000 + micros // 1000
         client.zadd(keys.heartbeats, {"h:0": now_ms})
         client.hset(keys.worker_info, "h:0", json.dumps(info))
-        running = [Running("h:0", pid=1, alive=True, loaded=True)]
+        running = [Running("h:0", pid=1, alive=True, loaded=True, silent_s=0.5)]
         turned = time.monotonic()
         probes = Probes(
             probes_client(redis_server.url), keys, lambda: running, lambda: turned, lambda: False
         )
         assert probes.readiness().status == 200, probes.readiness()
+        assert probes.liveness().status == 200
         running = [Running("h:0", pid=2, alive=True, loaded=True)]  # another process's name
         assert probes.readiness().status == 503
-        running = [Running("h:0", pid=1, alive=True, loaded=True)]
-        assert probes.liveness().status == 200
-        client.zadd(keys.heartbeats, {"h:0": now_ms - 31_000})
+        running = [Running("h:0", pid=1, alive=True, loaded=True, silent_s=0.5)]
+        client.zadd(keys.heartbeats, {"h:0": now_ms - 31_000})  # Redis took none lately
         assert probes.readiness().status == 503
+        assert probes.liveness().status == 200
+        running = [Running("h:0", pid=1, alive=True, loaded=True, silent_s=31)]
         assert probes.liveness().status == 503
         assert "h:0" in str(probes.liveness().body["reason"])
-        running = [Running("h:0", pid=1, alive=True, loaded=False)]  # loading: startup probe's job
+        running = [Running("h:0", pid=1, alive=True, loaded=False, silent_s=31)]  # loading
         assert probes.liveness().status == 200
         turned = time.monotonic() - 60  # the supervisor's loop stopped turning
         assert probes.liveness().status == 503

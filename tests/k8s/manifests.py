@@ -410,9 +410,21 @@ def probe_problems(workload: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def graceful_timeout_seconds(container: Mapping[str, Any]) -> int | None:
+    """gunicorn's ``--graceful-timeout`` in a container's command line (None: not given, so
+    gunicorn's 30 s default)."""
+    line = " ".join(
+        str(part) for part in [*container.get("command", []), *container.get("args", [])]
+    )
+    found = re.search(r"--graceful-timeout[ =](\d+)", line)
+    return int(found.group(1)) if found else None
+
+
 def frontend_shutdown_problems(workload: Mapping[str, Any]) -> list[str]:
-    """A front end sleeps in preStop (its endpoints leave the Service first), and its grace
-    period covers that sleep plus the longest request (MB_REQUEST_TIMEOUT, 30 s by default)."""
+    """A front end sleeps in preStop (its endpoints leave the Service first); gunicorn gives
+    admitted requests at least the longest request (MB_REQUEST_TIMEOUT, 30 s by default) to
+    finish after SIGTERM (``--graceful-timeout``, else only its own 30 s); and the grace
+    period covers the sleep plus that."""
     problems = []
     grace = int(pod_spec(workload).get("terminationGracePeriodSeconds", 30))
     for container in containers(workload):
@@ -424,9 +436,14 @@ def frontend_shutdown_problems(workload: Mapping[str, Any]) -> list[str]:
         timeout = max(
             DEFAULT_REQUEST_TIMEOUT_S, int(float(env_value(container, "MB_REQUEST_TIMEOUT") or 0))
         )
-        if grace < sleep + timeout:
+        graceful = graceful_timeout_seconds(container)
+        if graceful is None or graceful < timeout:
             problems.append(
-                f"{ident(workload)}: terminationGracePeriodSeconds {grace} < preStop {sleep} s + request timeout {timeout} s"
+                f"{where}: gunicorn --graceful-timeout {graceful} under the request timeout {timeout} s"
+            )
+        if grace < sleep + (graceful or timeout):
+            problems.append(
+                f"{ident(workload)}: terminationGracePeriodSeconds {grace} < preStop {sleep} s + graceful timeout {graceful or timeout} s"
             )
     return problems
 

@@ -127,6 +127,16 @@ BREAKAGES: dict[str, tuple[Callable[[list[m.Doc]], None], Check]] = {
         lambda docs: pod_spec(docs, "frontend").__setitem__("terminationGracePeriodSeconds", 10),
         lambda docs: m.frontend_shutdown_problems(m.the_workload(docs, "frontend")),
     ),
+    "gunicorn's own 30 s graceful timeout": (
+        lambda docs: container(docs, "frontend").__setitem__(
+            "command",
+            [
+                part.replace("--graceful-timeout 35", "")
+                for part in container(docs, "frontend")["command"]
+            ],
+        ),
+        lambda docs: m.frontend_shutdown_problems(m.the_workload(docs, "frontend")),
+    ),
     "front end without preStop": (
         lambda docs: container(docs, "frontend").pop("lifecycle"),
         lambda docs: m.frontend_shutdown_problems(m.the_workload(docs, "frontend")),

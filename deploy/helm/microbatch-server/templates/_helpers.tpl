@@ -76,6 +76,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 /srv/models
 {{- end }}
 
+{{/* Seconds gunicorn gives a front end's processes to finish admitted requests after
+SIGTERM: the request timeout, plus 5 s for the answer to go out. */}}
+{{- define "microbatch-server.gracefulTimeout" -}}
+{{ add .Values.config.requestTimeoutSeconds 5 }}
+{{- end }}
+
 {{/* The workers' health and readiness port (MB_HEALTH_PORT). */}}
 {{- define "microbatch-server.workerHealthPort" -}}
 8081
@@ -107,7 +113,6 @@ write (the KServe ServingRuntime has no pod securityContext). (dict) or (dict "i
 {{- define "microbatch-server.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
-privileged: false
 capabilities:
   drop:
     - ALL
@@ -438,9 +443,9 @@ Included once, from validate.yaml.
 {{- fail "redis.auth.existingSecret and redis.auth.password are exclusive: set one" }}
 {{- end }}
 {{- $fe := $v.frontend }}
-{{- $minGrace := add $fe.preStopSleepSeconds $v.config.requestTimeoutSeconds }}
-{{- if le (int $fe.terminationGracePeriodSeconds) (int $minGrace) }}
-{{- fail (printf "frontend.terminationGracePeriodSeconds (%d) must exceed frontend.preStopSleepSeconds + config.requestTimeoutSeconds (%d), or requests in flight are cut at shutdown" (int $fe.terminationGracePeriodSeconds) (int $minGrace)) }}
+{{- $minGrace := add $fe.preStopSleepSeconds (include "microbatch-server.gracefulTimeout" .) }}
+{{- if lt (int $fe.terminationGracePeriodSeconds) (int $minGrace) }}
+{{- fail (printf "frontend.terminationGracePeriodSeconds (%d) must be at least frontend.preStopSleepSeconds + config.requestTimeoutSeconds + 5 (%d), or requests in flight are cut at shutdown" (int $fe.terminationGracePeriodSeconds) (int $minGrace)) }}
 {{- end }}
 {{- if and $fe.autoscaling.enabled (gt (int $fe.autoscaling.minReplicas) (int $fe.autoscaling.maxReplicas)) }}
 {{- fail "frontend.autoscaling.minReplicas is above maxReplicas" }}
