@@ -1,0 +1,138 @@
+"""``python -m bench.decode_stages``: the CPU one image costs before the model, stage by stage.
+
+    python -m bench.decode_stages                 # the bench photos, and camera-sized ones
+    python -m bench.decode_stages --repeat 200
+
+For each photo, each stage of the path ``app.images.preprocess`` takes is timed on this
+thread's CPU clock (``time.thread_time``), the median of ``--repeat`` runs, one stage at a time
+on the output of the one before: reading the header, decoding (at the reduced DCT scale
+Pillow's ``draft`` picks), EXIF rotation, conversion to RGB, the fused resize and centre crop
+(one resampling pass over the crop's source box), the array, and the copy into a batch
+buffer's slot. The whole of ``preprocess`` is timed too, and set against the sum. Two
+variants show what the cuts already made are worth: decoding at full scale (no ``draft``),
+and resizing the whole image and then cropping (two passes). Photos: ``bench.systems``'
+JPEGs (what ``make bench`` sends), and the same photos at camera size (2,000 pixels on the
+long side) where the reduced DCT scale applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from app.images import _RESAMPLE, center_crop_box, preprocess
+from app.manifest import InputSpec
+
+SPEC = InputSpec(
+    crop_size=224, resize_size=256, interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3
+)
+
+
+def cpu_ms(work: Callable[[], Any], repeat: int) -> float:
+    """Median CPU milliseconds of ``work()`` on this thread."""
+    times = []
+    for _ in range(repeat):
+        began = time.thread_time()
+        work()
+        times.append(time.thread_time() - began)
+    return 1000 * statistics.median(times)
+
+
+def camera_sized(jpeg: bytes, long_side: int = 2000) -> bytes:
+    image = Image.open(io.BytesIO(jpeg))
+    scale = long_side / max(image.size)
+    big = image.resize(
+        (round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC
+    )
+    buffer = io.BytesIO()
+    big.save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
+def stages(jpeg: bytes, repeat: int) -> dict[str, float]:
+    """Milliseconds of CPU per stage, each on the output of the one before."""
+    resample = _RESAMPLE[SPEC.interpolation]
+
+    def opened() -> Image.Image:
+        image = Image.open(io.BytesIO(jpeg))
+        image.size  # noqa: B018 (the header is read here)
+        return image
+
+    def decoded(full: bool = False) -> Image.Image:
+        image = opened()
+        if not full:
+            image.draft("RGB", (SPEC.resize_size, SPEC.resize_size))
+        image.load()
+        return image
+
+    image = decoded()
+    rotated = ImageOps.exif_transpose(image)
+    rgb = rotated.convert("RGB") if rotated.mode != "RGB" else rotated
+    box = center_crop_box(*rgb.size, SPEC)
+    cropped = rgb.resize((SPEC.crop_size, SPEC.crop_size), resample, box=box)
+    array = np.asarray(cropped, dtype=np.uint8)
+    batch = np.empty((8, SPEC.crop_size, SPEC.crop_size, 3), dtype=np.uint8)
+
+    def resize_then_crop() -> Any:
+        scale = SPEC.resize_size / min(rgb.size)
+        size = (round(rgb.width * scale), round(rgb.height * scale))
+        resized = rgb.resize(size, resample)
+        left, top = (size[0] - SPEC.crop_size) // 2, (size[1] - SPEC.crop_size) // 2
+        return resized.crop((left, top, left + SPEC.crop_size, top + SPEC.crop_size)).load()
+
+    figures = {
+        "header": cpu_ms(opened, repeat),
+        "decode": cpu_ms(decoded, repeat) - cpu_ms(opened, repeat),
+        "exif rotation": cpu_ms(lambda: ImageOps.exif_transpose(image), repeat),
+        "to RGB": cpu_ms(lambda: rotated.convert("RGB") if rotated.mode != "RGB" else None, repeat),
+        "resize + crop (one pass)": cpu_ms(
+            lambda: rgb.resize((SPEC.crop_size, SPEC.crop_size), resample, box=box), repeat
+        ),
+        "to array": cpu_ms(lambda: np.asarray(cropped, dtype=np.uint8), repeat),
+        "into the batch slot": cpu_ms(lambda: np.copyto(batch[3], array), repeat),
+    }
+    figures["sum of stages"] = sum(figures.values())
+    figures["preprocess()"] = cpu_ms(lambda: preprocess(jpeg, SPEC), repeat)
+    figures["variant: decode at full scale"] = cpu_ms(lambda: decoded(full=True), repeat) - cpu_ms(
+        opened, repeat
+    )
+    figures["variant: resize, then crop"] = cpu_ms(resize_then_crop, repeat)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_stages", description=__doc__)
+    parser.add_argument("--repeat", type=int, default=50, help="runs per stage (median)")
+    args = parser.parse_args(argv)
+    from bench.systems import bench_jpegs
+
+    photos = bench_jpegs(4)
+    sets = {"bench photos": photos, "camera-sized": [camera_sized(p) for p in photos]}
+    for title, jpegs in sets.items():
+        sizes = [Image.open(io.BytesIO(j)).size for j in jpegs]
+        shown = [f"{w}x{h} {len(j) // 1024} KB" for (w, h), j in zip(sizes, jpegs, strict=True)]
+        print(f"\n{title}: {', '.join(shown)}")
+        rows = [stages(jpeg, args.repeat) for jpeg in jpegs]
+        header = " | ".join(f"{w}x{h}" for w, h in sizes)
+        print(f"| stage (ms of CPU per image) | {header} | mean |")
+        print("|---|" + "---|" * (len(jpegs) + 1))
+        for stage in rows[0]:
+            values = [row[stage] for row in rows]
+            cells = " | ".join(f"{v:.3f}" for v in values)
+            print(f"| {stage} | {cells} | {statistics.mean(values):.3f} |")
+        ratio = statistics.mean(r["preprocess()"] for r in rows) / statistics.mean(
+            r["sum of stages"] for r in rows
+        )
+        print(f"preprocess() / sum of stages: {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
