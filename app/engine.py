@@ -11,14 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from app.batching import Streamer, Transport
+from app.batching import QueueBacklog, Streamer, Transport
 from app.errors import NotReady
 from app.jobs import BatchKey, ImageJob
 from app.manifest import Manifest
 from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
 from app.repository import ModelSpec, Repository, Route
-from app.schemas import Backlog
 from app.services.models import ModelHost, ModelManager, VersionOnDisk
 from app.services.predictor import Predictor
 from app.services.registry import ModelRegistry
@@ -140,16 +139,15 @@ class Engine:
         """Requests waiting: in this process's queue, and (broker mode) in the shared one."""
         return self.streamer.queue_depth + self.transport.shared_queue_depth
 
-    async def backlog(self) -> Backlog:
+    async def backlog(self) -> QueueBacklog:
         """The work waiting for model workers (``GET /backlog``): in broker mode every front
         end's, from Redis (the same figure from each); in-process, this server's queue (lag)
         and the batches its workers run (pending)."""
         shared = getattr(self.transport, "backlog", None)
         if shared is not None:
-            counted: Backlog = await shared()
+            counted: QueueBacklog = await shared()
             return counted
-        lag, pending = self.streamer.queue_depth, self.streamer.in_flight
-        return Backlog(backlog=lag + pending, lag=lag, pending=pending, streams=[])
+        return QueueBacklog(self.streamer.queue_depth, self.streamer.in_flight)
 
     async def refresh_routes(self) -> None:
         """Broker mode: look at the workers now (which versions serve), rather than wait for

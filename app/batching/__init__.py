@@ -2,13 +2,23 @@
 
 from app.batching.observe import BatchObserver, Trace
 from app.batching.streamer import Streamer
-from app.batching.transport import BatchFn, BatchItem, HeldModel, Transport, WorkerStatus
+from app.batching.transport import (
+    BatchFn,
+    BatchItem,
+    HeldModel,
+    QueueBacklog,
+    StreamCount,
+    Transport,
+    WorkerStatus,
+)
 
 __all__ = [
     "BatchFn",
     "BatchItem",
     "BatchObserver",
     "HeldModel",
+    "QueueBacklog",
+    "StreamCount",
     "Streamer",
     "Trace",
     "Transport",

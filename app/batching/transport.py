@@ -55,6 +55,29 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamCount:
+    """One shared queue's work (broker mode: a model version's stream for one task)."""
+
+    stream: str
+    group: str | None  # the workers' consumer group; None until one reads
+    lag: int  # entries no worker has read yet
+    pending: int  # entries read and not answered yet
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBacklog:
+    """The work waiting for model workers (``GET /backlog``, what an autoscaler reads)."""
+
+    lag: int
+    pending: int
+    streams: tuple[StreamCount, ...] = ()
+
+    @property
+    def backlog(self) -> int:
+        return self.lag + self.pending
+
+
+@dataclass(frozen=True, slots=True)
 class BatchItem(Generic[T]):
     """One item as a transport sees it: its id (results are keyed by it), its payload, and
     the moment its caller stops waiting, on the Streamer's clock (``time.monotonic`` unless

@@ -35,7 +35,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.batching import BatchItem, HeldModel, WorkerStatus
+from app.batching import BatchItem, HeldModel, QueueBacklog, StreamCount, WorkerStatus
 from app.broker.keys import GROUP, STALE_S, Keys
 from app.broker.routing import routes
 from app.broker.wire import (
@@ -55,7 +55,6 @@ from app.errors import (
 )
 from app.jobs import BatchKey, ImageJob, Task
 from app.repository import Route
-from app.schemas import Backlog, StreamBacklog
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +243,7 @@ class BrokerTransport:
         queues for it (its deadline bounds the wait)."""
         return self.scale_from_zero and any(r.served_id == served_id for r in self.routes.values())
 
-    async def backlog(self) -> Backlog:
+    async def backlog(self) -> QueueBacklog:
         """The work waiting for workers, from ``XINFO GROUPS`` on the streams of every version
         a name routes to or a live worker holds (entries of any other version have nobody to
         compute them, and must not keep an autoscaler up): entries no worker has read
@@ -274,14 +273,14 @@ class BrokerTransport:
                 continue  # no such stream (nothing sent to that version yet)
             group = next((g for g in groups if text(g["name"]) == GROUP), None)
             if group is None:
-                counted.append(StreamBacklog(stream=stream, group=None, lag=length, pending=0))
+                counted.append(StreamCount(stream, None, lag=length, pending=0))
                 continue
             pending = int(group["pending"])
             lag = group.get("lag")
             lag = max(0, length - pending) if lag is None else int(lag)
-            counted.append(StreamBacklog(stream=stream, group=GROUP, lag=lag, pending=pending))
+            counted.append(StreamCount(stream, GROUP, lag=lag, pending=pending))
         lag, pending = sum(s.lag for s in counted), sum(s.pending for s in counted)
-        return Backlog(backlog=lag + pending, lag=lag, pending=pending, streams=counted)
+        return QueueBacklog(lag, pending, tuple(counted))
 
     def _queue_streams(self, served_id: str) -> list[str]:
         """The streams the queue bound counts: every routed version's, and this one's."""

@@ -17,7 +17,7 @@ from app.dependencies import (
     serving_engine,
 )
 from app.errors import NoClassifier
-from app.schemas import Backlog, ErrorResponse, Health, Readiness, WorkerState
+from app.schemas import Backlog, ErrorResponse, Health, Readiness, StreamBacklog, WorkerState
 
 router = APIRouter(tags=["meta"])
 
@@ -54,7 +54,13 @@ async def backlog(request: Request) -> Backlog:
     """The work waiting for model workers (for an autoscaler: KEDA's metrics-api trigger reads
     ``backlog``). Broker mode: lag + pending over every model version's streams, the same
     from every front end."""
-    return await serving_engine(request).backlog()
+    counted = await serving_engine(request).backlog()
+    return Backlog(
+        backlog=counted.backlog,
+        lag=counted.lag,
+        pending=counted.pending,
+        streams=[StreamBacklog(**asdict(stream)) for stream in counted.streams],
+    )
 
 
 @router.get("/metrics", response_class=Response)
