@@ -116,12 +116,13 @@ class Probes:
         stalled_s = time.monotonic() - self.last_turn()
         if stalled_s > LOOP_STALL_S:
             return Probe(503, {"status": "stuck", "reason": f"supervisor idle {stalled_s:.0f} s"})
+        workers = self.workers()
         silent = [
             w.name
-            for w in self.workers()
+            for w in workers
             if w.alive and w.loaded and w.silent_s is not None and w.silent_s > SILENT_S
         ]
-        ages = {w.name: round(w.silent_s, 1) for w in self.workers() if w.silent_s is not None}
+        ages = {w.name: round(w.silent_s, 1) for w in workers if w.silent_s is not None}
         if silent:
             reason = f"no heartbeat for {SILENT_S:.0f} s from {', '.join(silent)}"
             return Probe(503, {"status": "stuck", "reason": reason, "heartbeat_age_s": ages})

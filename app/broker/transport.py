@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import math
 import time
@@ -35,15 +34,18 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.batching import BatchItem, HeldModel, QueueBacklog, StreamCount, WorkerStatus
-from app.broker.keys import GROUP, STALE_S, Keys
+from app.batching import BatchItem, HeldModel, QueueBacklog, WorkerStatus
+from app.broker.backlog import count_backlog
+from app.broker.keys import STALE_S, Keys
 from app.broker.routing import routes
 from app.broker.wire import (
     MalformedMessage,
     WorkerInfo,
     decode_reply,
+    decode_routes,
     decode_worker_info,
     encode_request,
+    encode_route,
     text,
 )
 from app.errors import (
@@ -244,43 +246,20 @@ class BrokerTransport:
         return self.scale_from_zero and any(r.served_id == served_id for r in self.routes.values())
 
     async def backlog(self) -> QueueBacklog:
-        """The work waiting for workers, from ``XINFO GROUPS`` on the streams of every version
-        a name routes to or a live worker holds (entries of any other version have nobody to
-        compute them, and must not keep an autoscaler up): entries no worker has read
-        (``lag``; Redis cannot tell it after an unread entry was deleted, and then it is the
-        entries not pending, as answered entries are deleted), and entries read and not
-        answered (``pending``, a dead worker's included). A stream no worker has read yet
-        (scaled to zero) counts whole. Raises ``BrokerUnavailable``."""
+        """The work waiting for workers (``app.broker.backlog``), over the streams of every
+        version a name routes to or a live worker holds: entries of any other version have
+        nobody to compute them, and must not keep an autoscaler up. Raises
+        ``BrokerUnavailable``."""
         if self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         held = {m.served_id for w in self._workers for m in w.models if w.holds(m.served_id)}
-        served = sorted(held | {route.served_id for route in self.routes.values()})
-        streams = [stream for served_id in served for stream in self.keys.streams(served_id)]
+        served = held | {route.served_id for route in self.routes.values()}
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for stream in streams:
-                    pipe.xlen(stream)
-                    pipe.xinfo_groups(stream)
-                answers = await pipe.execute(raise_on_error=False)
+            return await count_backlog(self._redis, self.keys, served)
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(
                 f"the broker (Redis) cannot be reached: {exc}", retry_after_s=1
             ) from exc
-        counted = []
-        for index, stream in enumerate(streams):
-            length, groups = answers[2 * index : 2 * index + 2]
-            if isinstance(length, Exception) or isinstance(groups, Exception):
-                continue  # no such stream (nothing sent to that version yet)
-            group = next((g for g in groups if text(g["name"]) == GROUP), None)
-            if group is None:
-                counted.append(StreamCount(stream, None, lag=length, pending=0))
-                continue
-            pending = int(group["pending"])
-            lag = group.get("lag")
-            lag = max(0, length - pending) if lag is None else int(lag)
-            counted.append(StreamCount(stream, GROUP, lag=lag, pending=pending))
-        lag, pending = sum(s.lag for s in counted), sum(s.pending for s in counted)
-        return QueueBacklog(lag, pending, tuple(counted))
 
     def _queue_streams(self, served_id: str) -> list[str]:
         """The streams the queue bound counts: every routed version's, and this one's."""
@@ -489,9 +468,10 @@ class BrokerTransport:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.time()
                 pipe.info("server")
-                pipe.hgetall(self.keys.routes)
                 for stream in counted:
                     pipe.xlen(stream)
+                if self.scale_from_zero:
+                    pipe.hgetall(self.keys.routes)
                 answers = await pipe.execute()
             seconds, micros = answers[0]
             now_ms = seconds * 1000 + micros // 1000
@@ -512,8 +492,9 @@ class BrokerTransport:
         if not self._connected:
             log.info("broker: connected to Redis (front end %s)", self.frontend)
         self._connected = True
-        self._queue_depth = sum(answers[3:])
-        self._last_routes = decode_routes(answers[2])
+        self._queue_depth = sum(answers[2 : 2 + len(counted)])
+        if self.scale_from_zero:
+            self._last_routes = decode_routes(answers[-1])
         workers = []
         for raw in infos:
             try:
@@ -537,7 +518,7 @@ class BrokerTransport:
         serves only the names in its own repository."""
         assert self._redis is not None
         fields: dict[Any, Any] = {  # (redis-py types the mapping invariantly)
-            name: json.dumps({"version": r.version, "served_id": r.served_id})
+            name: encode_route(r)
             for name, r in self._derived.items()
             if self._last_routes.get(name) != r
         }
@@ -580,20 +561,3 @@ class BrokerTransport:
                 rate = (items - before) / (now - then)
                 self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate
         self._last_items = (now, items)
-
-
-def decode_routes(raw: Mapping[Any, Any]) -> dict[str, Route]:
-    """The routes hash (``Keys.routes``) as routes; a field that does not parse is left out.
-
-    >>> decode_routes({b"tagger": b'{"version": 2, "served_id": "tagger@1a2b3c4d5e6f"}',
-    ...                b"odd": b"{"})
-    {'tagger': Route(version=2, served_id='tagger@1a2b3c4d5e6f')}
-    """
-    decoded = {}
-    for name, value in raw.items():
-        try:
-            fields = json.loads(value)
-            decoded[text(name)] = Route(int(fields["version"]), str(fields["served_id"]))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return decoded
