@@ -1,8 +1,10 @@
 """Decode an uploaded image and bring it to the model's input size, as uint8 RGB.
 
-A leaf module (Pillow and numpy only), shared by the server, which runs it in a thread pool,
-and the workers, which run it with ``MB_DECODE=worker``; Pillow releases the GIL while it
-decodes and resizes. The float conversion and normalisation happen batched in the worker.
+A leaf module (Pillow and numpy only): the header checks every upload passes (the format
+allowlist, the pixel limit, EXIF orientation), and ``preprocess``, which the HTTP process
+runs with ``MB_DECODE=server`` and the workers for every upload their JPEG path leaves
+(``app.workers.decoding``); Pillow releases the GIL while it decodes and resizes. The float
+conversion and normalisation happen batched in the worker.
 """
 
 from __future__ import annotations
@@ -115,14 +117,16 @@ def read_header(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Header:
     )
 
 
-def center_crop_box(width: int, height: int, spec: InputSpec) -> tuple[float, float, float, float]:
+def center_crop_box(width: int, height: int, spec: InputSpec) -> tuple[int, int, int, int]:
     """``(left, top, right, bottom)`` in source pixels of the region that becomes the centre
-    crop once the shorter side is scaled to ``spec.resize_size``."""
+    crop once the shorter side is scaled to ``spec.resize_size``, rounded to whole pixels:
+    every decoder (Pillow here, torch in the workers and on a device) resamples the same
+    window, so an image's answer does not depend on where it was decoded."""
     scale = spec.resize_size / min(width, height)
     crop_w = min(width, spec.crop_size / scale)
     crop_h = min(height, spec.crop_size / scale)
     left, top = (width - crop_w) / 2, (height - crop_h) / 2
-    return (left, top, left + crop_w, top + crop_h)
+    return (round(left), round(top), round(left + crop_w), round(top + crop_h))
 
 
 def preprocess(

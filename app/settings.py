@@ -149,20 +149,20 @@ class Settings(BaseSettings):
     mb_decode: Literal["auto", "server", "worker", "device"] = Field(
         "auto",
         description=(
-            "Where uploads are decoded: 'server' (threads in the HTTP process, overlapping the "
-            "model), 'worker' (each worker decodes its batch; the HTTP process only serves "
-            "HTTP), 'device' (like 'worker', but JPEGs are decoded, resized and cropped on the "
-            "worker's device: nvJPEG on a GPU), or 'auto': 'worker' when a worker runs on a "
-            "GPU, else 'server', except that an upload arriving while the server is idle is "
-            "decoded by the worker that runs it (nothing to overlap, one hand-off less)."
+            "Where uploads are decoded: 'worker' (each worker decodes its batch, JPEGs with "
+            "libjpeg-turbo at a reduced scale; the HTTP process only serves HTTP), 'server' "
+            "(threads in the HTTP process, with Pillow, overlapping the model), 'device' (like "
+            "'worker', but JPEGs are decoded, resized and cropped on the worker's device: "
+            "nvJPEG on a GPU), or 'auto': 'worker'."
         ),
     )
     mb_decode_threads: int | None = Field(
         None,
         ge=1,
         description=(
-            "Decode threads: in the HTTP process (default min(8, cores)), or per worker with "
-            "MB_DECODE=worker (default: a CPU worker's torch threads, cores / workers on GPU)."
+            "Decode threads: per worker when workers decode (default: a CPU worker's torch "
+            "threads, cores / workers on GPU), or in the HTTP process with MB_DECODE=server "
+            "(default min(8, cores))."
         ),
     )
     model_store: Path = Field(

@@ -155,11 +155,6 @@ class Streamer(Generic[T, R]):
     def in_flight(self) -> int:
         return self._in_flight
 
-    @property
-    def idle(self) -> bool:
-        """Nothing queued or running: an item submitted now is dispatched at once, alone."""
-        return not self._queue and self._in_flight == 0
-
     def check_admission(self) -> None:
         """Raise ``QueueFull``/``NotReady`` now if ``submit`` would refuse: lets callers skip
         costly preparation (decoding an upload) when the answer is already 503."""

@@ -10,10 +10,10 @@ The choices, for the record (the reasons are in ``docs/design.md``):
   compute, and batches reach the workers as pixels.
 * ``worker``: uploads travel encoded and each worker decodes its own batch on its threads.
 * ``device``: as ``worker``, but JPEGs are decoded, resized and cropped on the worker's device.
-* ``auto``: ``worker`` as soon as a worker runs on a GPU; on CPU workers ``server``, except
-  that an upload which finds the server idle (nothing queued or running) goes to its worker
-  encoded: nothing runs that decoding it here could overlap, so the hand-off to a decode
-  thread and back would be pure latency.
+* ``auto``: ``worker``, on CPU and GPU workers alike. The workers' JPEG path (libjpeg-turbo
+  at a reduced scale, torch's SIMD resize) is twice as fast as Pillow's, holds no GIL, and
+  leaves the HTTP process only HTTP; decoding in the server, overlapping the model, lost to
+  it on every model measured (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -33,16 +33,13 @@ class DecodePlan:
     """Who decodes uploads, on how many threads.
 
     >>> plan = plan_decode("auto", ["cpu"], torch_threads=2, decode_threads=None, cpu_count=2)
-    >>> plan.server_decodes(idle=False), plan.server_decodes(idle=True)
-    (True, False)
-    >>> plan.worker_threads
-    2
+    >>> plan.server_decodes, plan.worker_threads
+    (False, 2)
     """
 
     server_threads: int  # decode threads in the HTTP process; 0: it never decodes
     worker_threads: int  # decode threads per worker; 0: batches reach workers as pixels
     on_device: bool = False  # workers decode JPEGs on their device (nvJPEG on a GPU)
-    idle_uploads_to_workers: bool = False  # the exception of ``auto`` on CPU workers
     # Broker mode: the workers are other processes, maybe on other hosts, with plans of
     # their own; uploads travel to them encoded.
     remote_workers: bool = False
@@ -50,8 +47,8 @@ class DecodePlan:
     def __post_init__(self) -> None:
         if self.server_threads == 0 and self.worker_threads == 0 and not self.remote_workers:
             raise ValueError("somebody must decode the uploads")
-        if self.idle_uploads_to_workers and not (self.server_threads and self.worker_threads):
-            raise ValueError("idle uploads go to the workers only when both sides decode")
+        if self.server_threads and self.worker_threads:
+            raise ValueError("uploads are decoded on one side: the server or the workers")
 
     @classmethod
     def front_end(cls) -> DecodePlan:
@@ -63,12 +60,10 @@ class DecodePlan:
         """Whether a worker may receive encoded uploads (it then needs a decoder)."""
         return self.worker_threads > 0 or self.remote_workers
 
-    def server_decodes(self, *, idle: bool) -> bool:
-        """Whether the HTTP process decodes an upload that arrives now; ``idle``: nothing is
-        queued or running (only asked of plans with the idle exception)."""
-        if self.server_threads == 0:
-            return False
-        return not (self.idle_uploads_to_workers and idle)
+    @property
+    def server_decodes(self) -> bool:
+        """Whether the HTTP process decodes the uploads (else they travel encoded)."""
+        return self.server_threads > 0
 
     def describe(self) -> str:
         """For the start-up log line and ``/info``."""
@@ -77,11 +72,6 @@ class DecodePlan:
         if self.server_threads == 0:
             where = "the workers' device" if self.on_device else "the workers"
             return f"{where} ({self.worker_threads} threads each)"
-        if self.idle_uploads_to_workers:
-            return (
-                f"the server ({self.server_threads} threads); an upload reaching an idle "
-                f"server, its worker ({self.worker_threads} threads each)"
-            )
         return f"the server ({self.server_threads} threads)"
 
 
@@ -98,15 +88,12 @@ def plan_decode(
     (``None``: the defaults in the README's settings table)."""
     on_gpu = any(device != "cpu" for device in devices)
     if setting == "auto":
-        setting = "worker" if on_gpu else "server"
-        idle_exception = not on_gpu
-    else:
-        idle_exception = False
+        setting = "worker"
     server_threads = 0
     if setting == "server":
         server_threads = decode_threads or min(MAX_SERVER_THREADS, cpu_count)
     worker_threads = 0
-    if setting in ("worker", "device") or idle_exception:
+    if setting in ("worker", "device"):
         if decode_threads is not None:
             worker_threads = decode_threads
         elif on_gpu:  # a GPU worker's cores are free to decode
@@ -117,5 +104,4 @@ def plan_decode(
         server_threads=server_threads,
         worker_threads=worker_threads,
         on_device=setting == "device",
-        idle_uploads_to_workers=idle_exception,
     )

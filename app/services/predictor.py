@@ -78,7 +78,7 @@ class Predictor:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission()
         image: npt.NDArray[np.uint8] | bytes = data
-        encoded = not self._plan.server_decodes(idle=self._streamer.idle)
+        encoded = not self._plan.server_decodes
         if not encoded:
             image = await asyncio.get_running_loop().run_in_executor(
                 self._decode_pool,

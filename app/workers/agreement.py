@@ -38,8 +38,22 @@ def measure(
 ) -> Agreement:
     """``candidate``'s agreement with ``reference`` on ``pixels`` (uint8 [n, H, W, 3]).
     ValueError if their embeddings or logits differ in shape."""
-    ref_features, ref_logits = _outputs(reference, pixels)
-    features, logits = _outputs(candidate, pixels)
+    return _compare(_outputs(reference, pixels), _outputs(candidate, pixels))
+
+
+def measure_pixels(
+    models: LoadedModels, reference: npt.NDArray[np.uint8], candidate: npt.NDArray[np.uint8]
+) -> Agreement:
+    """How far ``models``' answers on ``candidate`` pixels are from its answers on the
+    ``reference`` pixels of the same images (another decoder's, say)."""
+    return _compare(_outputs(models, reference), _outputs(models, candidate))
+
+
+def _compare(
+    reference: tuple[torch.Tensor, torch.Tensor | None],
+    candidate: tuple[torch.Tensor, torch.Tensor | None],
+) -> Agreement:
+    (ref_features, ref_logits), (features, logits) = reference, candidate
     if features.shape != ref_features.shape:
         raise ValueError(
             f"embedding shape {tuple(features.shape)}, expected {tuple(ref_features.shape)}"
@@ -56,7 +70,7 @@ def measure(
         overlap = (expected.unsqueeze(2) == got.unsqueeze(1)).any(dim=2).float().sum(dim=1) / k
         top5 = float(overlap.mean())
     return Agreement(
-        images=len(pixels),
+        images=len(cosine),
         top1=top1,
         top5=top5,
         cosine_mean=float(cosine.mean()),

@@ -1,15 +1,23 @@
-"""Decoding uploads in a worker, when batches arrive encoded (``MB_DECODE=worker|device``).
+"""Decoding uploads in a worker, when batches arrive encoded (``MB_DECODE=worker|device``,
+and ``auto``).
 
-``Decoder`` runs the server's own ``preprocess`` (Pillow) on the worker's decode threads.
+``Decoder`` decodes on the worker's CPU threads, each upload straight into its row of the
+batch. A JPEG (the common upload) takes the fast path: libjpeg-turbo through ``simplejpeg``
+(no GIL held), at the reduced DCT scale Pillow's ``draft`` would pick, then turned upright
+and resized and centre-cropped in one antialiased pass by torch's uint8 kernel (SIMD, about
+5x Pillow's resampling). Every other format, a CMYK JPEG, and a JPEG libjpeg-turbo refuses go
+through the server's own ``preprocess`` (Pillow), which also gives a bad upload its 4xx. Both
+resample the same window (``center_crop_box``) with the same filter; their pixels differ by
+rounding detail only, which ``tests/integration/test_decode_accuracy.py`` bounds in a real
+model's answers.
 
 ``DeviceDecoder`` (``MB_DECODE=device``) decodes JPEGs with ``torchvision.io.decode_jpeg`` on
 the worker's device (nvJPEG on a GPU, in one batched call; libjpeg-turbo on the CPU), then
 turns them upright, resizes and centre-crops them with tensor ops there. Pixels never cross
 the PCIe bus, only the encoded bytes do. Other formats, and JPEGs the decoder cannot take
 (CMYK), go through ``Decoder``. Its pixels differ from Pillow's by resampling detail only:
-Pillow may decode a large JPEG at 1/2 to 1/8 scale (draft mode) and resamples from a
-sub-pixel window, while here the JPEG is decoded at full size and the window is rounded to
-whole pixels.
+Pillow may decode a large JPEG at 1/2 to 1/8 scale (draft mode), while here the JPEG is
+decoded at full size.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import simplejpeg
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -37,8 +46,8 @@ log = logging.getLogger("app.worker")
 
 
 class Decoder:
-    """Decodes a batch of uploads in this worker (``MB_DECODE=worker``): the same
-    ``preprocess`` as the server's, on ``threads`` threads (Pillow releases the GIL)."""
+    """Decodes a batch of uploads in this worker (``MB_DECODE=worker``), on ``threads``
+    threads: JPEGs by ``decode_jpeg``, everything else by the server's ``preprocess``."""
 
     def __init__(self, spec: InputSpec, threads: int, max_pixels: int) -> None:
         self.spec = spec
@@ -55,40 +64,82 @@ class Decoder:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    def _one(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
+    def one(self, data: bytes, out: npt.NDArray[np.uint8]) -> tuple[str, str] | None:
+        """Decode ``data`` into ``out`` (``[crop, crop, 3]`` uint8); ``None``, or the
+        upload's ``(error class, message)``."""
         try:
-            return preprocess(data, self.spec, max_pixels=self.max_pixels)
+            header = read_header(data, max_pixels=self.max_pixels)
+            if not (header.format == "JPEG" and header.mode in TURBO_JPEG_MODES):
+                out[...] = preprocess(data, self.spec, max_pixels=self.max_pixels)
+                return None
+            try:
+                decode_jpeg(data, header, self.spec, out)
+            except ValueError:  # libjpeg-turbo refused it: Pillow decodes it, or says why not
+                out[...] = preprocess(data, self.spec, max_pixels=self.max_pixels)
+            return None
         except ServerError as exc:  # a bad image: that item's own 4xx
             return (type(exc).__name__, str(exc))
         except Exception as exc:  # a decoder bug: this item fails alone
             log.error("decoding an upload failed:\n%s", traceback.format_exc())
             return ("InferenceError", f"{type(exc).__name__}: {exc}")
 
+    def pixels(self, data: bytes) -> npt.NDArray[np.uint8] | tuple[str, str]:
+        """One upload's ``[crop, crop, 3]`` pixels in an array of its own, or its error."""
+        out = np.empty(self._rows.shape[1:], dtype=np.uint8)
+        return self.one(data, out) or out
+
     def map(self, blobs: list[bytes]) -> Iterator[npt.NDArray[np.uint8] | tuple[str, str]]:
-        """Each upload's pixels, or its ``(error class, message)``, in order. A lone upload
-        is decoded on the calling thread: no hand-off to wait for."""
+        """Each upload's pixels, or its ``(error class, message)``, in order."""
         if self._pool is None or len(blobs) < 2:
-            return map(self._one, blobs)
-        return self._pool.map(self._one, blobs)
+            return map(self.pixels, blobs)
+        return self._pool.map(self.pixels, blobs)
 
     def decode(self, blobs: list[bytes]) -> tuple[npt.NDArray[np.uint8], Errors]:
         """``[n, crop, crop, 3]`` uint8 for the ``n`` uploads that decoded, in order (a view
         of this decoder's buffer, valid until the next call), and ``{position: (error class,
-        message)}`` for the others."""
+        message)}`` for the others. Each upload is decoded straight into its row; a lone one
+        on the calling thread (no hand-off to wait for)."""
         if len(self._rows) < len(blobs):
             self._rows = np.empty((len(blobs), *self._rows.shape[1:]), dtype=np.uint8)
-        rows, errors = 0, {}
-        for position, result in enumerate(self.map(blobs)):
-            if isinstance(result, tuple):
-                errors[position] = result
-            else:
-                self._rows[rows] = result
-                rows += 1
-        return self._rows[:rows], errors
+        rows = self._rows[: len(blobs)]
+        if self._pool is None or len(blobs) < 2:
+            results = [self.one(data, row) for data, row in zip(blobs, rows, strict=True)]
+        else:
+            results = list(self._pool.map(self.one, blobs, rows))
+        errors = {position: error for position, error in enumerate(results) if error is not None}
+        if errors:  # rare: close the gaps the failed uploads left
+            kept = [position for position in range(len(blobs)) if position not in errors]
+            rows[: len(kept)] = rows[kept]
+            rows = rows[: len(kept)]
+        return rows, errors
 
 
-# Pillow modes of the JPEGs decoded on the device: YCbCr (reported as RGB) and greyscale.
-DEVICE_JPEG_MODES = ("RGB", "L")
+# Pillow modes of the JPEGs libjpeg-turbo decodes to RGB here and on a device: YCbCr
+# (reported as RGB) and greyscale. CMYK and YCCK go through Pillow.
+TURBO_JPEG_MODES = ("RGB", "L")
+
+
+def draft_factor(width: int, height: int, spec: InputSpec) -> int:
+    """The DCT scale divisor a JPEG is decoded at: the largest of 8, 4 and 2 that leaves both
+    sides at least ``spec.resize_size``, else 1 (Pillow's ``draft`` rule). libjpeg-turbo can
+    scale by eighths too, but those factors decode slower than full size (measured)."""
+    scale = min(width, height) // spec.resize_size
+    return next(factor for factor in (8, 4, 2) if scale >= factor) if scale >= 2 else 1
+
+
+def decode_jpeg(data: bytes, header: Header, spec: InputSpec, out: npt.NDArray[np.uint8]) -> None:
+    """A JPEG whose ``header`` was read into ``out`` (``[crop, crop, 3]`` uint8): decoded at
+    ``draft_factor``, upright, resized and centre-cropped. ValueError where libjpeg-turbo
+    cannot decode it."""
+    factor = draft_factor(header.width, header.height, spec)
+    pixels = simplejpeg.decode_jpeg(
+        data,
+        "RGB",
+        min_height=-(-header.height // factor),
+        min_width=-(-header.width // factor),
+    )
+    image = upright(torch.from_numpy(pixels).permute(2, 0, 1), header.orientation)
+    torch.from_numpy(out).copy_(resize_center_crop(image, spec).permute(1, 2, 0))
 
 
 def _decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> Any:
@@ -115,16 +166,20 @@ def upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
 
 def resize_center_crop(image: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     """uint8 ``[3, H, W]`` -> uint8 ``[3, crop, crop]``: the shorter side scaled to
-    ``spec.resize_size`` and the centre crop, in one antialiased resampling pass."""
+    ``spec.resize_size`` and the centre crop, in one antialiased resampling pass. On the CPU
+    in uint8 (torch's SIMD kernel, which wants the channels last in memory, as decoded); on a
+    device in float."""
     height, width = image.shape[-2:]
-    left, top, right, bottom = (round(v) for v in center_crop_box(width, height, spec))
-    window = image[:, top:bottom, left:right].unsqueeze(0).float()
+    left, top, right, bottom = center_crop_box(width, height, spec)
+    window = image[:, top:bottom, left:right].unsqueeze(0)
+    size = (spec.crop_size, spec.crop_size)
+    if window.device.type == "cpu":
+        window = window.contiguous(memory_format=torch.channels_last)
+        return F.interpolate(
+            window, size=size, mode=spec.interpolation, antialias=True, align_corners=False
+        )[0]
     resized = F.interpolate(
-        window,
-        size=(spec.crop_size, spec.crop_size),
-        mode=spec.interpolation,
-        antialias=True,
-        align_corners=False,
+        window.float(), size=size, mode=spec.interpolation, antialias=True, align_corners=False
     )
     return resized.round_().clamp_(0, 255).to(torch.uint8)[0]
 
@@ -164,7 +219,7 @@ class DeviceDecoder:
             except ServerError as exc:
                 errors[position] = (type(exc).__name__, str(exc))
                 continue
-            if header.format == "JPEG" and header.mode in DEVICE_JPEG_MODES:
+            if header.format == "JPEG" and header.mode in TURBO_JPEG_MODES:
                 jpegs.append((position, header))
             else:
                 others.append(position)

@@ -18,16 +18,14 @@ from app.plan import DecodePlan
 from app.services.predictor import Predictor
 from tests.unit.test_images import SPEC, encode, gradient
 
-AUTO_ON_CPU = DecodePlan(server_threads=1, worker_threads=1, idle_uploads_to_workers=True)
 SERVER = DecodePlan(server_threads=1, worker_threads=0)
 WORKERS = DecodePlan(server_threads=0, worker_threads=1)
 
 
 class FakeStreamer:
-    """Records what is submitted, and under which key; ``idle`` as the test sets it."""
+    """Records what is submitted, and under which key."""
 
-    def __init__(self, idle: bool) -> None:
-        self.idle = idle
+    def __init__(self) -> None:
         self.submitted: list[tuple[ImageJob, Any]] = []
 
     def check_admission(self) -> None:
@@ -67,20 +65,10 @@ def _predictor(
     )
 
 
-@pytest.mark.parametrize(
-    ("plan", "idle", "decoded"),
-    [
-        (AUTO_ON_CPU, True, False),  # idle: the worker decodes
-        (AUTO_ON_CPU, False, True),  # busy: decoded here, overlapping the model
-        (SERVER, True, True),  # always here
-        (SERVER, False, True),
-        (WORKERS, True, False),  # never here
-        (WORKERS, False, False),
-    ],
-)
-def test_where_the_predictor_decodes(plan: DecodePlan, idle: bool, decoded: bool) -> None:
+@pytest.mark.parametrize(("plan", "decoded"), [(SERVER, True), (WORKERS, False)])
+def test_where_the_predictor_decodes(plan: DecodePlan, decoded: bool) -> None:
     upload = encode(gradient(48, 40), "PNG")
-    streamer = FakeStreamer(idle)
+    streamer = FakeStreamer()
     with ThreadPoolExecutor(1) as pool:
         predictor = _predictor(streamer, plan, pool if plan.server_threads else None)
         asyncio.run(predictor.embedding(upload, time.monotonic() + 10))
@@ -94,9 +82,9 @@ def test_where_the_predictor_decodes(plan: DecodePlan, idle: bool, decoded: bool
 
 
 def test_a_bad_upload_decoded_here_is_refused_before_it_is_queued() -> None:
-    streamer = FakeStreamer(idle=False)
+    streamer = FakeStreamer()
     with ThreadPoolExecutor(1) as pool:
-        predictor = _predictor(streamer, AUTO_ON_CPU, pool)
+        predictor = _predictor(streamer, SERVER, pool)
         with pytest.raises(InvalidImage):
             asyncio.run(predictor.embedding(b"not an image", time.monotonic() + 10))
     assert streamer.submitted == []
@@ -104,9 +92,9 @@ def test_a_bad_upload_decoded_here_is_refused_before_it_is_queued() -> None:
 
 def test_a_decode_pool_comes_with_a_plan_that_decodes_here() -> None:
     with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="decode pool"):
-        _predictor(FakeStreamer(idle=True), WORKERS, pool)
+        _predictor(FakeStreamer(), WORKERS, pool)
     with pytest.raises(ValueError, match="decode pool"):
-        _predictor(FakeStreamer(idle=True), SERVER, None)
+        _predictor(FakeStreamer(), SERVER, None)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +106,7 @@ def test_a_decode_pool_comes_with_a_plan_that_decodes_here() -> None:
     ],
 )
 def test_infer_runs_each_image_once_as_one_task(embedding: bool, top_k: bool, task: Task) -> None:
-    streamer = FakeStreamer(idle=True)
+    streamer = FakeStreamer()
     predictor = _predictor(streamer, WORKERS, None)
     uploads = [b"first", b"second", b"third"]
     inferred = asyncio.run(
@@ -140,7 +128,7 @@ def test_infer_runs_each_image_once_as_one_task(embedding: bool, top_k: bool, ta
 
 @pytest.mark.parametrize("embedding", [True, False])
 def test_infer_refuses_k_above_the_classes_before_any_image_runs(embedding: bool) -> None:
-    streamer = FakeStreamer(idle=True)
+    streamer = FakeStreamer()
     predictor = _predictor(streamer, WORKERS, None)
     with pytest.raises(InvalidParameter, match="between 1 and 10, got 11"):
         asyncio.run(

@@ -119,23 +119,6 @@ async def test_lone_request_on_idle_server_does_not_wait_for_max_latency() -> No
     assert model.sizes == [1]
 
 
-async def test_idle_only_while_nothing_is_queued_or_running() -> None:
-    """What the Predictor asks before it lets an idle worker decode an upload."""
-    model = FakeModel(gated=True)
-    async with Streamer[object, Echo](model, max_batch_size=8, max_latency_s=10) as streamer:
-        assert streamer.idle
-        running = asyncio.create_task(streamer.submit("running"))
-        await model.started.wait()
-        assert not streamer.idle  # a batch runs
-        queued = asyncio.create_task(streamer.submit("queued"))
-        await wait_until(lambda: streamer.queue_depth == 1)
-        assert not streamer.idle
-        model.release.set()
-        await asyncio.gather(running, queued)
-        await wait_until(lambda: streamer.in_flight == 0)
-        assert streamer.idle
-
-
 async def test_free_worker_waits_at_most_max_latency_while_another_batch_runs() -> None:
     # Two workers: one busy; a new item may wait to fill a batch, but only max_latency_s.
     calls: list[tuple[str, float]] = []

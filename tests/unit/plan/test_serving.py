@@ -57,7 +57,7 @@ def test_a_gpu_that_does_not_exist_stops_the_start() -> None:
 
 
 def test_the_decode_plan_follows_the_devices() -> None:
-    assert _plan(0).decode.idle_uploads_to_workers  # auto on CPU
+    assert _plan(0).decode.worker_threads and not _plan(0).decode.server_decodes  # auto on CPU
     assert _plan(2).decode.server_threads == 0  # auto on GPUs: the workers decode
     assert _plan(2, worker_num=4).decode.worker_threads == 4  # 16 cores / 4 workers
 

@@ -1,51 +1,123 @@
-"""A worker's Pillow decoder: each upload's pixels in order, each bad one its own error."""
+"""A worker's CPU decoder: JPEGs through libjpeg-turbo (simplejpeg) at the reduced DCT scale
+and torch's resize, everything else through Pillow's ``preprocess``; each upload's pixels in
+order, each bad one its own error."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from app.workers.decoding import Decoder
+from app.images import preprocess, read_header
+from app.manifest import InputSpec
+from app.workers.decoding import Decoder, draft_factor
 from tests.unit.test_images import SPEC, encode, gradient
+from tests.unit.workers.test_device_decode import jpeg, mean_abs_diff, photo
+
+MODEL_SPEC = InputSpec(
+    crop_size=224, resize_size=256, interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3
+)
+
+
+def decode_one(data: bytes, spec: InputSpec = MODEL_SPEC) -> np.ndarray:
+    out, errors = Decoder(spec, 1, max_pixels=10**8).decode([data])
+    assert errors == {}
+    row: np.ndarray = out[0].copy()
+    return row
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decoder_writes_good_rows_in_order_and_reports_each_bad_one(threads: int) -> None:
-    good = [encode(gradient(80 + 8 * i, 60), "PNG") for i in range(3)]
+    good = [encode(gradient(80 + 8 * i, 60), "PNG") for i in range(3)] + [jpeg(photo())]
     tiff = encode(gradient(), "TIFF")
-    blobs = [good[0], b"not an image", good[1], tiff, good[2][:40]]
+    blobs = [good[0], b"not an image", good[1], tiff, good[3], good[2][:40], good[2]]
     out, errors = Decoder(SPEC, threads, max_pixels=10**6).decode(blobs)
-    assert len(out) == 2
+    assert len(out) == 4
     assert {pos: name for pos, (name, _) in errors.items()} == {
         1: "InvalidImage",
         3: "UnsupportedImageFormat",
-        4: "InvalidImage",
+        5: "InvalidImage",
     }
     assert "TIFF" in errors[3][1]
     expected = Decoder(SPEC, 1, max_pixels=10**6)
-    for row, blob in enumerate(good[:2]):
+    for row, blob in enumerate([good[0], good[1], good[3], good[2]]):
         single, _ = expected.decode([blob])
-        assert np.array_equal(out[row], single[0])
+        assert np.array_equal(out[row], single[0]), row
 
 
 def test_decoder_enforces_the_pixel_limit() -> None:
-    big = encode(Image.new("RGB", (200, 200)), "PNG")
-    out, errors = Decoder(SPEC, 1, max_pixels=10_000).decode([big])
-    assert len(out) == 0 and errors[0][0] == "PayloadTooLarge"
+    for upload in (encode(Image.new("RGB", (200, 200)), "PNG"), jpeg(photo(200, 200))):
+        out, errors = Decoder(SPEC, 1, max_pixels=10_000).decode([upload])
+        assert len(out) == 0 and errors[0][0] == "PayloadTooLarge"
 
 
 def test_a_decoder_bug_fails_its_upload_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    good = encode(gradient(40, 40), "PNG")
+    good, bad = jpeg(photo(120, 80)), jpeg(photo(90, 80))
 
-    def broken(data: bytes, *args: object, **kwargs: object) -> np.ndarray:
-        if data == b"boom":
+    def broken(data: bytes, *args: object) -> None:
+        if data == bad:
             raise ZeroDivisionError("a decoder bug")
-        from app.images import preprocess
+        decode_jpeg(data, *args)  # type: ignore[arg-type]
 
-        return preprocess(data, *args, **kwargs)  # type: ignore[arg-type]
+    from app.workers.decoding import decode_jpeg
 
-    monkeypatch.setattr("app.workers.decoding.preprocess", broken)
-    out, errors = Decoder(SPEC, 1, max_pixels=10**6).decode([good, b"boom"])
+    monkeypatch.setattr("app.workers.decoding.decode_jpeg", broken)
+    out, errors = Decoder(SPEC, 1, max_pixels=10**6).decode([good, bad])
     assert len(out) == 1
     assert errors == {1: ("InferenceError", "ZeroDivisionError: a decoder bug")}
+
+
+@pytest.mark.parametrize(
+    "size",
+    [(451, 300), (300, 451), (640, 427), (512, 512), (1600, 1064), (2000, 1330), (5000, 600)],
+)
+def test_jpegs_match_pillows_pixels(size: tuple[int, int]) -> None:
+    """The same window, the same filter, the same DCT scale: rounding detail only (out of 255;
+    the two round their intermediate pass differently, most visibly on portrait images)."""
+    upload = jpeg(photo(*size))
+    assert mean_abs_diff(decode_one(upload), preprocess(upload, MODEL_SPEC)) < 0.5
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_like_pillow(orientation: int) -> None:
+    upload = jpeg(photo(451, 300), orientation=orientation)
+    assert mean_abs_diff(decode_one(upload), preprocess(upload, MODEL_SPEC)) < 0.5
+
+
+def test_greyscale_and_progressive_jpegs_take_the_fast_path() -> None:
+    for upload in (
+        jpeg(photo().convert("L")),
+        encode(photo(), "JPEG", quality=90, progressive=True),
+        encode(photo(), "JPEG", quality=90, subsampling=0),  # 4:4:4
+    ):
+        assert mean_abs_diff(decode_one(upload), preprocess(upload, MODEL_SPEC)) < 0.5
+
+
+def test_what_libjpeg_turbo_leaves_goes_through_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    cmyk = encode(photo().convert("CMYK"), "JPEG")
+    assert np.array_equal(decode_one(cmyk), preprocess(cmyk, MODEL_SPEC))
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("unsupported JPEG process")
+
+    monkeypatch.setattr("simplejpeg.decode_jpeg", refuse)
+    upload = jpeg(photo())
+    assert np.array_equal(decode_one(upload), preprocess(upload, MODEL_SPEC))
+
+
+def test_a_truncated_jpeg_gets_pillows_error() -> None:
+    out, errors = Decoder(MODEL_SPEC, 1, max_pixels=10**7).decode([jpeg(photo())[:3000]])
+    assert len(out) == 0 and errors[0][0] == "InvalidImage"
+    assert "truncated" in errors[0][1]
+
+
+@pytest.mark.parametrize("size", [(255, 300), (512, 700), (1100, 800), (2100, 3000), (9000, 2050)])
+def test_the_dct_scale_is_the_one_pillows_draft_picks(size: tuple[int, int]) -> None:
+    upload = jpeg(Image.new("RGB", size, (90, 120, 200)))
+    image = Image.open(io.BytesIO(upload))
+    image.draft("RGB", (MODEL_SPEC.resize_size, MODEL_SPEC.resize_size))
+    factor = draft_factor(*size, MODEL_SPEC)
+    assert image.size == (-(-size[0] // factor), -(-size[1] // factor))
+    assert read_header(upload).width == size[0]
