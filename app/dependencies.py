@@ -33,6 +33,25 @@ MODEL_PARAMETER = "model"  # ?model=NAME chooses the model
 MODEL_ID_HEADER = "x-model-id"  # pins the exact export (and precision) that must answer
 
 
+def header(request: HTTPConnection, name: str) -> str | None:
+    """The request's ``name`` header, or None. For the headers a request seldom sends:
+    Starlette's ``headers.get`` raises and catches a KeyError for each missing one, a
+    noticeable share of the event loop's time per request under load."""
+    key = name.lower().encode("latin-1")
+    for field, value in request.scope["headers"]:
+        if field == key:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def query_param(request: HTTPConnection, name: str) -> str | None:
+    """The query parameter ``name``, or None; free when there is no query string."""
+    if not request.scope.get("query_string"):
+        return None
+    value = request.query_params.getlist(name)
+    return value[0] if value else None
+
+
 def app_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
@@ -64,8 +83,8 @@ async def admitted(
     again first (they may have come since its last look)."""
     engine = serving_engine(request)
     if name is None:
-        name = request.query_params.get(MODEL_PARAMETER)
-    pinned = request.headers.get(MODEL_ID_HEADER, "").strip() or None  # empty: no pin
+        name = query_param(request, MODEL_PARAMETER)
+    pinned = (header(request, MODEL_ID_HEADER) or "").strip() or None  # empty: no pin
     try:
         engine.registry.resolve(name, pinned, number)
     except NotReady:
@@ -119,7 +138,7 @@ class ApiKey(HTTPBearer):
             if self.required:
                 raise Unauthorized(f"{self.setting.upper()} is not set: this route is shut")
             return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = (header(request, "authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), expected.get_secret_value().encode()
         ):

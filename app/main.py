@@ -34,6 +34,7 @@ from app.metrics import LiveState, Metrics, VersionState
 from app.observability import RequestLog
 from app.plan import Role, plan_serving
 from app.routers import meta, predict, repository, v2
+from app.routers.direct import DirectApp
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.settings import Settings, get_settings
 
@@ -197,11 +198,14 @@ def create_app(
                 restore_signals()
                 state.closing = True
 
-    app = FastAPI(
+    app = DirectApp(
         title="microbatch-server",
         summary="Micro-batching PyTorch image embedding and tagging server",
         version="0.1.0",
         lifespan=lifespan,
+        # FastAPI's own OpenTelemetry hooks look up the global providers on every request;
+        # this server reports through /metrics and its log lines instead.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     app.state.plan = plan
@@ -210,11 +214,8 @@ def create_app(
     install_error_handlers(app, metrics)
     # Enforced while the body streams in (and from Content-Length before reading): an
     # oversized upload is never read whole. The exact file-size check is in the route.
-    app.add_middleware(
-        BodySizeLimit,
-        max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES,
-        metrics=metrics,
-    )
+    body_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
+    app.add_middleware(BodySizeLimit, max_body_bytes=body_limit, metrics=metrics)
     app.include_router(predict.router)
     app.include_router(meta.router)
     app.include_router(v2.router)
@@ -224,4 +225,11 @@ def create_app(
     if settings.api_key is None:
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
+    # The prediction routes, straight from the server, inside the same two middlewares.
+    app.route_directly(
+        predict.router.routes,
+        lambda endpoint: RequestLog(
+            BodySizeLimit(endpoint, max_body_bytes=body_limit, metrics=metrics), metrics=metrics
+        ),
+    )
     return app

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,7 +38,7 @@ class RequestLog:
             return
         started = time.perf_counter()
         sent = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = sent if _VALID_ID.match(sent) else uuid.uuid4().hex
+        request_id = sent if _VALID_ID.match(sent) else os.urandom(16).hex()
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         status = 500

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from app.batching import Trace
+from app.dependencies import header as read_header
 from app.errors import ClientDisconnected, InvalidParameter, InvalidRequest
 from app.schemas import ErrorResponse
 
@@ -52,7 +53,7 @@ def request_deadline(request: Request, default_timeout_s: float) -> float:
     """Monotonic deadline for this request: ``MB_REQUEST_TIMEOUT``, or sooner when the client
     sends ``X-Request-Timeout: <seconds>`` (a client can shorten the timeout, never extend it)."""
     timeout = default_timeout_s
-    header = request.headers.get(TIMEOUT_HEADER)
+    header = read_header(request, TIMEOUT_HEADER)
     if header is not None:
         try:
             asked = float(header)

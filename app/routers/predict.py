@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from app.dependencies import REQUIRES_API_KEY, admitted, app_settings
+from app.dependencies import REQUIRES_API_KEY, admitted, app_settings, header, query_param
 from app.routers.common import (
     ERRORS,
     MAX_K,
@@ -112,7 +112,7 @@ def _predictor(predictor: Predictor | None) -> Predictor:
 
 
 def _wants_binary(request: Request) -> bool:
-    return "application/octet-stream" in request.headers.get("accept", "")
+    return "application/octet-stream" in (header(request, "accept") or "")
 
 
 @router.post(
@@ -165,7 +165,7 @@ async def tag(request: Request) -> JSONResponse:
     async with admitted(request) as version:
         upload, deadline = await _upload(request)
         form_k = upload.fields.get("k")
-        top_k = parse_k(form_k if form_k is not None else request.query_params.get("k"))
+        top_k = parse_k(form_k if form_k is not None else query_param(request, "k"))
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)
             answers = await unless_disconnected(

@@ -1,15 +1,18 @@
-"""``app.routers.direct``: a DirectRoute takes a bare ``Request`` endpoint and refuses the rest."""
+"""``app.routers.direct``: a DirectRoute takes a bare ``Request`` endpoint and refuses the rest;
+a DirectApp calls its fixed-path DirectRoutes straight from the server."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
+import httpx
 import pytest
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from app.errors import InvalidParameter, ServerError
 from app.routers import predict
-from app.routers.direct import DirectRoute
+from app.routers.direct import DirectApp, DirectRoute
 
 
 def api_key() -> str:
@@ -82,3 +85,71 @@ def test_a_guard_of_the_request_alone_runs_before_the_endpoint() -> None:
         assert client.get("/plain", headers={"x-let-in": "yes"}).json() == "ok"
         assert client.get("/plain").status_code == 500
     assert seen == ["guard", "endpoint", "guard"]
+
+
+class Seen:
+    """Pure ASGI middleware that records which paths it saw."""
+
+    def __init__(self, app: Any, paths: list[str]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+def direct_app() -> tuple[DirectApp, list[str], list[str]]:
+    """An app with direct routes; which paths went through its middleware stack and which
+    through the direct routes' own wrapper."""
+    app = DirectApp()
+    router = APIRouter(prefix="/p", route_class=DirectRoute)
+
+    async def echo(request: Request) -> JSONResponse:
+        if request.query_params.get("fail") == "client":
+            raise InvalidParameter("k must be between 1 and 5")
+        if request.query_params.get("fail") == "bug":
+            raise ZeroDivisionError("a bug")
+        return JSONResponse(
+            {"body": len(await request.body()), "route": request.scope["route"].path}
+        )
+
+    async def named(request: Request) -> JSONResponse:
+        return JSONResponse(request.path_params)
+
+    router.add_api_route("/echo", echo, methods=["POST"])
+    router.add_api_route("/items/{name}", named, methods=["POST"])
+    app.include_router(router)
+
+    @app.exception_handler(ServerError)
+    async def domain(request: Request, exc: ServerError) -> JSONResponse:
+        return JSONResponse({"error": exc.code}, 400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": "internal"}, 500)
+
+    stacked: list[str] = []
+    wrapped: list[str] = []
+    app.add_middleware(Seen, paths=stacked)
+    app.route_directly(router.routes, lambda endpoint: Seen(endpoint, wrapped))
+    return app, stacked, wrapped
+
+
+async def test_a_direct_route_skips_the_stack_inside_its_own_wrapper() -> None:
+    app, stacked, wrapped = direct_app()
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        ok = await client.post("/p/echo", content=b"12345")
+        refused = await client.post("/p/echo?fail=client")
+        bug = await client.post("/p/echo?fail=bug")
+        wrong_method = await client.get("/p/echo")
+        with_param = await client.post("/p/items/cat")
+    assert ok.json() == {"body": 5, "route": "/p/echo"}
+    assert (refused.status_code, refused.json()) == (400, {"error": "invalid_parameter"})
+    assert (bug.status_code, bug.json()) == (500, {"error": "internal"})
+    assert wrong_method.status_code == 405  # the usual way, with its 405
+    assert with_param.json() == {"name": "cat"}  # a path with parameters: the usual way too
+    assert wrapped == ["/p/echo"] * 3
+    assert stacked == ["/p/echo", "/p/items/cat"]
