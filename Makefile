@@ -48,11 +48,15 @@ check-k8s: install-dev redis-server helm  ## validate the Helm chart and its pro
 check-install: install-dev redis-server  ## the runtime-only install, end to end (about 5 min)
 	$(PY) .ci/runtime_check.py
 
-bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI (9-10 min)
-	$(PY) -m bench --plot docs/performance.png --json docs/bench.json
+# The before/after ratios of issue #28 (decode and HTTP CPU) are against this commit, served
+# from this clone's history in the same run.
+BENCH_BASELINE ?= c375317
 
-bench-quick: install-dev  ## the same, default model only, under 2 minutes
-	$(PY) -m bench --quick
+bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI, and BENCH_BASELINE (11-12 min)
+	$(PY) -m bench --baseline $(BENCH_BASELINE) --plot docs/performance.png --json docs/bench.json
+
+bench-quick: install-dev  ## the same, default model only, under 3 minutes
+	$(PY) -m bench --quick --baseline $(BENCH_BASELINE)
 
 # Memory over a long run: RSS of every process by role, after a warm-up and every 10,000
 # requests (bench/soak.py). Bounded by its request count, and by --max-minutes on a slow machine.

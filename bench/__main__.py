@@ -4,11 +4,15 @@ FastAPI app, on the same model, JPEGs and thread budget, in one run.
     python -m bench                   # full run, under 10 minutes on 2 cores
     python -m bench --quick           # default model, fewer and shorter steps (< 2 min)
     python -m bench --plot perf.png   # also draw throughput and latency vs concurrency
+    python -m bench --baseline REF    # also serve commit REF's server, for before/after ratios
 
 Prints, per model: the raw pipeline (decode + preprocess + model, no HTTP) at batch sizes 1,
 8 and MB_BATCH_SIZE; each server at each concurrency (closed loop over real HTTP with
 multipart JPEG uploads): images/s, p50, p99 and the mean batch the model saw; then the
 ratios the project's targets are stated in, against the table in ``bench/targets.py``.
+With ``--baseline``, the same configurations served from an earlier commit's source tree
+(``make bench`` gives the commit before issue #28) run in the same run, and the before/after
+ratios are among the verdicts.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import time
 from pathlib import Path
 
 from app.manifest import read_manifest
+from bench.baseline import source_tree
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
 from bench.report import write_json
 from bench.results import MACHINERY_SYSTEMS, ModelReport, Point
 from bench.systems import (
+    REPO,
     RawPipeline,
     RunningServer,
     bench_jpegs,
@@ -50,9 +56,11 @@ def upload_requests(server: RunningServer, jpegs: list[bytes]) -> list[bytes]:
 def measure(server: RunningServer, jpegs: list[bytes], clients: int, seconds: float) -> Point:
     requests = upload_requests(server, jpegs)
     before = server.batches_and_items()
+    cpu = server.cpu_seconds()
     result = asyncio.run(
         closed_loop(HOST, server.port, requests, clients=clients, duration_s=seconds)
     )
+    server_cpu_ms = 1000 * (server.cpu_seconds() - cpu) / max(1, result.requests)
     after = server.batches_and_items()
     mean_batch = 1.0
     if before is not None and after is not None and after[0] > before[0]:
@@ -67,6 +75,7 @@ def measure(server: RunningServer, jpegs: list[bytes], clients: int, seconds: fl
         mean_batch=mean_batch,
         errors=bad,
         client_cpu_pct=100 * result.client_cpu_s / result.seconds,
+        server_cpu_ms=server_cpu_ms,
     )
 
 
@@ -91,6 +100,47 @@ def idle_latency(
         served += result.latencies_s
         alone += raw.batch_times(1, seconds / turns)
     return 1000 * statistics.median(served), 1000 * statistics.median(alone)
+
+
+def p50_in_turns(
+    first: RunningServer, second: RunningServer, jpegs: list[bytes], seconds: float, turns: int = 6
+) -> tuple[float, float]:
+    """p50 (ms) of one client against ``first`` and against ``second``, in alternating
+    slices (see ``idle_latency``)."""
+    latencies: tuple[list[float], list[float]] = ([], [])
+    for turn in range(turns):
+        for server, into in ((first, latencies[0]), (second, latencies[1]))[:: 1 - 2 * (turn % 2)]:
+            requests = upload_requests(server, jpegs)
+            result = asyncio.run(
+                closed_loop(HOST, server.port, requests, clients=1, duration_s=seconds / turns)
+            )
+            into += result.latencies_s
+    return 1000 * statistics.median(latencies[0]), 1000 * statistics.median(latencies[1])
+
+
+def against_baseline(
+    report: ModelReport,
+    label: str,
+    server: RunningServer,
+    args: argparse.Namespace,
+    jpegs: list[bytes],
+    **serve_args: object,
+) -> None:
+    """The same configuration served from the baseline tree: its images/s at 64 clients (the
+    point "before<suffix>"), and both lone p50s, in turns."""
+    with serve("ours", source=args.baseline_tree, **serve_args) as before:  # type: ignore[arg-type]
+        warm_up(before, jpegs)
+        point = measure(before, jpegs, 64, args.seconds)
+        point.system = "before" + label[len("ours") :]
+        report.points.append(point)
+        ours, theirs = p50_in_turns(server, before, jpegs, 2 * args.seconds)
+        report.vs_before_p50[label] = (ours, theirs)
+        print(
+            f"  {point.system:<17} c=64   {point.images_per_s:7.1f} img/s  p50 "
+            f"{point.p50_ms:8.1f} ms  CPU {point.server_cpu_ms:.2f} ms/img; lone p50 in turns: "
+            f"{label} {ours:.1f} ms, {point.system} {theirs:.1f} ms",
+            flush=True,
+        )
 
 
 def run_model(
@@ -157,15 +207,15 @@ def run_model(
         ("plain", str(args.batch_size), "plain", 1, {}, store),
     ]
     for kind, batch_size, label, workers, settings, served_store in systems:
-        with serve(
-            kind,
-            served_store,
-            batch_size=batch_size,
-            max_latency=args.max_latency,
-            threads=args.threads,
-            workers=workers,
-            settings=settings,
-        ) as server:
+        serve_args = {
+            "store": served_store,
+            "batch_size": batch_size,
+            "max_latency": args.max_latency,
+            "threads": args.threads,
+            "workers": workers,
+            "settings": settings,
+        }
+        with serve(kind, **serve_args) as server:
             warm_up(server, jpegs)
             for clients in args.clients:
                 point = measure(server, jpegs, clients, args.seconds)
@@ -174,7 +224,8 @@ def run_model(
                 print(
                     f"  {label:<17} c={clients:<4} {point.images_per_s:7.1f} img/s  "
                     f"p50 {point.p50_ms:8.1f} ms  p99 {point.p99_ms:8.1f} ms  "
-                    f"batch {point.mean_batch:5.1f}  non-200 {point.errors}",
+                    f"batch {point.mean_batch:5.1f}  CPU {point.server_cpu_ms:5.2f} ms/img  "
+                    f"non-200 {point.errors}",
                     flush=True,
                 )
             if kind == "ours":
@@ -195,17 +246,24 @@ def run_model(
                     f"raw loop at batch 1 p50 {alone:.1f} ms",
                     flush=True,
                 )
+            if args.baseline and label in ("ours", "ours+openvino+int8"):
+                against_baseline(report, label, server, args, jpegs, **serve_args)
     return report
 
 
 def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> dict[str, float]:
     """Requests/s at 64 clients: a do-nothing FastAPI upload endpoint vs this server with a
-    model that does no real work; the load generator's and each server's CPU per request."""
+    model that does no real work (and the baseline commit's server, with ``--baseline``); the
+    load generator's and each server's CPU per request, and the HTTP process's alone."""
     store = export_bench_model("passthrough", scratch / "passthrough")
     out: dict[str, float] = {}
-    systems = MACHINERY_SYSTEMS
-    if args.quick:  # the bare endpoint and this server's faster machinery only
-        systems = [system for system in systems if system[0] != "ours"]
+    systems = list(MACHINERY_SYSTEMS)
+    if args.quick:  # the bare endpoint and this server's default only
+        systems = [system for system in systems if system[0] in ("noop", "ours")]
+    if args.baseline:
+        # Its defaults (on a CPU host: decoding in the HTTP process), and its worker decode
+        # (what its default was on a GPU host, where decode and HTTP are all the CPU does).
+        systems += [("before", "ours", 1, {}), ("before-wdec", "ours", 1, {"MB_DECODE": "worker"})]
     for label, kind, workers, settings in systems:
         with serve(
             kind,
@@ -215,29 +273,54 @@ def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> di
             threads=args.threads,
             workers=min(workers, args.threads),
             settings=settings,
+            source=args.baseline_tree if label.startswith("before") else REPO,
         ) as server:
             warm_up(server, jpegs)
             requests = [
                 multipart_request(HOST, server.port, "/predict/embedding", d) for d in jpegs
             ]
-            cpu = server.cpu_seconds()
+            cpu, http_cpu = server.cpu_seconds(), server.cpu_seconds(http_only=True)
             result = asyncio.run(
                 closed_loop(HOST, server.port, requests, clients=64, duration_s=args.seconds)
             )
-            server_ms = 1000 * (server.cpu_seconds() - cpu) / max(1, result.requests)
+            answered = max(1, result.requests)
             out[f"{label}_rps"] = result.rate
             out[f"{label}_client_cpu_pct"] = 100 * result.client_cpu_s / result.seconds
-            out[f"{label}_client_cpu_ms"] = 1000 * result.client_cpu_s / max(1, result.requests)
-            out[f"{label}_server_cpu_ms"] = server_ms
+            out[f"{label}_client_cpu_ms"] = 1000 * result.client_cpu_s / answered
+            out[f"{label}_server_cpu_ms"] = 1000 * (server.cpu_seconds() - cpu) / answered
+            http_ms = 1000 * (server.cpu_seconds(http_only=True) - http_cpu) / answered
+            out[f"{label}_http_cpu_ms"] = http_ms
             print(
                 f"  {label:<9} {result.rate:8.1f} requests/s  CPU per request: server "
-                f"{server_ms:.2f} ms, load generator {out[f'{label}_client_cpu_ms']:.2f} ms "
+                f"{out[f'{label}_server_cpu_ms']:.2f} ms (its HTTP process {http_ms:.2f}), load "
+                f"generator {out[f'{label}_client_cpu_ms']:.2f} ms "
                 f"({out[f'{label}_client_cpu_pct']:.0f}% of one core)",
                 flush=True,
             )
+    # What a box needs where the model costs nothing (a GPU's): a server's CPU per request in
+    # ms is the cores it keeps busy per 1,000 requests/s.
+    print(
+        "  cores per 1,000 requests/s, model aside: "
+        + ", ".join(
+            f"{label} {mach_ms:.2f}"
+            for label, mach_ms in (
+                (label, out[f"{label}_server_cpu_ms"])
+                for label, kind, *_ in systems
+                if kind == "ours"
+            )
+        ),
+        flush=True,
+    )
     # The most any server could answer here: all cores busy, each request costing what the
-    # bare endpoint and the load generator spend on it plus the decode it cannot skip.
-    out["decode_ms"] = decode_cpu_ms(store, jpegs)
+    # bare endpoint and the load generator spend on it plus the decode it cannot skip (the
+    # fastest this server has: the workers').
+    decode = decode_cpu_ms(store, jpegs)
+    out["decode_ms"], out["decode_pillow_ms"] = decode["workers"], decode["pillow"]
+    print(
+        f"  decode and preprocess, CPU per bench photo on one thread: the workers' "
+        f"{out['decode_ms']:.2f} ms, Pillow's {out['decode_pillow_ms']:.2f} ms",
+        flush=True,
+    )
     cores = len(os.sched_getaffinity(0))
     floor_ms = out["noop_server_cpu_ms"] + out["noop_client_cpu_ms"] + out["decode_ms"]
     out["ceiling_rps"] = 1000 * cores / floor_ms
@@ -280,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         help="precisions below fp32 on the runtime axis: bf16 (CPUs with it), int8 (an export "
         "calibrated on photo views); default 'bf16,int8', none with --quick",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also serve this commit's server (from this clone's history) in the same run: "
+        "the machinery step, and the default and int8 configurations at 64 clients and alone",
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of throughput and latency")
     parser.add_argument("--json", type=Path, help="write every figure as JSON")
     args = parser.parse_args(argv)
@@ -305,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     reports: list[ModelReport] = []
     with tempfile.TemporaryDirectory(prefix="microbatch-bench-") as tmp:
         scratch = Path(tmp)
+        if args.baseline:
+            args.baseline_tree = source_tree(args.baseline, scratch / "baseline")
+            print(f"baseline: commit {args.baseline}, served from {args.baseline_tree}")
         print("load generator ceiling and machinery cost (64 clients):", flush=True)
         mach = machinery(args, jpegs, scratch)
         for model in args.models.split(","):

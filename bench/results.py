@@ -18,6 +18,7 @@ class Point:
     mean_batch: float
     errors: int
     client_cpu_pct: float
+    server_cpu_ms: float = 0.0  # CPU per image of the server and its workers: cores per 1,000/s
 
 
 @dataclass
@@ -39,6 +40,9 @@ class ModelReport:
     # label -> p50 ms of that configuration at 1 client and of the raw loop at batch 1,
     # measured in turns
     idle: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # label -> p50 ms at 1 client of that configuration and of the same one served by the
+    # baseline commit (``--baseline``), measured in turns; its points are "before<suffix>"
+    vs_before_p50: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def best_raw(self, runtime: str = "torchscript") -> float:
         raw = self.raw if runtime == "torchscript" else self.raw_runtimes[runtime]
@@ -49,12 +53,13 @@ class ModelReport:
 
 
 # The machinery step's systems: label, kind, workers, settings. The bare endpoint; the same
-# endpoint decoding each upload (what any image server must spend at least); this server with
-# its default (decoding in the HTTP process) and with MB_DECODE=worker, the thread budget
-# split into single-thread workers. The verdicts take the best of those of kind "ours".
+# endpoint decoding each upload with Pillow; this server with its defaults (one worker with
+# every thread), and with the thread budget split into single-thread workers. The verdicts
+# take the best of those of kind "ours". With --baseline, "before" is the baseline commit's
+# server with its defaults.
 MACHINERY_SYSTEMS: list[tuple[str, str, int, dict[str, str]]] = [
     ("noop", "noop", 1, {}),
     ("decoding", "decode", 1, {}),
     ("ours", "ours", 1, {}),
-    ("ours-wdec", "ours", 2, {"MB_DECODE": "worker"}),
+    ("ours-2w", "ours", 2, {}),
 ]

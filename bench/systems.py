@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +25,11 @@ from PIL import Image
 from torch import nn
 
 from app.export import PrecisionRequest, SplitModel, export, export_split
-from app.images import preprocess
+from app.images import DEFAULT_MAX_PIXELS, preprocess
 from app.jobs import Task
 from app.manifest import InputSpec, read_manifest
 from app.workers.allocator import retain_freed_memory
+from app.workers.decoding import Decoder
 from app.workers.lineage import stop_child
 from app.workers.models import LoadOptions, Runtime, load_models
 from app.workers.runner import BatchRunner
@@ -121,7 +122,8 @@ def runtime_variants(name: str, store: Path, precisions: list[str]) -> list[Vari
 
 
 class Passthrough(nn.Module):
-    """A model with no real compute (channel means): isolates the serving machinery."""
+    """A model with no real compute (channel means) on the usual 224 input: isolates the
+    serving machinery, decoding included."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(2, 3))
@@ -136,7 +138,11 @@ def export_bench_model(name: str, out: Path, precision: PrecisionRequest | None 
             embedding=Passthrough(),
             classifier=nn.Linear(3, 1000),
             input=InputSpec(
-                crop_size=32, resize_size=32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+                crop_size=224,
+                resize_size=256,
+                interpolation="bicubic",
+                mean=(0.5, 0.5, 0.5),
+                std=(0.5, 0.5, 0.5),
             ),
             embedding_dim=3,
             num_classes=1000,
@@ -154,16 +160,33 @@ def export_bench_model(name: str, out: Path, precision: PrecisionRequest | None 
     return out
 
 
-def decode_cpu_ms(store: Path, jpegs: list[bytes], seconds: float = 1.0) -> float:
-    """CPU milliseconds per image of ``preprocess`` for ``store``'s input size, on one thread:
-    the least any server must spend per request on these uploads."""
+def decode_cpu_ms(store: Path, jpegs: list[bytes], seconds: float = 1.0) -> dict[str, float]:
+    """CPU milliseconds per image, on one thread, of the workers' decoder (what the default
+    settings use) and of Pillow's ``preprocess`` (``MB_DECODE=server``), for ``store``'s input
+    size: the least a server must spend per request on these uploads."""
     spec = read_manifest(store).input
+    decoder = Decoder(spec, 1, max_pixels=DEFAULT_MAX_PIXELS)
+    out = np.empty((spec.crop_size, spec.crop_size, 3), dtype=np.uint8)
+    ways = {
+        "workers": lambda data: decoder.one(data, out),
+        "pillow": lambda data: preprocess(data, spec),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP helper spinning on the clock meanwhile
+    try:
+        return {name: _cpu_ms_per_image(way, jpegs, seconds) for name, way in ways.items()}
+    finally:
+        torch.set_num_threads(threads)
+        decoder.close()
+
+
+def _cpu_ms_per_image(work: Callable[[bytes], object], jpegs: list[bytes], seconds: float) -> float:
     for data in jpegs:  # warm-up
-        preprocess(data, spec)
+        work(data)
     count, started, stop = 0, time.process_time(), time.perf_counter() + seconds
     while time.perf_counter() < stop:
         for data in jpegs:
-            preprocess(data, spec)
+            work(data)
         count += len(jpegs)
     return 1000 * (time.process_time() - started) / count
 
@@ -262,11 +285,12 @@ class RunningServer:
             )
         return body["batches"], body["items"]
 
-    def cpu_seconds(self) -> float:
-        """CPU time used so far by the server and every process under it (its workers)."""
+    def cpu_seconds(self, *, http_only: bool = False) -> float:
+        """CPU time used so far by the server and every process under it (its workers), or
+        by the HTTP process alone."""
         root = psutil.Process(self.process.pid)
         total = 0.0
-        for process in [root, *root.children(recursive=True)]:
+        for process in [root] if http_only else [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 times = process.cpu_times()
                 total += times.user + times.system
@@ -284,12 +308,14 @@ def serve(
     workers: int = 1,
     settings: dict[str, str] | None = None,
     front_ends: int = 2,
+    source: Path = REPO,
 ) -> Iterator[RunningServer]:
     """Start ``ours``, ``cluster``, ``service-streamer``, ``plain``, ``noop`` or ``decode`` and
     wait until it answers. ``ours`` splits the ``threads`` budget evenly over ``workers`` worker
     processes and takes any other ``settings`` (environment variables); ``cluster`` is the same
     server in broker mode (``python -m app.broker.cluster``: its own Redis, ``front_ends``
-    gunicorn front ends and ``workers`` model workers)."""
+    gunicorn front ends and ``workers`` model workers). ``source``: the source tree it runs
+    from (another commit's, to compare against)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
@@ -352,7 +378,7 @@ def serve(
         # processes) go down with it even if the server itself does not stop cleanly.
         process = subprocess.Popen(
             command,
-            cwd=REPO,
+            cwd=source,
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -27,6 +27,13 @@ class Metric(StrEnum):
     RUNTIME_SATURATION = "runtime saturation"  # ours+<runtime>@64 / that runtime's raw best
     RUNTIME_GAIN = "runtime gain"  # ours+<runtime>@64 / ours (TorchScript fp32)@64
     RUNTIME_IDLE = "runtime idle"  # p50 of ours+<runtime>@1 / ours (TorchScript fp32)@1
+    # Against the baseline commit (--baseline), in the same run:
+    VS_BEFORE = "throughput vs before"  # ours@64 / the baseline's@64 (same configuration)
+    P50_VS_BEFORE = "lone p50 vs before"  # p50@1 / the baseline's p50@1, in turns
+    # The CPU an image costs outside the model (machinery step, do-nothing model):
+    CEILING_SHARE = "share of the ceiling"  # ours' best requests/s / the computed ceiling
+    DECODE_MS = "decode ms"  # CPU ms per bench photo of the decode the default uses
+    HTTP_MS = "http ms"  # CPU ms per request of the HTTP process, default settings
 
     @property
     def higher_is_better(self) -> bool:
@@ -40,6 +47,8 @@ _HIGHER_IS_BETTER = frozenset(
         Metric.RUNTIME_GAIN,
         Metric.VS_STREAMER_THROUGHPUT,
         Metric.MACHINERY,
+        Metric.VS_BEFORE,
+        Metric.CEILING_SHARE,
     }
 )
 
@@ -91,6 +100,14 @@ TARGETS: tuple[Target, ...] = (
     Target(Metric.RUNTIME_GAIN, 2.5, model="efficientnet_lite0", runtime="openvino+int8"),
     Target(Metric.RUNTIME_GAIN, 1.8, model="resnet50", runtime="openvino+bf16"),
     Target(Metric.RUNTIME_IDLE, 1.0),
+    # Issue #28, against the commit before it (the Makefile's BENCH_BASELINE).
+    Target(Metric.VS_BEFORE, 1.0),  # no configuration slower than before
+    Target(Metric.VS_BEFORE, 1.6, model="passthrough"),
+    Target(Metric.VS_BEFORE, 1.15, model="efficientnet_lite0", runtime="openvino+int8"),
+    Target(Metric.P50_VS_BEFORE, 1.0),
+    Target(Metric.CEILING_SHARE, 0.70),
+    Target(Metric.DECODE_MS, 1.2),
+    Target(Metric.HTTP_MS, 0.25),
 )
 
 

@@ -81,6 +81,8 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
                     f"(>= {need_tput.bound}), p50 x{lat:.2f} (<= {need_lat.bound})  "
                     f"{_verdict(ok)}"
                 )
+        for label, (ours_p50, before_p50) in report.vs_before_p50.items():
+            lines.append(_vs_before(report, label, ours_p50, before_p50))
         theirs8 = report.point("service-streamer", 8)
         if theirs8 and 8 in report.raw:
             # 8 clients never make a batch above 8: how far the target at 8 clients is from what
@@ -115,9 +117,56 @@ def _machinery(mach: dict[str, float]) -> list[str]:
             "of the bare endpoint"
         )
     if "ceiling_rps" in mach:
+        share = mach[f"{best}_rps"] / mach["ceiling_rps"]
+        need = target(Metric.CEILING_SHARE)
         lines.append(
             "machinery ceiling: a server that decoded and otherwise cost no more than the "
             f"bare endpoint would reach {mach['ceiling_rps'] / mach['noop_rps']:.2f}; "
-            f"this server reached {mach[f'{best}_rps'] / mach['ceiling_rps']:.2f} of it"
+            f"this server reached {share:.2f} of it  (target >= {need.bound:.2f})  "
+            f"{_verdict(need.met(share))}"
+        )
+    if "before_rps" in mach:
+        gain = mach["ours_rps"] / mach["before_rps"]
+        need = target(Metric.VS_BEFORE, "passthrough", 64)
+        lines.append(
+            f"machinery vs before: passthrough model, default settings, {mach['ours_rps']:.0f} "
+            f"req/s / the baseline's {mach['before_rps']:.0f} = x{gain:.2f}  "
+            f"(target >= x{need.bound:g})  {_verdict(need.met(gain))}"
+        )
+    if "decode_ms" in mach:
+        need = target(Metric.DECODE_MS)
+        lines.append(
+            f"decode: {mach['decode_ms']:.2f} ms CPU per bench photo (the workers' decoder; "
+            f"Pillow's {mach['decode_pillow_ms']:.2f} ms)  (target <= {need.bound:g} ms)  "
+            f"{_verdict(need.met(mach['decode_ms']))}"
+        )
+    if "ours_http_cpu_ms" in mach:
+        need = target(Metric.HTTP_MS)
+        http = mach["ours_http_cpu_ms"]
+        before = (
+            f" (the baseline's: {mach['before_http_cpu_ms']:.2f} ms)"
+            if "before_http_cpu_ms" in mach
+            else ""
+        )
+        lines.append(
+            f"HTTP process: {http:.2f} ms CPU per request at 64 clients, default settings"
+            f"{before}  (target <= {need.bound:g} ms)  {_verdict(need.met(http))}"
         )
     return lines
+
+
+def _vs_before(report: ModelReport, label: str, ours_p50: float, before_p50: float) -> str:
+    """``label`` against the same configuration served by the baseline commit."""
+    runtime = label.partition("+")[2] or None
+    line = f"{report.model}: {label} vs before"
+    ours, before = report.point(label, 64), report.point("before" + label[len("ours") :], 64)
+    if ours is not None and before is not None:
+        gain = ours.images_per_s / before.images_per_s
+        need = target(Metric.VS_BEFORE, report.model, 64, runtime)
+        line += f": @64 x{gain:.2f}  (target >= x{need.bound:g})  {_verdict(need.met(gain))}"
+    r = ours_p50 / before_p50
+    need = target(Metric.P50_VS_BEFORE, report.model, 1, runtime)
+    return line + (
+        f"; lone p50 in turns {ours_p50:.1f} / {before_p50:.1f} ms = {r:.2f}  "
+        f"(target <= {need.bound:g})  {_verdict(need.met(r))}"
+    )

@@ -30,16 +30,64 @@ def test_machinery_ratio_takes_this_servers_best_and_reports_the_decoding_refere
         "noop_rps": 2000.0,
         "decoding_rps": 1900.0,  # faster than ours here: must not be taken for ours
         "ours_rps": 700.0,
-        "ours-wdec_rps": 1000.0,
+        "ours-2w_rps": 1000.0,
         "ceiling_rps": 1500.0,
     }
     lines = ratios([], mach)
     assert lines[0] == (
-        "machinery: passthrough model (ours-wdec) 1000 req/s / bare FastAPI upload 2000 req/s"
+        "machinery: passthrough model (ours-2w) 1000 req/s / bare FastAPI upload 2000 req/s"
         " = 0.50  (target >= 0.70)  MISS"
     )
     assert "also decodes each upload 1900 req/s = 0.95 of the bare endpoint" in lines[1]
-    assert lines[2].endswith("would reach 0.75; this server reached 0.67 of it")
+    assert lines[2].endswith(
+        "would reach 0.75; this server reached 0.67 of it  (target >= 0.70)  MISS"
+    )
+    assert len(lines) == 3  # no baseline, decode or HTTP figures: no lines for them
+
+
+def test_the_cpu_outside_the_model_is_judged_against_issue_28s_targets() -> None:
+    mach = {
+        "noop_rps": 2000.0,
+        "ours_rps": 1300.0,
+        "before_rps": 500.0,
+        "ceiling_rps": 1700.0,
+        "decode_ms": 0.61,
+        "decode_pillow_ms": 1.25,
+        "ours_http_cpu_ms": 0.31,
+        "before_http_cpu_ms": 2.1,
+    }
+    lines = ratios([], mach)
+    assert lines[1].endswith("this server reached 0.76 of it  (target >= 0.70)  PASS")
+    assert lines[2] == (
+        "machinery vs before: passthrough model, default settings, 1300 req/s / the baseline's"
+        " 500 = x2.60  (target >= x1.6)  PASS"
+    )
+    assert lines[3] == (
+        "decode: 0.61 ms CPU per bench photo (the workers' decoder; Pillow's 1.25 ms)"
+        "  (target <= 1.2 ms)  PASS"
+    )
+    assert lines[4] == (
+        "HTTP process: 0.31 ms CPU per request at 64 clients, default settings (the baseline's:"
+        " 2.10 ms)  (target <= 0.25 ms)  MISS"
+    )
+
+
+def test_a_configuration_is_judged_against_the_same_one_served_by_the_baseline() -> None:
+    report = ModelReport("efficientnet_lite0", raw={1: (70.0, 14.0)})
+    report.points = [
+        _point("ours+openvino+int8", 64, 440.0, 140.0),
+        _point("before+openvino+int8", 64, 380.0, 165.0),
+        _point("ours", 64, 100.0, 600.0),
+        _point("before", 64, 102.0, 590.0),
+    ]
+    report.vs_before_p50 = {"ours+openvino+int8": (5.6, 7.0), "ours": (14.2, 14.0)}
+    lines = [line for line in ratios([report], {}) if "vs before" in line]
+    assert lines == [
+        "efficientnet_lite0: ours+openvino+int8 vs before: @64 x1.16  (target >= x1.15)  PASS;"
+        " lone p50 in turns 5.6 / 7.0 ms = 0.80  (target <= 1)  PASS",
+        "efficientnet_lite0: ours vs before: @64 x0.98  (target >= x1)  MISS;"
+        " lone p50 in turns 14.2 / 14.0 ms = 1.01  (target <= 1)  MISS",
+    ]
 
 
 def test_saturation_and_idle_lines_read_their_targets_from_the_table() -> None:
