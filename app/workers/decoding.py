@@ -52,11 +52,12 @@ class Decoder:
     def __init__(self, spec: InputSpec, threads: int, max_pixels: int) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
-        self._pool = None
-        if threads > 1:
-            self._pool = ThreadPoolExecutor(
-                threads, thread_name_prefix="decode", initializer=_serial_torch
-            )
+        # Every upload is decoded on these threads, a lone one too: the caller's thread would
+        # resize on its OpenMP team, which then spins for milliseconds while the model runs
+        # (OpenVINO's threads are not OpenMP's), for a hand-off that costs microseconds.
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max(1, threads), thread_name_prefix="decode", initializer=_serial_torch
+        )
         # Decoded rows land here, grown to the largest batch seen and reused.
         self._rows = np.empty((0, spec.crop_size, spec.crop_size, 3), dtype=np.uint8)
 
@@ -92,22 +93,21 @@ class Decoder:
 
     def map(self, blobs: list[bytes]) -> Iterator[npt.NDArray[np.uint8] | tuple[str, str]]:
         """Each upload's pixels, or its ``(error class, message)``, in order."""
-        if self._pool is None or len(blobs) < 2:
-            return map(self.pixels, blobs)
-        return self._pool.map(self.pixels, blobs)
+        return self._threads().map(self.pixels, blobs)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            raise RuntimeError("this decoder is closed")
+        return self._pool
 
     def decode(self, blobs: list[bytes]) -> tuple[npt.NDArray[np.uint8], Errors]:
         """``[n, crop, crop, 3]`` uint8 for the ``n`` uploads that decoded, in order (a view
         of this decoder's buffer, valid until the next call), and ``{position: (error class,
-        message)}`` for the others. Each upload is decoded straight into its row; a lone one
-        on the calling thread (no hand-off to wait for)."""
+        message)}`` for the others. Each upload is decoded straight into its row."""
         if len(self._rows) < len(blobs):
             self._rows = np.empty((len(blobs), *self._rows.shape[1:]), dtype=np.uint8)
         rows = self._rows[: len(blobs)]
-        if self._pool is None or len(blobs) < 2:
-            results = [self.one(data, row) for data, row in zip(blobs, rows, strict=True)]
-        else:
-            results = list(self._pool.map(self.one, blobs, rows))
+        results = list(self._threads().map(self.one, blobs, rows))
         errors = {position: error for position, error in enumerate(results) if error is not None}
         if errors:  # rare: close the gaps the failed uploads left
             kept = [position for position in range(len(blobs)) if position not in errors]
