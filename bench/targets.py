@@ -23,14 +23,15 @@ class Metric(StrEnum):
     IDLE_ADDED_MS = "idle added ms"  # p50 at 1 client - the raw loop's p50 at batch 1
     VS_STREAMER_THROUGHPUT = "throughput vs service-streamer"  # ours / theirs, same clients
     VS_STREAMER_P50 = "p50 vs service-streamer"  # ours / theirs, same clients
-    MACHINERY = "machinery"  # passthrough model requests/s / the bare FastAPI upload's
     RUNTIME_SATURATION = "runtime saturation"  # ours+<runtime>@64 / that runtime's raw best
     RUNTIME_GAIN = "runtime gain"  # ours+<runtime>@64 / ours (TorchScript fp32)@64
     RUNTIME_IDLE = "runtime idle"  # p50 of ours+<runtime>@1 / ours (TorchScript fp32)@1
     # Against the baseline commit (--baseline), in the same run:
     VS_BEFORE = "throughput vs before"  # ours@64 / the baseline's@64 (same configuration)
     P50_VS_BEFORE = "lone p50 vs before"  # p50@1 / the baseline's p50@1, in turns
-    # The CPU an image costs outside the model (machinery step, do-nothing model):
+    # The CPU an image costs outside the model (machinery step, do-nothing model). The share
+    # of the ceiling replaced the ratio to the bare upload endpoint (0.70 until 2026-11-26)
+    # when the do-nothing model took the usual 224 input: the bare endpoint decodes nothing.
     CEILING_SHARE = "share of the ceiling"  # ours' best requests/s / the computed ceiling
     DECODE_MS = "decode ms"  # CPU ms per bench photo of the decode the default uses
     HTTP_MS = "http ms"  # CPU ms per request of the HTTP process, default settings
@@ -46,7 +47,6 @@ _HIGHER_IS_BETTER = frozenset(
         Metric.RUNTIME_SATURATION,
         Metric.RUNTIME_GAIN,
         Metric.VS_STREAMER_THROUGHPUT,
-        Metric.MACHINERY,
         Metric.VS_BEFORE,
         Metric.CEILING_SHARE,
     }
@@ -59,7 +59,7 @@ class Target:
     at ``clients`` concurrent clients, on the runtime axis's ``runtime``; ``None`` matches
     any.
 
-        >>> Target(Metric.MACHINERY, 0.70).met(0.72)
+        >>> Target(Metric.CEILING_SHARE, 0.70).met(0.72)
         True
     """
 
@@ -92,7 +92,6 @@ TARGETS: tuple[Target, ...] = (
     Target(Metric.VS_STREAMER_THROUGHPUT, 1.3, clients=8),
     Target(Metric.VS_STREAMER_P50, 1.0),
     Target(Metric.VS_STREAMER_P50, 0.5, model="efficientnet_lite0", clients=1),
-    Target(Metric.MACHINERY, 0.70),
     Target(Metric.RUNTIME_SATURATION, 0.90),
     Target(Metric.RUNTIME_GAIN, 1.0),  # another runtime is worth serving only if faster
     Target(Metric.RUNTIME_GAIN, 1.5, model="efficientnet_lite0", runtime="openvino"),

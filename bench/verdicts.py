@@ -104,11 +104,10 @@ def _machinery(mach: dict[str, float]) -> list[str]:
     ]
     best = max(measured, key=lambda label: mach[f"{label}_rps"])
     r = mach[f"{best}_rps"] / mach["noop_rps"]
-    machinery = target(Metric.MACHINERY, clients=64)
     lines = [
         f"machinery: passthrough model ({best}) {mach[f'{best}_rps']:.0f} req/s / bare "
-        f"FastAPI upload {mach['noop_rps']:.0f} req/s = {r:.2f}  "
-        f"(target >= {machinery.bound:.2f})  {_verdict(machinery.met(r))}"
+        f"FastAPI upload {mach['noop_rps']:.0f} req/s = {r:.2f} (the bare endpoint decodes "
+        "nothing: judged by the ceiling below)"
     ]
     if "decoding_rps" in mach:
         lines.append(
