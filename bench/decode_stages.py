@@ -10,7 +10,13 @@ Pillow's ``draft`` picks), EXIF rotation, conversion to RGB, the fused resize an
 (one resampling pass over the crop's source box), the array, and the copy into a batch
 buffer's slot. The whole of ``preprocess`` is timed too, and set against the sum. Two
 variants show what the cuts already made are worth: decoding at full scale (no ``draft``),
-and resizing the whole image and then cropping (two passes). Photos: ``bench.systems``'
+and resizing the whole image and then cropping (two passes). Then the workers' path
+(``app.workers.decoding``): libjpeg-turbo at the same scale, torch's resize and crop into the
+batch's row, and the whole of it; and a variant, libjpeg-turbo at the nearest eighth of a
+scale that covers the target (what it picks by default), which decodes slower here.
+Entropy decoding, the IDCT and colour conversion happen inside one libjpeg-turbo call and are
+not timed apart; the decode at full scale against the draft scale shows what the reduced
+IDCT and upsampling save. Photos: ``bench.systems``'
 JPEGs (what ``make bench`` sends), and the same photos at camera size (2,000 pixels on the
 long side) where the reduced DCT scale applies.
 """
@@ -25,10 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import simplejpeg
+import torch
 from PIL import Image, ImageOps
 
-from app.images import _RESAMPLE, center_crop_box, preprocess
+from app.images import _RESAMPLE, DEFAULT_MAX_PIXELS, center_crop_box, preprocess, read_header
 from app.manifest import InputSpec
+from app.workers.decoding import Decoder, draft_factor, resize_center_crop
 
 SPEC = InputSpec(
     crop_size=224, resize_size=256, interpolation="bicubic", mean=(0.5,) * 3, std=(0.5,) * 3
@@ -104,7 +113,43 @@ def stages(jpeg: bytes, repeat: int) -> dict[str, float]:
         opened, repeat
     )
     figures["variant: resize, then crop"] = cpu_ms(resize_then_crop, repeat)
+    figures.update(worker_stages(jpeg, repeat))
     return figures
+
+
+def worker_stages(jpeg: bytes, repeat: int) -> dict[str, float]:
+    """The workers' path (``app.workers.decoding``), stage by stage: libjpeg-turbo at the
+    draft scale, torch's resize and crop into the batch's row, and the whole of it; and
+    libjpeg-turbo at the nearest eighth that still covers the target (its default choice)."""
+    header = read_header(jpeg)
+    factor = draft_factor(header.width, header.height, SPEC)
+    low = {"min_height": -(-header.height // factor), "min_width": -(-header.width // factor)}
+    pixels = simplejpeg.decode_jpeg(jpeg, "RGB", **low)
+    image = torch.from_numpy(pixels).permute(2, 0, 1)
+    row = np.empty((SPEC.crop_size, SPEC.crop_size, 3), dtype=np.uint8)
+    decoder = Decoder(SPEC, 1, DEFAULT_MAX_PIXELS)
+    short = min(header.width, header.height)
+    eighth = {"min_height": 0, "min_width": 0, "min_factor": 1.0}
+    eighth["min_height" if header.height == short else "min_width"] = SPEC.resize_size
+    try:
+        return {
+            "workers: header (Pillow)": cpu_ms(lambda: read_header(jpeg), repeat),
+            "workers: decode (libjpeg-turbo)": cpu_ms(
+                lambda: simplejpeg.decode_jpeg(jpeg, "RGB", **low), repeat
+            ),
+            "workers: resize + crop (torch uint8)": cpu_ms(
+                lambda: torch.from_numpy(row).copy_(
+                    resize_center_crop(image, SPEC).permute(1, 2, 0)
+                ),
+                repeat,
+            ),
+            "workers: whole path": cpu_ms(lambda: decoder.one(jpeg, row), repeat),
+            "variant: libjpeg-turbo at the nearest eighth": cpu_ms(
+                lambda: simplejpeg.decode_jpeg(jpeg, "RGB", **eighth), repeat
+            ),
+        }
+    finally:
+        decoder.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from bench.systems import bench_jpegs
 
+    torch.set_num_threads(1)  # one thread's CPU clock sees all of the resize
     photos = bench_jpegs(4)
     sets = {"bench photos": photos, "camera-sized": [camera_sized(p) for p in photos]}
     for title, jpegs in sets.items():
