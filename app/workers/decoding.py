@@ -4,12 +4,12 @@ and ``auto``).
 ``Decoder`` decodes on the worker's CPU threads, each upload straight into its row of the
 batch. A JPEG (the common upload) takes the fast path: libjpeg-turbo through ``simplejpeg``
 (no GIL held), at the reduced DCT scale Pillow's ``draft`` would pick, then turned upright
-and resized and centre-cropped in one antialiased pass by torch's uint8 kernel (SIMD, about
-5x Pillow's resampling). Every other format, a CMYK JPEG, and a JPEG libjpeg-turbo refuses go
-through the server's own ``preprocess`` (Pillow), which also gives a bad upload its 4xx. Both
-resample the same window (``center_crop_box``) with the same filter; their pixels differ by
-rounding detail only, which ``tests/integration/test_decode_accuracy.py`` bounds in a real
-model's answers.
+and resized and centre-cropped in one antialiased pass by torch's uint8 kernel (vectorised,
+where Pillow's resampling is not). Every other format, a CMYK JPEG, and a JPEG libjpeg-turbo
+refuses go through the server's own ``preprocess`` (Pillow), which also gives a bad upload
+its 4xx. Both resample the same window (``center_crop_box``) with the same filter; their
+pixels differ by rounding detail only, which ``tests/integration/test_decode_accuracy.py``
+bounds in a real model's answers.
 
 ``DeviceDecoder`` (``MB_DECODE=device``) decodes JPEGs with ``torchvision.io.decode_jpeg`` on
 the worker's device (nvJPEG on a GPU, in one batched call; libjpeg-turbo on the CPU), then
@@ -120,9 +120,9 @@ def _serial_torch() -> None:
     """A decode thread runs its torch ops (the resize) on itself alone. Left to the default,
     each decode thread would start an OpenMP team of its own, and once GNU OpenMP manages
     more threads than there are cores it stops spinning between parallel regions everywhere:
-    the model's batch-1 latency rose by a third for the rest of the worker's life (measured).
-    ``torch.set_num_threads`` sets the calling thread's OpenMP and MKL counts; the model's
-    thread keeps its own."""
+    the model's batch-1 latency rose for the rest of the worker's life (docs/performance.md,
+    2026-11-26). ``torch.set_num_threads`` sets the calling thread's OpenMP and MKL counts;
+    the model's thread keeps its own."""
     torch.set_num_threads(1)
 
 
@@ -134,15 +134,16 @@ TURBO_JPEG_MODES = ("RGB", "L")
 def draft_factor(width: int, height: int, spec: InputSpec) -> int:
     """The DCT scale divisor a JPEG is decoded at: the largest of 8, 4 and 2 that leaves both
     sides at least ``spec.resize_size``, else 1 (Pillow's ``draft`` rule). libjpeg-turbo can
-    scale by eighths too, but those factors decode slower than full size (measured)."""
+    scale by other eighths too, but those decode slower, at times slower than full size
+    (``python -m bench.decode_stages``)."""
     scale = min(width, height) // spec.resize_size
     return next(factor for factor in (8, 4, 2) if scale >= factor) if scale >= 2 else 1
 
 
 def decode_jpeg(data: bytes, header: Header, spec: InputSpec, out: npt.NDArray[np.uint8]) -> None:
-    """A JPEG whose ``header`` was read into ``out`` (``[crop, crop, 3]`` uint8): decoded at
-    ``draft_factor``, upright, resized and centre-cropped. ValueError where libjpeg-turbo
-    cannot decode it."""
+    """Decode a JPEG, its ``header`` already read, into ``out`` (``[crop, crop, 3]`` uint8):
+    at ``draft_factor``'s scale, turned upright, resized and centre-cropped. ValueError where
+    libjpeg-turbo cannot decode it."""
     factor = draft_factor(header.width, header.height, spec)
     pixels = simplejpeg.decode_jpeg(
         data,

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from app.errors import InvalidParameter, ServerError
@@ -111,6 +111,8 @@ def direct_app() -> tuple[DirectApp, list[str], list[str]]:
             raise InvalidParameter("k must be between 1 and 5")
         if request.query_params.get("fail") == "bug":
             raise ZeroDivisionError("a bug")
+        if request.query_params.get("fail") == "http":
+            raise HTTPException(413, "too big")
         return JSONResponse(
             {"body": len(await request.body()), "route": request.scope["route"].path}
         )
@@ -130,6 +132,10 @@ def direct_app() -> tuple[DirectApp, list[str], list[str]]:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"error": "internal"}, 500)
 
+    @app.exception_handler(413)
+    async def too_large(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": "too large"}, 413)
+
     stacked: list[str] = []
     wrapped: list[str] = []
     app.add_middleware(Seen, paths=stacked)
@@ -144,12 +150,23 @@ async def test_a_direct_route_skips_the_stack_inside_its_own_wrapper() -> None:
         ok = await client.post("/p/echo", content=b"12345")
         refused = await client.post("/p/echo?fail=client")
         bug = await client.post("/p/echo?fail=bug")
+        http = await client.post("/p/echo?fail=http")
         wrong_method = await client.get("/p/echo")
         with_param = await client.post("/p/items/cat")
     assert ok.json() == {"body": 5, "route": "/p/echo"}
     assert (refused.status_code, refused.json()) == (400, {"error": "invalid_parameter"})
     assert (bug.status_code, bug.json()) == (500, {"error": "internal"})
+    assert (http.status_code, http.json()) == (413, {"error": "too large"})  # by its status
     assert wrong_method.status_code == 405  # the usual way, with its 405
     assert with_param.json() == {"name": "cat"}  # a path with parameters: the usual way too
-    assert wrapped == ["/p/echo"] * 3
+    assert wrapped == ["/p/echo"] * 4
     assert stacked == ["/p/echo", "/p/items/cat"]
+
+
+async def test_a_direct_route_is_found_below_the_root_path() -> None:
+    app, stacked, wrapped = direct_app()
+    transport = httpx.ASGITransport(app=app, root_path="/api")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        ok = await client.post("/api/p/echo", content=b"12")
+    assert ok.json() == {"body": 2, "route": "/p/echo"}
+    assert (wrapped, stacked) == (["/api/p/echo"], [])
