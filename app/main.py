@@ -226,10 +226,5 @@ def create_app(
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     # The prediction routes, straight from the server, inside the same two middlewares.
-    app.route_directly(
-        predict.router.routes,
-        lambda endpoint: RequestLog(
-            BodySizeLimit(endpoint, max_body_bytes=body_limit, metrics=metrics), metrics=metrics
-        ),
-    )
+    app.route_directly(predict.router.routes)
     return app

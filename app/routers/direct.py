@@ -96,10 +96,11 @@ def _is_guard(path: str, call: Callable[..., Any]) -> bool:
 class DirectApp(FastAPI):
     """A FastAPI app whose ``DirectRoute``s (those with a fixed path, given to
     ``route_directly``) are called straight from the ASGI server: past Starlette's router,
-    which tries every route in turn, and FastAPI's middleware stack, wrapped only in the
-    per-request middleware the app gives (its log line and body limit), and answered on
-    error by the app's own exception handlers, as the stack would. Every other request,
-    and any other method on those paths, takes the usual way.
+    which tries every route in turn, and FastAPI's own middleware stack (error, telemetry,
+    body-size and exception middlewares, the exit stack, the included-router copy), inside
+    the app's own middleware only (``add_middleware``: here the log line and the body limit),
+    and answered on error by the app's exception handlers, as the stack would. Every other
+    request, and any other method on those paths, takes the usual way.
 
     Under load this cuts most of what the event loop spent between the server and the
     endpoint (docs/performance.md); the OpenAPI docs still describe the routes, which
@@ -107,18 +108,33 @@ class DirectApp(FastAPI):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._direct: dict[tuple[str, str], ASGIApp] = {}
+        self._direct_routes: list[DirectRoute] = []
+        self._direct: dict[tuple[str, str], ASGIApp] | None = None  # built at the first request
 
-    def route_directly(self, routes: Iterable[Any], wrap: Callable[[ASGIApp], ASGIApp]) -> None:
-        """Serve each ``DirectRoute`` of ``routes`` directly, inside ``wrap``'s middleware."""
-        for route in routes:
-            if isinstance(route, DirectRoute) and not route.param_convertors:
-                endpoint = wrap(_DirectEndpoint(self, route))
-                for method in route.methods or ():
-                    self._direct[(method, route.path)] = endpoint
+    def route_directly(self, routes: Iterable[Any]) -> None:
+        """Serve each ``DirectRoute`` of ``routes`` directly."""
+        self._direct_routes += [
+            route
+            for route in routes
+            if isinstance(route, DirectRoute) and not route.param_convertors
+        ]
+
+    def _build_direct(self) -> dict[tuple[str, str], ASGIApp]:
+        """Each direct route's endpoint wrapped in the app's own middleware, outermost first
+        as ``add_middleware`` left it (which Starlette forbids once requests come)."""
+        direct: dict[tuple[str, str], ASGIApp] = {}
+        for route in self._direct_routes:
+            endpoint: ASGIApp = _DirectEndpoint(self, route)
+            for cls, args, kwargs in reversed(self.user_middleware):
+                endpoint = cls(endpoint, *args, **kwargs)
+            for method in route.methods or ():
+                direct[(method, route.path)] = endpoint
+        return direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self._direct is None:
+                self._direct = self._build_direct()
             endpoint = self._direct.get((scope["method"], _route_path(scope)))
             if endpoint is not None:
                 scope["app"] = self

@@ -88,21 +88,22 @@ def test_a_guard_of_the_request_alone_runs_before_the_endpoint() -> None:
 
 
 class Seen:
-    """Pure ASGI middleware that records which paths it saw."""
+    """Pure ASGI middleware that logs its name and each path it sees."""
 
-    def __init__(self, app: Any, paths: list[str]) -> None:
+    def __init__(self, app: Any, name: str, log: list[str]) -> None:
         self.app = app
-        self.paths = paths
+        self.name = name
+        self.log = log
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            self.paths.append(scope["path"])
+            self.log.append(f"{self.name} {scope['path']}")
         await self.app(scope, receive, send)
 
 
-def direct_app() -> tuple[DirectApp, list[str], list[str]]:
-    """An app with direct routes; which paths went through its middleware stack and which
-    through the direct routes' own wrapper."""
+def direct_app() -> tuple[DirectApp, list[str]]:
+    """An app with direct routes and two middlewares of its own; what they saw. Each answer
+    says whether Starlette's router took the request (it marks the scope)."""
     app = DirectApp()
     router = APIRouter(prefix="/p", route_class=DirectRoute)
 
@@ -113,12 +114,12 @@ def direct_app() -> tuple[DirectApp, list[str], list[str]]:
             raise ZeroDivisionError("a bug")
         if request.query_params.get("fail") == "http":
             raise HTTPException(413, "too big")
-        return JSONResponse(
-            {"body": len(await request.body()), "route": request.scope["route"].path}
-        )
+        body = len(await request.body())
+        routed = "router" in request.scope
+        return JSONResponse({"body": body, "route": request.scope["route"].path, "routed": routed})
 
     async def named(request: Request) -> JSONResponse:
-        return JSONResponse(request.path_params)
+        return JSONResponse({**request.path_params, "routed": "router" in request.scope})
 
     router.add_api_route("/echo", echo, methods=["POST"])
     router.add_api_route("/items/{name}", named, methods=["POST"])
@@ -136,15 +137,15 @@ def direct_app() -> tuple[DirectApp, list[str], list[str]]:
     async def too_large(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"error": "too large"}, 413)
 
-    stacked: list[str] = []
-    wrapped: list[str] = []
-    app.add_middleware(Seen, paths=stacked)
-    app.route_directly(router.routes, lambda endpoint: Seen(endpoint, wrapped))
-    return app, stacked, wrapped
+    log: list[str] = []
+    app.add_middleware(Seen, name="inner", log=log)
+    app.add_middleware(Seen, name="outer", log=log)
+    app.route_directly(router.routes)
+    return app, log
 
 
-async def test_a_direct_route_skips_the_stack_inside_its_own_wrapper() -> None:
-    app, stacked, wrapped = direct_app()
+async def test_a_direct_route_skips_the_stack_but_not_the_apps_middleware() -> None:
+    app, log = direct_app()
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         ok = await client.post("/p/echo", content=b"12345")
@@ -153,20 +154,22 @@ async def test_a_direct_route_skips_the_stack_inside_its_own_wrapper() -> None:
         http = await client.post("/p/echo?fail=http")
         wrong_method = await client.get("/p/echo")
         with_param = await client.post("/p/items/cat")
-    assert ok.json() == {"body": 5, "route": "/p/echo"}
+    assert ok.json() == {"body": 5, "route": "/p/echo", "routed": False}
     assert (refused.status_code, refused.json()) == (400, {"error": "invalid_parameter"})
     assert (bug.status_code, bug.json()) == (500, {"error": "internal"})
     assert (http.status_code, http.json()) == (413, {"error": "too large"})  # by its status
     assert wrong_method.status_code == 405  # the usual way, with its 405
-    assert with_param.json() == {"name": "cat"}  # a path with parameters: the usual way too
-    assert wrapped == ["/p/echo"] * 4
-    assert stacked == ["/p/echo", "/p/items/cat"]
+    # A path with parameters: the usual way too, through Starlette's router.
+    assert with_param.json() == {"name": "cat", "routed": True}
+    # Every request, direct or not, went through the app's middleware, outermost first.
+    paths = ["/p/echo"] * 5 + ["/p/items/cat"]
+    assert log == [f"{layer} {path}" for path in paths for layer in ("outer", "inner")]
 
 
 async def test_a_direct_route_is_found_below_the_root_path() -> None:
-    app, stacked, wrapped = direct_app()
+    app, log = direct_app()
     transport = httpx.ASGITransport(app=app, root_path="/api")
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         ok = await client.post("/api/p/echo", content=b"12")
-    assert ok.json() == {"body": 2, "route": "/p/echo"}
-    assert (wrapped, stacked) == (["/api/p/echo"], [])
+    assert ok.json() == {"body": 2, "route": "/p/echo", "routed": False}
+    assert log == ["outer /api/p/echo", "inner /api/p/echo"]
