@@ -225,6 +225,6 @@ def create_app(
     if settings.api_key is None:
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
-    # The prediction routes, straight from the server, inside the same two middlewares.
+    # The prediction routes, straight from the server, inside the middleware above.
     app.route_directly(predict.router.routes)
     return app

@@ -54,14 +54,15 @@ def cpu_ms(work: Callable[[], Any], repeat: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def camera_sized(jpeg: bytes, long_side: int = 2000) -> bytes:
+def camera_sized(jpeg: bytes, long_side: int = 2000, quality: int = 85) -> bytes:
+    """``jpeg`` scaled (bicubic) to ``long_side`` pixels on its long side, as a JPEG again."""
     image = Image.open(io.BytesIO(jpeg))
     scale = long_side / max(image.size)
     big = image.resize(
         (round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC
     )
     buffer = io.BytesIO()
-    big.save(buffer, format="JPEG", quality=85)
+    big.save(buffer, format="JPEG", quality=quality)
     return buffer.getvalue()
 
 

@@ -10,14 +10,13 @@ Pillow itself shows with the rounded window."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import ImageOps
 
 from app.exporters.precision import GATES
 from app.images import _RESAMPLE, _open_checked, _to_rgb, preprocess
@@ -26,6 +25,7 @@ from app.workers.agreement import measure_pixels
 from app.workers.decoding import Decoder
 from app.workers.models import LoadOptions, load_models
 from app.workers.runtimes import MIN_COSINE_FP32
+from bench.decode_stages import camera_sized
 from bench.systems import photo_views
 
 pytestmark = pytest.mark.slow
@@ -46,22 +46,13 @@ def previous_release(data: bytes, spec: InputSpec) -> np.ndarray:
     return np.asarray(image.resize(size, _RESAMPLE[spec.interpolation], box=box))
 
 
-def camera_sized(data: bytes, long_side: int) -> bytes:
-    image = Image.open(io.BytesIO(data))
-    scale = long_side / max(image.size)
-    size = (round(image.width * scale), round(image.height * scale))
-    buffer = io.BytesIO()
-    image.resize(size, Image.Resampling.BICUBIC).save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     """60 views of scikit-image's photos (random crops, mirrored), and 20 of them at camera
     size, where the reduced DCT scale applies."""
     folder = photo_views(tmp_path_factory.mktemp("views"), 60)
     views = [path.read_bytes() for path in sorted(folder.glob("*.jpg"))]
-    return views + [camera_sized(view, 1600) for view in views[:20]]
+    return views + [camera_sized(view, 1600, quality=90) for view in views[:20]]
 
 
 def agreement(
