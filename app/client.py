@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import KW_ONLY, dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import IO, Any, Generic, Self, TypeAlias, TypeVar, overload
+from typing import IO, Any, Concatenate, Generic, ParamSpec, Self, TypeAlias, TypeVar, overload
 
 import httpx
 import numpy as np
@@ -48,7 +49,13 @@ __all__ = ["AsyncClient", "Client", "Image", "ServerReplyError", "Tag"]
 Image: TypeAlias = bytes | str | os.PathLike[str] | IO[bytes]
 Images: TypeAlias = list[Image] | tuple[Image, ...]
 Embedding: TypeAlias = npt.NDArray[np.float32]
+# Multipart fields: ("image", (file name, bytes)) each.
+_Files: TypeAlias = list[tuple[str, tuple[str, bytes]]]
 T = TypeVar("T")
+_Reader: TypeAlias = Callable[[httpx.Response], T]  # reads an answer
+P = ParamSpec("P")
+_Transport = TypeVar("_Transport", httpx.BaseTransport, httpx.AsyncBaseTransport)
+_Http = TypeVar("_Http", httpx.Client, httpx.AsyncClient)
 
 SHAPE_HEADER = "X-Embedding-Shape"
 # Room for the upload and the server's own timeout answer (504) to arrive before ours fires.
@@ -63,27 +70,22 @@ class Tag:
     prob: float
 
 
+@dataclass(eq=False, repr=False)  # an exception's identity and repr
 class ServerReplyError(Exception):
     """The server answered with a non-2xx status (after any 503 retries).
 
     ``type`` is the server's stable error name (``invalid_image``, ``queue_full``, ...; see
     the README's error table), ``retry_after_s`` its ``Retry-After`` when it sent one."""
 
-    def __init__(
-        self,
-        status: int,
-        type: str,
-        message: str,
-        retry_after_s: float | None = None,
-        *,
-        request_id: str | None = None,
-    ) -> None:
-        super().__init__(f"{status} {type}: {message}")
-        self.status = status
-        self.type = type
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.request_id = request_id
+    status: int
+    type: str
+    message: str
+    retry_after_s: float | None = None
+    _: KW_ONLY
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(f"{self.status} {self.type}: {self.message}")
 
 
 # -- the core: requests and answers, no I/O ----------------------------------------------------
@@ -95,20 +97,9 @@ class _Call(Generic[T]):
 
     method: str
     path: str
-    headers: dict[str, str]
-    parse: Callable[[httpx.Response], T]
-    files: list[tuple[str, tuple[str, bytes]]] | None = None
-    data: dict[str, str] | None = None
+    parse: _Reader[T]
+    request: dict[str, Any]  # httpx's arguments: headers, and params, files, data if any
     answered: frozenset[int] = frozenset({200})  # the statuses `parse` reads
-    params: dict[str, str] | None = None  # the query: the model chosen
-
-    def request_args(self) -> dict[str, Any]:
-        return {
-            "headers": self.headers,
-            "files": self.files,
-            "data": self.data,
-            "params": self.params,
-        }
 
 
 def _read_image(image: Image, index: int) -> tuple[str, bytes]:
@@ -125,7 +116,7 @@ def _read_image(image: Image, index: int) -> tuple[str, bytes]:
     return (os.path.basename(name) if isinstance(name, str) else f"image{index}"), data
 
 
-def _image_files(images: Image | Images) -> tuple[list[tuple[str, tuple[str, bytes]]], bool]:
+def _image_files(images: Image | Images) -> tuple[_Files, bool]:
     """The multipart ``image`` fields, and whether the caller wants a list back (it gave one,
     even of one image, which the server answers as a single result)."""
     wants_list = isinstance(images, list | tuple)
@@ -137,17 +128,14 @@ def _image_files(images: Image | Images) -> tuple[list[tuple[str, tuple[str, byt
 
 def _retry_after_s(response: httpx.Response) -> float | None:
     """``Retry-After`` in seconds (delta-seconds or an HTTP date), None if absent or unreadable."""
-    value = response.headers.get("Retry-After")
-    if value is None:
-        return None
+    value = response.headers.get("Retry-After", "")
     try:
         seconds = float(value)
     except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
+        try:  # a date without a zone (naive) is unreadable too: TypeError
+            seconds = (email.utils.parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds()
         except (TypeError, ValueError):
             return None
-        seconds = (when - datetime.now(UTC)).total_seconds()
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
@@ -158,17 +146,15 @@ def _reply_error(response: httpx.Response) -> ServerReplyError:
         kind, message = str(error["type"]), str(error["message"])
     except (ValueError, KeyError, TypeError):
         pass  # not this server's JSON error shape (a proxy's page, say): keep the raw text
-    return ServerReplyError(
-        response.status_code,
-        kind,
-        message,
-        _retry_after_s(response),
-        request_id=response.headers.get("X-Request-ID"),
-    )
+    request_id = response.headers.get("X-Request-ID")
+    status = response.status_code
+    return ServerReplyError(status, kind, message, _retry_after_s(response), request_id=request_id)
 
 
-def _embeddings(listed: bool, wants_list: bool) -> Callable[[httpx.Response], Embedding]:
-    """``listed``: the server answers several images (2-D); else one (1-D)."""
+def _embeddings(images: Image | Images) -> tuple[_Files, _Reader[Embedding]]:
+    """The images' fields, and how to read the answer: 1-D for one image, else 2-D."""
+    files, wants_list = _image_files(images)
+    listed = len(files) > 1  # the server answers several images (2-D); else one (1-D)
 
     def parse(response: httpx.Response) -> Embedding:
         header = response.headers.get(SHAPE_HEADER)
@@ -187,137 +173,26 @@ def _embeddings(listed: bool, wants_list: bool) -> Callable[[httpx.Response], Em
         vectors = np.frombuffer(response.content, dtype="<f4").reshape(shape).astype(np.float32)
         return vectors[None] if wants_list and not listed else vectors
 
-    return parse
+    return files, parse
 
 
-def _tags(
-    listed: bool, wants_list: bool
-) -> Callable[[httpx.Response], list[Tag] | list[list[Tag]]]:
-    def one(tags: list[dict[str, Any]]) -> list[Tag]:
-        return [Tag(str(t["name"]), float(t["prob"])) for t in tags]
+def _tags(images: Image | Images) -> tuple[_Files, _Reader[list[Tag] | list[list[Tag]]]]:
+    """The images' fields, and how to read the answer: tags, or a list of them for a list."""
+    files, wants_list = _image_files(images)
+    listed = len(files) > 1  # the server answers several images with a list of lists
 
     def parse(response: httpx.Response) -> list[Tag] | list[list[Tag]]:
-        body = response.json()
-        if listed:
-            return [one(item) for item in body]
-        return [one(body)] if wants_list else one(body)
+        body = response.json() if listed else [response.json()]
+        tags = [[Tag(str(t["name"]), float(t["prob"])) for t in item] for item in body]
+        return tags if listed or wants_list else tags[0]
 
-    return parse
-
-
-def _json(response: httpx.Response) -> Any:
-    return response.json()
+    return files, parse
 
 
-def _is_ready(response: httpx.Response) -> bool:
-    return response.status_code == 200
+class _ClientBase(Generic[_Transport, _Http]):
+    """What both clients share: settings, the connection, building calls, reading answers."""
 
-
-_READYZ_ANSWERS = frozenset({200, 503})  # a 503 from /readyz is an answer: not ready
-
-
-class _Core:
-    """Everything both clients share: settings, building calls, reading answers, retries."""
-
-    def __init__(
-        self,
-        api_key: str | None,
-        timeout_s: float,
-        retries: int,
-        max_retry_wait_s: float,
-        model: str | None = None,
-    ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if retries < 0:
-            raise ValueError(f"retries must be 0 or more, got {retries}")
-        if not max_retry_wait_s >= 0:
-            raise ValueError(f"max_retry_wait_s must be 0 or more, got {max_retry_wait_s}")
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.max_retry_wait_s = max_retry_wait_s
-        self.http_timeout = httpx.Timeout(timeout_s + HTTP_TIMEOUT_MARGIN_S)
-        self.model = model  # every call's model unless it names one
-        self.model_id: str | None = None
-
-    def _params(self, model: str | None) -> dict[str, str] | None:
-        chosen = model if model is not None else self.model
-        return None if chosen is None else {"model": chosen}
-
-    def _headers(self, request_id: str | None, accept: str = "application/json") -> dict[str, str]:
-        headers = {
-            "Accept": accept,
-            "X-Request-ID": request_id or uuid.uuid4().hex,
-            "X-Request-Timeout": f"{self.timeout_s:g}",
-        }
-        if self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def embed(
-        self, images: Image | Images, request_id: str | None, model: str | None
-    ) -> _Call[Embedding]:
-        files, wants_list = _image_files(images)
-        headers = self._headers(request_id, accept="application/octet-stream")
-        parse = _embeddings(len(files) > 1, wants_list)
-        params = self._params(model)
-        return _Call("POST", "/predict/embedding", headers, parse, files, params=params)
-
-    def tag(
-        self, images: Image | Images, k: int, request_id: str | None, model: str | None
-    ) -> _Call[list[Tag] | list[list[Tag]]]:
-        files, wants_list = _image_files(images)
-        parse = _tags(len(files) > 1, wants_list)
-        headers, params = self._headers(request_id), self._params(model)
-        return _Call("POST", "/predict/tag", headers, parse, files, {"k": str(k)}, params=params)
-
-    def info(self, request_id: str | None) -> _Call[dict[str, Any]]:
-        return _Call("GET", "/info", self._headers(request_id), _json)
-
-    def ready(self, request_id: str | None) -> _Call[bool]:
-        headers = self._headers(request_id)
-        return _Call("GET", "/readyz", headers, _is_ready, answered=_READYZ_ANSWERS)
-
-    def tags(self, request_id: str | None, model: str | None) -> _Call[list[str]]:
-        return _Call("GET", "/tags", self._headers(request_id), _json, params=self._params(model))
-
-    def retry_delay(self, call: _Call[Any], response: httpx.Response, attempt: int) -> float | None:
-        """None when ``response`` is the call's answer; else the seconds to wait before the
-        next attempt. Raises ``ServerReplyError`` when the answer is an error to give up on."""
-        self.model_id = response.headers.get("X-Model-Id", self.model_id)
-        if response.status_code in call.answered:
-            return None
-        error = _reply_error(response)
-        wait = error.retry_after_s
-        if (
-            response.status_code == 503
-            and wait is not None
-            and wait <= self.max_retry_wait_s
-            and attempt < self.retries
-        ):
-            return wait
-        raise error
-
-
-# -- the two transports -----------------------------------------------------------------------
-
-
-class _ClientBase:
-    """What both clients share beyond ``_Core``: which export answered last."""
-
-    _core: _Core
-
-    @property
-    def model_id(self) -> str | None:
-        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
-        return self._core.model_id
-
-
-class Client(_ClientBase):
-    """Blocking client. ``with Client("http://127.0.0.1:8000") as c: c.embed("cat.jpg")``.
-
-    ``transport`` (an ``httpx.BaseTransport``) replaces the network, e.g. for tests."""
+    _connect: Callable[..., _Http]  # httpx.Client or httpx.AsyncClient
 
     def __init__(
         self,
@@ -327,19 +202,82 @@ class Client(_ClientBase):
         timeout_s: float = 30.0,
         retries: int = 3,
         max_retry_wait_s: float = 10.0,
-        transport: httpx.BaseTransport | None = None,
+        transport: _Transport | None = None,
         model: str | None = None,
     ) -> None:
-        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s, model)
-        self._http = httpx.Client(
-            base_url=base_url, timeout=self._core.http_timeout, transport=transport
-        )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"retries must be 0 or more, got {retries}")
+        if not max_retry_wait_s >= 0:
+            raise ValueError(f"max_retry_wait_s must be 0 or more, got {max_retry_wait_s}")
+        self._api_key = api_key
+        self._timeout_s = timeout_s
+        self._retries = retries
+        self._max_retry_wait_s = max_retry_wait_s
+        self._model = model  # every call's model unless it names one
+        self._model_id: str | None = None
+        timeout = httpx.Timeout(timeout_s + HTTP_TIMEOUT_MARGIN_S)
+        self._http: _Http = self._connect(base_url=base_url, timeout=timeout, transport=transport)
+
+    @property
+    def model_id(self) -> str | None:
+        """``X-Model-Id`` of the last answer (``<arch>@<12 hex>``): which export answered."""
+        return self._model_id
+
+    def _params(self, model: str | None) -> dict[str, str] | None:
+        chosen = model if model is not None else self._model
+        return None if chosen is None else {"model": chosen}
+
+    def _call(
+        self,
+        path: str,
+        parse: _Reader[T],
+        request_id: str | None,
+        accept: str = "application/json",
+        answered: frozenset[int] = frozenset({200}),
+        **request: Any,
+    ) -> _Call[T]:
+        """A call to ``path``, POST if it has a body, with the headers every call sends."""
+        headers = {
+            "Accept": accept,
+            "X-Request-ID": request_id or uuid.uuid4().hex,
+            "X-Request-Timeout": f"{self._timeout_s:g}",
+        }
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        method = "POST" if "files" in request else "GET"
+        return _Call(method, path, parse, {"headers": headers, **request}, answered)
+
+    def _retry_in(self, call: _Call[Any], response: httpx.Response, attempt: int) -> float | None:
+        """None when ``response`` is the call's answer; else the seconds to wait before the
+        next attempt. Raises ``ServerReplyError`` when the answer is an error to give up on."""
+        self._model_id = response.headers.get("X-Model-Id", self._model_id)
+        if response.status_code in call.answered:
+            return None
+        error = _reply_error(response)
+        wait = error.retry_after_s
+        retry = wait is not None and wait <= self._max_retry_wait_s and attempt < self._retries
+        if response.status_code == 503 and retry:
+            return wait
+        raise error
+
+
+# -- the two clients: Client's methods are AsyncClient's too, sent by its own _send ------------
+
+
+class Client(_ClientBase[httpx.BaseTransport, httpx.Client]):
+    """Blocking client. ``with Client("http://127.0.0.1:8000") as c: c.embed("cat.jpg")``.
+
+    ``transport`` (an ``httpx.BaseTransport``) replaces the network, e.g. for tests."""
+
+    _connect = httpx.Client
 
     def _send(self, call: _Call[T]) -> T:
         attempt = 0
         while True:
-            response = self._http.request(call.method, call.path, **call.request_args())
-            wait = self._core.retry_delay(call, response, attempt)
+            response = self._http.request(call.method, call.path, **call.request)
+            wait = self._retry_in(call, response, attempt)
             if wait is None:
                 return call.parse(response)
             time.sleep(wait)
@@ -349,16 +287,15 @@ class Client(_ClientBase):
         self, images: Image | Images, *, request_id: str | None = None, model: str | None = None
     ) -> Embedding:
         """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
-        return self._send(self._core.embed(images, request_id, model))
+        files, parse = _embeddings(images)
+        params, accept = self._params(model), "application/octet-stream"
+        return self._send(
+            self._call("/predict/embedding", parse, request_id, accept, files=files, params=params)
+        )
 
     @overload
     def tag(
-        self,
-        images: Images,
-        k: int = 5,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
+        self, images: Images, k: int = 5, *, request_id: str | None = None, model: str | None = None
     ) -> list[list[Tag]]: ...
 
     @overload
@@ -375,19 +312,25 @@ class Client(_ClientBase):
         model: str | None = None,
     ) -> list[Tag] | list[list[Tag]]:
         """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
-        return self._send(self._core.tag(images, k, request_id, model))
+        files, parse = _tags(images)
+        form, params = {"k": str(k)}, self._params(model)
+        call = self._call("/predict/tag", parse, request_id, files=files, data=form, params=params)
+        return self._send(call)
 
     def info(self, *, request_id: str | None = None) -> dict[str, Any]:
         """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
-        return self._send(self._core.info(request_id))
+        return self._send(self._call("/info", httpx.Response.json, request_id))
 
     def ready(self, *, request_id: str | None = None) -> bool:
         """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
-        return self._send(self._core.ready(request_id))
+        answered = frozenset({200, 503})  # a 503 from /readyz is an answer too: not ready
+        call = self._call("/readyz", lambda r: r.status_code == 200, request_id, answered=answered)
+        return self._send(call)
 
     def tags(self, *, request_id: str | None = None, model: str | None = None) -> list[str]:
         """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
-        return self._send(self._core.tags(request_id, model))
+        params = self._params(model)
+        return self._send(self._call("/tags", httpx.Response.json, request_id, params=params))
 
     def close(self) -> None:
         self._http.close()
@@ -401,81 +344,46 @@ class Client(_ClientBase):
         self.close()
 
 
-class AsyncClient(_ClientBase):
+def _awaited(
+    method: Callable[Concatenate[Client, P], T],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """A ``Client`` method as an ``AsyncClient`` one: the same signature and docstring. It
+    only builds its call and returns ``self._send(call)``: run on an ``AsyncClient``, that is
+    a coroutine, which this awaits."""
+
+    async def awaited(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        run: Any = method  # on an AsyncClient, it returns the coroutine of its _send
+        answer: T = await run(self, *args, **kwargs)
+        return answer
+
+    functools.update_wrapper(awaited, method)
+    awaited.__qualname__ = f"AsyncClient.{method.__name__}"
+    return awaited
+
+
+class AsyncClient(_ClientBase[httpx.AsyncBaseTransport, httpx.AsyncClient]):
     """Asyncio client, the same methods as ``Client``, awaited.
     ``async with AsyncClient(url) as c: await c.embed(["a.jpg", "b.jpg"])``.
 
     ``transport`` (an ``httpx.AsyncBaseTransport``) replaces the network, e.g. for tests."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 30.0,
-        retries: int = 3,
-        max_retry_wait_s: float = 10.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-        model: str | None = None,
-    ) -> None:
-        self._core = _Core(api_key, timeout_s, retries, max_retry_wait_s, model)
-        self._http = httpx.AsyncClient(
-            base_url=base_url, timeout=self._core.http_timeout, transport=transport
-        )
+    _connect = httpx.AsyncClient
 
     async def _send(self, call: _Call[T]) -> T:
         attempt = 0
         while True:
-            response = await self._http.request(call.method, call.path, **call.request_args())
-            wait = self._core.retry_delay(call, response, attempt)
+            response = await self._http.request(call.method, call.path, **call.request)
+            wait = self._retry_in(call, response, attempt)
             if wait is None:
                 return call.parse(response)
             await asyncio.sleep(wait)
             attempt += 1
 
-    async def embed(
-        self, images: Image | Images, *, request_id: str | None = None, model: str | None = None
-    ) -> Embedding:
-        """Embedding of one image (1-D float32), or of a list of images (2-D, in order)."""
-        return await self._send(self._core.embed(images, request_id, model))
-
-    @overload
-    async def tag(
-        self,
-        images: Images,
-        k: int = 5,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-    ) -> list[list[Tag]]: ...
-
-    @overload
-    async def tag(
-        self, images: Image, k: int = 5, *, request_id: str | None = None, model: str | None = None
-    ) -> list[Tag]: ...
-
-    async def tag(
-        self,
-        images: Image | Images,
-        k: int = 5,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-    ) -> list[Tag] | list[list[Tag]]:
-        """Top-``k`` tags of one image, most probable first (a list of such lists for a list)."""
-        return await self._send(self._core.tag(images, k, request_id, model))
-
-    async def info(self, *, request_id: str | None = None) -> dict[str, Any]:
-        """``GET /info``: the model manifest, ``model_id``, batching settings, workers."""
-        return await self._send(self._core.info(request_id))
-
-    async def ready(self, *, request_id: str | None = None) -> bool:
-        """Whether ``GET /readyz`` answers 200 (a model worker is ready)."""
-        return await self._send(self._core.ready(request_id))
-
-    async def tags(self, *, request_id: str | None = None, model: str | None = None) -> list[str]:
-        """The class names, in the model's order (404 ``no_classifier`` for embedding-only)."""
-        return await self._send(self._core.tags(request_id, model))
+    embed = _awaited(Client.embed)
+    tag = _awaited(Client.tag)
+    info = _awaited(Client.info)
+    ready = _awaited(Client.ready)
+    tags = _awaited(Client.tags)
 
     async def aclose(self) -> None:
         await self._http.aclose()

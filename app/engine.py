@@ -9,16 +9,17 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
 
-from app.batching import QueueBacklog, Streamer, Transport
-from app.errors import NotReady
+from app.batching import ClusterView, QueueBacklog, Streamer, Transport
+from app.errors import NotReady, StartupError
 from app.jobs import BatchKey, ImageJob
+from app.lifecycle import ModelSpec, Route
 from app.manifest import Manifest
 from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
-from app.repository import ModelSpec, Repository, Route
-from app.services.models import ModelHost, ModelManager, VersionOnDisk
+from app.repository import Repository, VersionOnDisk
+from app.services.following import BrokerModels
+from app.services.models import ModelManager, Models
 from app.services.predictor import Predictor
 from app.services.registry import ModelRegistry
 
@@ -38,12 +39,12 @@ def default_transport(
     models: Sequence[ModelSpec],
     metrics: Metrics | None = None,
     *,
-    on_routes: Callable[[dict[str, Route]], None] | None = None,
+    on_view: Callable[[ClusterView], None] | None = None,
     labels: Callable[[str], tuple[str, str]] = lambda served_id: (served_id, ""),
 ) -> Transport[ImageJob]:
     """The transport the plan asks for (not started yet): model worker processes on this
     machine holding ``models``, or, for a broker front end, the workers behind Redis
-    (``on_routes`` hears which version each name serves, as their heartbeats say)."""
+    (``on_view`` hears what they hold and which version each name serves)."""
     if plan.role is Role.FRONT_END:
         assert plan.broker is not None
         from app.broker.transport import BrokerTransport  # no redis client unless asked for
@@ -54,7 +55,7 @@ def default_transport(
             max_queue=plan.limits.max_queue,
             switch_min_workers=plan.repository.switch_min_workers,
             on_workers=metrics.on_workers if metrics else None,
-            on_routes=on_routes,
+            on_view=on_view,
             scale_from_zero=plan.broker.scale_from_zero,
             own_routes={model.name: Route(model.version, model.served_id) for model in models},
         )
@@ -70,15 +71,7 @@ def default_transport(
 def models_to_serve(plan: ServingPlan) -> list[ModelSpec]:
     """The version of each model a process started with ``plan`` serves first (for a
     transport built outside the engine, as tests do)."""
-    manager = ModelManager(
-        ModelRegistry(), repository_of(plan), None, _no_predictor, dtype=plan.worker.dtype,
-        drain_timeout_s=0, verify=False,
-    )  # fmt: skip
-    return [item.spec for item in manager.read_chosen()]
-
-
-def _no_predictor(manifest: Manifest, classes: list[str], served_id: str) -> Predictor:
-    raise AssertionError("reading only")
+    return [item.spec for item in repository_of(plan).read_chosen(plan.worker.dtype, verify=False)]
 
 
 class Engine:
@@ -109,7 +102,7 @@ class Engine:
         self._transport: Transport[ImageJob] | None = None
         self._streamer: Streamer[ImageJob, object] | None = None
         self.registry = ModelRegistry(plan.repository.default_model)
-        self._manager: ModelManager | None = None
+        self._manager: Models | None = None
 
     @property
     def transport(self) -> Transport[ImageJob]:
@@ -122,7 +115,9 @@ class Engine:
         return self._streamer
 
     @property
-    def models(self) -> ModelManager:
+    def models(self) -> Models:
+        """The models served: ``ModelManager`` in-process, ``BrokerModels`` for a broker
+        front end."""
         assert self._manager is not None, "start the engine first"
         return self._manager
 
@@ -143,18 +138,15 @@ class Engine:
         """The work waiting for model workers (``GET /backlog``): in broker mode every front
         end's, from Redis (the same figure from each); in-process, this server's queue (lag)
         and the batches its workers run (pending)."""
-        shared = getattr(self.transport, "backlog", None)
+        shared = await self.transport.backlog()
         if shared is not None:
-            counted: QueueBacklog = await shared()
-            return counted
+            return shared
         return QueueBacklog(self.streamer.queue_depth, self.streamer.in_flight)
 
     async def refresh_routes(self) -> None:
         """Broker mode: look at the workers now (which versions serve), rather than wait for
         the front end's next look; a no-op for a transport that routes nothing."""
-        refresh = getattr(self.transport, "refresh", None)
-        if refresh is not None:
-            await refresh()
+        await self.transport.refresh()
 
     def labels(self, served_id: str) -> tuple[str, str]:
         """The ``model`` and ``version`` metric labels of a served id."""
@@ -167,31 +159,25 @@ class Engine:
         """Read the repository, start every worker with the versions to serve (raises
         ``StartupError`` with a clear message if one cannot start), then the Streamer and
         the models' predictors. Undoes what it started if any of that fails."""
-        plan, metrics, limits = self.plan, self.metrics, self.plan.limits
+        plan, limits = self.plan, self.plan.limits
         front_end = plan.role is Role.FRONT_END
+        repository = repository_of(plan)
         try:
-            manager = self._manager = ModelManager(
-                self.registry,
-                repository_of(plan),
-                None,
-                self._predictor_for,
-                dtype=plan.worker.dtype,
-                drain_timeout_s=limits.request_timeout_s + 5,
-                # A broker front end holds no weights: it needs each version's identity,
-                # input size and class names only.
+            # A broker front end holds no weights: it needs each version's identity, input
+            # size and class names only.
+            chosen = repository.read_chosen(
+                plan.worker.dtype,
+                default=plan.repository.default_model,
                 roles=("classes",) if front_end else None,
-                on_load=metrics.on_load if metrics else None,
             )
-            chosen = manager.read_chosen()
             self._transport = self._given_transport or default_transport(
                 plan,
                 [item.spec for item in chosen],
-                metrics,
-                on_routes=manager.follow,
+                self.metrics,
+                on_view=self._follow,
                 labels=self.labels,
             )
-            if not front_end:
-                manager.host = self._host(self._transport)
+            self._manager = self._models(repository)
             # The Streamer before the transport starts: a broker front end's first look at
             # the workers may already make predictors (their requests wait for the start).
             self._streamer = Streamer(
@@ -202,21 +188,22 @@ class Engine:
                 max_queue_size=limits.max_queue,
                 max_concurrent_batches=self._transport.capacity,
                 default_timeout_s=limits.request_timeout_s,
-                on_batch=self._on_batch if metrics and not plan.remote_workers else None,
+                on_batch=self._on_batch if self.metrics and not plan.remote_workers else None,
             )
             if plan.decode.server_threads:
                 self._decode_pool = ThreadPoolExecutor(
                     plan.decode.server_threads, thread_name_prefix="decode"
                 )
             await self._transport.start()
-            if self._given_transport is not None and manager.host is not None:
+            host = self._transport.models_host
+            if self._given_transport is not None and host is not None:
                 for item in chosen:  # a transport built elsewhere holds what serves too
-                    await manager.host.load(item.spec)
+                    await host.load(item.spec)
             await self._streamer.start()
-            if front_end:  # the workers' heartbeats say which versions serve (follow)
+            if isinstance(self._manager, ModelManager):
+                self._manager.serve_started(chosen)
+            else:  # the workers' heartbeats say which versions serve (follow)
                 self.registry.expect(item.spec.name for item in chosen)
-            else:
-                manager.serve_started(chosen)
         except BaseException:
             await self.aclose()
             raise
@@ -228,11 +215,31 @@ class Engine:
             plan.decode.describe(),
         )
 
-    @staticmethod
-    def _host(transport: Any) -> ModelHost | None:
-        """The transport as a model host, if it loads models (the pool, a fake)."""
-        loads = callable(getattr(transport, "load", None))
-        return transport if loads and callable(getattr(transport, "unload", None)) else None
+    def _models(self, repository: Repository) -> Models:
+        """What drives the models: the transport's own workers (in-process), or the broker
+        workers, asked through Redis."""
+        plan, transport = self.plan, self.transport
+        drain_timeout_s = plan.limits.request_timeout_s + 5
+        host, control = transport.models_host, transport.models_control
+        if host is not None:
+            return ModelManager(
+                self.registry, repository, host, self._predictor_for, dtype=plan.worker.dtype,
+                drain_timeout_s=drain_timeout_s,
+                on_load=self.metrics.on_load if self.metrics else None,
+            )  # fmt: skip
+        if control is not None:
+            return BrokerModels(
+                self.registry, repository, control, self._predictor_for,
+                dtype=plan.worker.dtype, drain_timeout_s=drain_timeout_s,
+                load_timeout_s=plan.limits.start_timeout_s,
+                min_workers=plan.repository.switch_min_workers,
+            )  # fmt: skip
+        raise StartupError("the transport neither loads models nor lets its workers choose them")
+
+    def _follow(self, view: ClusterView) -> None:
+        """Broker mode: each look at the workers, the front end's models follow them."""
+        if isinstance(self._manager, BrokerModels):
+            self._manager.follow(view)
 
     def _predictor_for(self, manifest: Manifest, classes: list[str], served_id: str) -> Predictor:
         plan = self.plan

@@ -57,6 +57,7 @@ Startup problems are not request errors and have their own branch:
     StartupError                     configuration, model store or worker start-up failure
     ├── SettingsError
     ├── ModelStoreError
+    │   └── ContentMismatch          a model is not what its manifest's id says
     └── WorkerStartError
 """
 
@@ -244,6 +245,11 @@ class SettingsError(StartupError):
 
 class ModelStoreError(StartupError):
     pass
+
+
+class ContentMismatch(ModelStoreError):
+    """A model file verifies against its checksum, but does not compute what its manifest's
+    id says (its weights or graph were replaced, and the checksum rewritten to match)."""
 
 
 class WorkerStartError(StartupError):

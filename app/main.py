@@ -32,10 +32,11 @@ from app.jobs import ImageJob
 from app.logs import configure_logging
 from app.metrics import LiveState, Metrics, VersionState
 from app.observability import RequestLog
-from app.plan import Role, plan_serving
+from app.plan import plan_serving
 from app.routers import meta, predict, repository, v2
 from app.routers.direct import DirectApp
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
+from app.services.models import ModelManager
 from app.settings import Settings, get_settings
 
 log = logging.getLogger("app")
@@ -71,7 +72,8 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
 def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
     """``kill -HUP``: load whatever is new in the model repository, as the admin load route
     does (a broker front end loads nothing: its workers do). Returns the undo."""
-    if engine.plan.role is Role.FRONT_END or not hasattr(signal, "SIGHUP"):
+    models = engine.models
+    if not isinstance(models, ModelManager) or not hasattr(signal, "SIGHUP"):
         return lambda: None
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -80,7 +82,7 @@ def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
 
     def on_hangup() -> None:
         log.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
-        task = loop.create_task(engine.models.reload())
+        task = loop.create_task(models.reload())
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
@@ -93,21 +95,27 @@ def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
 
 
 def _live_state(engine: Engine) -> LiveState:
-    registry = engine.registry
+    """The gauges' state: the versions as the index has them (a broker front end's include
+    what its workers loaded, failed or gave up), with the serving ones' manifests."""
+    workers = engine.transport.worker_status()
+    manifests = {v.served_id: v.manifest for v in engine.registry.versions()}
     return LiveState(
         queue_depth=engine.queue_depth,
         in_flight=engine.streamer.in_flight,
-        workers=engine.transport.worker_status(),
+        workers=workers,
         versions=[
             VersionState(
-                v.name,
-                v.version,
-                v.served_id,
-                v.state.value,
-                v.manifest,
-                registry.serving(v.name) is v,
+                row["name"],
+                int(row["version"]),
+                row["model_id"] or "",
+                row["state"],
+                manifests.get(row["model_id"]),
+                row["serving"],
+                row["runtime"],
+                row["slowdown"],
             )
-            for v in registry.versions()
+            for row in engine.models.index(workers)
+            if row["state"] != "unavailable"
         ],
     )
 
@@ -185,8 +193,9 @@ def create_app(
             restore_signals = _flag_closing_on_signals(app)
             stop_hangup = _reload_on_hangup(engine)
             poll = None
-            if plan.repository.poll_s is not None and plan.role is not Role.FRONT_END:
-                poll = asyncio.create_task(engine.models.poll(plan.repository.poll_s))
+            models = engine.models
+            if plan.repository.poll_s is not None and isinstance(models, ModelManager):
+                poll = asyncio.create_task(models.poll(plan.repository.poll_s))
             unfreeze = _freeze_startup_objects()
             try:
                 yield

@@ -6,6 +6,7 @@ Written by ``app.export``, read by the server (no torch needed to read or verify
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
@@ -122,6 +123,27 @@ class Calibration(BaseModel):
     golden_agreement: Agreement
 
 
+class Content(BaseModel):
+    """What computes the answers, by module: each TorchScript module's digest (weights,
+    graph and captured constants: ``app.workers.content``), taken at export on the module as
+    saved. The served id is built from these and the rest of what shapes an answer
+    (``Manifest.identity``), so two exports of the same weights share it."""
+
+    scheme: Literal[1] = 1
+    modules: dict[Literal["embedding", "classifier"], str]
+
+
+class Speeds(BaseModel):
+    """How fast each runtime of the export ran on the export's host: images/s of full-task
+    batches of ``batch_size`` (best of a few rounds), and that host's CPU. A worker serving
+    with a slower runtime than one that failed its self-test says how much slower by these
+    (a ratio travels between hosts better than a rate)."""
+
+    images_per_s: dict[str, float]
+    batch_size: int = Field(gt=0)
+    cpu: str = ""
+
+
 class Manifest(BaseModel):
     """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
     ``classifier`` or ``classes`` file. ``runtimes`` lists the artifacts derived for other
@@ -141,6 +163,8 @@ class Manifest(BaseModel):
     program: ProgramArtifact | None = None  # absent from older stores and uncapturable models
     precision: Precision = "fp32"
     calibration: Calibration | None = None
+    speeds: Speeds | None = None  # absent from stores exported before they were measured
+    content: Content | None = None  # absent from older stores: their id is the manifest's
     # sha256 of manifest.json as read (not part of it): the export's identity.
     digest: str = Field(default="", exclude=True)
 
@@ -182,10 +206,33 @@ class Manifest(BaseModel):
         return served_model_id(self.model_id, self.serving_dtype(setting))
 
     @property
+    def identity(self) -> str:
+        """The sha256 of what computes this export's answers: its modules' content digests,
+        its preprocessing, its class names, its architecture and dimensions, and the int8
+        weights of an int8 export; never a timestamp, a measurement, a path or a version of
+        the tools that wrote it. Two exports of the same weights have the same identity. A
+        store exported before ``content`` existed has the sha256 of its manifest."""
+        if self.content is None:
+            return self.digest
+        int8_weights = self.int8_files.get("embedding.bin")
+        fields = {
+            "scheme": self.content.scheme,
+            "arch": self.arch,
+            "input": self.input.model_dump(mode="json"),
+            "embedding_dim": self.embedding_dim,
+            "num_classes": self.num_classes,
+            "classes": self.files["classes"].sha256 if "classes" in self.files else None,
+            "modules": dict(sorted(self.content.modules.items())),
+            "int8": int8_weights.sha256 if int8_weights is not None else None,
+        }
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
     def version(self) -> str:
-        """The first 12 hex of the manifest's sha256: the same for every load of one export,
-        different for any other (its files' checksums are in the manifest)."""
-        return self.digest[:12]
+        """The first 12 hex of ``identity``: the same for every export of the same weights
+        and preprocessing, different for any other."""
+        return self.identity[:12]
 
     @property
     def model_id(self) -> str:

@@ -22,53 +22,18 @@ import errno
 import os
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
-from typing import NamedTuple
 
 from app.errors import InvalidRequest, ModelNotFound, ModelStoreError
-from app.manifest import MANIFEST_NAME, read_manifest
-from app.settings import MODEL_NAME_PATTERN, VERSION_PATTERN
+from app.lifecycle import AdminPin, ModelSpec, chosen_version
+from app.manifest import MANIFEST_NAME, Manifest, read_classes, read_manifest
+from app.settings_values import MODEL_NAME_PATTERN, VERSION_PATTERN
 
 _NAME = re.compile(MODEL_NAME_PATTERN)
 _VERSION = re.compile(VERSION_PATTERN)
 STAGING_PREFIX = ".incoming-"
-
-
-class ModelState(StrEnum):
-    """Where one loaded version is in its life (``app.services.registry`` owns the moves):
-
-    LOADING -> READY -> DRAINING -> GONE, and LOADING -> FAILED (the old version serves on).
-    A READY version takes requests; a DRAINING one finishes those it has and takes no more.
-    """
-
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-    GONE = "gone"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One version to load, as the engine hands it to the workers (picklable): its name and
-    number, its store's folder, the id its answers carry (``Manifest.served_id``), and the
-    shape of one preprocessed image (height, width, 3) it takes."""
-
-    name: str
-    version: int
-    store: str
-    served_id: str
-    image_shape: tuple[int, int, int] = (224, 224, 3)
-
-
-class Route(NamedTuple):
-    """The version a name serves: its number and served id (broker mode: as the workers'
-    heartbeats decide it, ``app.broker.routing``)."""
-
-    version: int
-    served_id: str
 
 
 def check_name(name: str) -> str:
@@ -104,6 +69,7 @@ class Repository:
 
     >>> # repo = Repository(Path("models"))
     >>> # repo.names(), repo.versions("tagger"), repo.chosen("tagger")   # newest unless pinned
+    >>> # repo.read("tagger", 2, "auto").spec   # the ModelSpec the workers load
     """
 
     root: Path
@@ -160,20 +126,78 @@ class Repository:
             )
         return versions[version]
 
-    def chosen(self, name: str) -> int:
-        """The version of ``name`` to serve: its pin (``MB_MODEL_VERSIONS``), else its
-        newest. ``ModelNotFound`` if it has none, or not the pinned one."""
-        versions = self.versions(name)
-        if not versions:
-            raise ModelNotFound(f"no model named {name!r} in the repository")
-        pinned = self.pins.get(name)
-        if pinned is None:
-            return max(versions)
-        if pinned not in versions:
-            raise ModelNotFound(
-                f"MB_MODEL_VERSIONS pins {name}={pinned}, but it has {_listed(versions)}"
+    def chosen(self, name: str, admin: AdminPin | None = None) -> int | None:
+        """The version ``name`` should serve (``app.lifecycle.chosen_version``): ``admin``
+        (what the admin route loaded), else its pin (``MB_MODEL_VERSIONS``), else its
+        newest; None if the admin route unloaded it. ``ModelNotFound`` if it has none, or
+        not the one asked for."""
+        return chosen_version(name, self.versions(name), self.pins.get(name), admin)
+
+    def read(
+        self,
+        name: str,
+        version: int,
+        dtype: str,
+        *,
+        verify: bool = True,
+        roles: Collection[str] | None = None,
+    ) -> VersionOnDisk:
+        """``name``'s ``version`` as the server loads it: what to hand the workers (its
+        served id under MB_DTYPE ``dtype``), its manifest and its class names. With
+        ``verify``, every file's sha256 is checked (or those of ``roles`` only: a broker
+        front end needs its class names, not its weights). ``ModelNotFound``,
+        ``ModelStoreError``."""
+        store = self.path(name, version)
+        manifest = read_manifest(store, verify=verify, roles=roles)
+        classes = read_classes(store, manifest)
+        served_id = manifest.served_id(dtype)
+        spec = ModelSpec(name, version, str(store), served_id, manifest.input.image_shape)
+        return VersionOnDisk(spec, manifest, classes)
+
+    def read_chosen(
+        self,
+        dtype: str,
+        *,
+        default: str | None = None,
+        verify: bool = True,
+        roles: Collection[str] | None = None,
+    ) -> list[VersionOnDisk]:
+        """The chosen version of every model (its pin, else its newest), as a process
+        serves them at start; ``default``: ``MB_DEFAULT_MODEL``, which must be one of them.
+        ``ModelStoreError`` for an empty repository or an unknown default."""
+        names = self.names()
+        if not names:
+            raise ModelStoreError(
+                f"no model in {self.root}: export one with `python -m app.export` (or `make "
+                "model`); a repository holds DIR/<name>/<version>/ stores"
             )
-        return pinned
+        if default is not None and default not in names:
+            raise ModelStoreError(
+                f"MB_DEFAULT_MODEL={default}, but the repository holds {', '.join(names)}"
+            )
+        chosen = [(name, self.chosen(name)) for name in names]
+        return [
+            self.read(name, number, dtype, verify=verify, roles=roles)
+            for name, number in chosen
+            if number is not None
+        ]
+
+    def claimed_id(self, name: str, version: int, dtype: str) -> str:
+        """The served id a version's manifest claims, unverified ("" if it has none): what
+        a version that failed its checks is shown as."""
+        try:
+            return read_manifest(self.path(name, version), verify=False).served_id(dtype)
+        except (ModelStoreError, ModelNotFound):
+            return ""
+
+
+@dataclass(frozen=True)
+class VersionOnDisk:
+    """A version read from the repository: what to load, and what a Predictor needs."""
+
+    spec: ModelSpec
+    manifest: Manifest
+    classes: list[str]
 
 
 def _listed(versions: dict[int, Path]) -> str:

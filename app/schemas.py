@@ -25,11 +25,19 @@ class Health(BaseModel):
 
 class HeldModelState(BaseModel):
     served_id: str = Field(description="the model version's id (X-Model-Id)")
-    state: str = Field(description="loading, ready, or (broker mode) failed")
+    state: str = Field(description="loading, ready, draining, or (broker mode) failed")
+    name: str = Field("", description="the model's name")
+    version: int = Field(0, description="the version's number")
     runtime: str | None = None
     batch_size: int | None = Field(None, description="the largest batch it takes of this model")
     memory_bytes: int | None = Field(None, description="what this model costs this worker")
     reason: str = ""
+    skipped: list[tuple[str, str]] = Field(
+        default_factory=list, description="runtimes that failed their self-test here, and why"
+    )
+    slowdown: float | None = Field(
+        None, description="times slower than the fastest of those, as the export measured"
+    )
 
 
 class WorkerState(BaseModel):

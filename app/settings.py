@@ -6,10 +6,9 @@ Every field maps to the upper-case environment variable of the same name, e.g.
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     ByteSize,
@@ -19,68 +18,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.errors import SettingsError
+from app.settings_values import (
+    MODEL_NAME_PATTERN,
+    parse_cuda_devices,
+    parse_pins,
+)
 
 KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
-
-AUTO = None  # sentinel returned by parse_cuda_devices: "every visible CUDA device"
-
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # a model's name (its repository folder)
-VERSION_PATTERN = r"^[1-9][0-9]{0,8}$"  # a version number (its folder in the model's)
-
-
-def parse_cuda_devices(text: str | None) -> list[int] | None:
-    """Parse ``CUDA_DEVICES``.
-
-    ``None`` or ``"auto"`` -> ``None`` (all visible CUDA devices, CPU when there are none);
-    ``""`` or ``"cpu"`` -> ``[]`` (CPU only); ``"0,2"`` -> ``[0, 2]``. GPU 0 is a device like
-    any other. Raises ``ValueError`` for negatives, non-integers and duplicates.
-
-    >>> parse_cuda_devices("0, 1")
-    [0, 1]
-    """
-    if text is None:
-        return AUTO
-    cleaned = text.strip().lower()
-    if cleaned == "auto":
-        return AUTO
-    if cleaned in ("", "cpu", "none"):
-        return []
-    ids: list[int] = []
-    for part in cleaned.split(","):
-        token = part.strip()
-        if not token.isdigit():
-            raise ValueError(
-                f"expected comma-separated GPU indices like '0,1', 'cpu' or 'auto', got {text!r}"
-            )
-        index = int(token)
-        if index in ids:
-            raise ValueError(f"GPU {index} is listed twice in {text!r}")
-        ids.append(index)
-    return ids
-
-
-def parse_pins(text: str | None) -> dict[str, int]:
-    """``MB_MODEL_VERSIONS``: ``name=version`` pairs, comma-separated.
-
-    >>> parse_pins("tagger=3, embedder=1")
-    {'tagger': 3, 'embedder': 1}
-    """
-    pins: dict[str, int] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, sep, version = (piece.strip() for piece in part.partition("="))
-        if not sep or not re.match(VERSION_PATTERN, version):
-            raise ValueError(f"expected name=version pairs like 'tagger=3', got {part.strip()!r}")
-        if not re.match(MODEL_NAME_PATTERN, name) or name in (".", ".."):
-            raise ValueError(f"{name!r} is not a model name ({MODEL_NAME_PATTERN})")
-        if name in pins:
-            raise ValueError(f"{name!r} is pinned twice")
-        pins[name] = int(version)
-    return pins
 
 
 class Settings(BaseSettings):
@@ -208,6 +155,14 @@ class Settings(BaseSettings):
             "live workers ('all': every live worker serving that name)."
         ),
     )
+    mb_test_load_delay_s: Annotated[tuple[float, ...], NoDecode] = Field(
+        (),
+        description=(
+            "Testing only: seconds each model worker sleeps in every load after its start (a "
+            "slow rollout, on purpose), as a comma-separated list by worker index (worker i "
+            "gets item i modulo its length)."
+        ),
+    )
     max_upload_bytes: int = Field(
         10 * 1024 * 1024,
         ge=1,
@@ -309,6 +264,13 @@ class Settings(BaseSettings):
     @classmethod
     def _check_pins(cls, value: str | None) -> str | None:
         parse_pins(value)  # raises ValueError naming the bad pair
+        return value
+
+    @field_validator("mb_test_load_delay_s", mode="before")
+    @classmethod
+    def _split_delays(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(float(part) for part in value.split(",") if part.strip())
         return value
 
     @field_validator("mb_switch_min_workers")

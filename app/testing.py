@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.batching import BatchItem, HeldModel, WorkerStatus
+from app.batching import BatchItem, HeldModel, QueueBacklog, WorkerStatus
 from app.errors import BatchContractError, ModelLoadFailed
 from app.jobs import BatchKey, ImageJob, Task
-from app.repository import ModelSpec, ModelState
+from app.lifecycle import ModelSpec, VersionState
 
 Handler = Callable[[Task, Sequence[ImageJob]], Sequence[object] | Awaitable[Sequence[object]]]
 
@@ -52,6 +52,7 @@ class FakeTransport:
         self.batches: list[FakeBatch] = []
         self.started = self.closed = False
         self.loaded: list[str] = []  # served ids held, in load order
+        self._specs: dict[str, ModelSpec] = {}
         self.fail_loads: ModelLoadFailed | None = None  # set: every load fails with it
 
     async def load(self, spec: ModelSpec) -> list[ModelSpec]:
@@ -60,6 +61,7 @@ class FakeTransport:
             raise self.fail_loads
         if spec.served_id not in self.loaded:
             self.loaded.append(spec.served_id)
+        self._specs[spec.served_id] = spec
         return [spec]
 
     async def unload(self, served_id: str) -> None:
@@ -103,6 +105,25 @@ class FakeTransport:
     def shared_queue_depth(self) -> int:
         return 0
 
+    async def backlog(self) -> QueueBacklog | None:
+        return None
+
+    async def refresh(self) -> None:
+        pass
+
+    @property
+    def models_host(self) -> FakeTransport:
+        return self
+
+    @property
+    def models_control(self) -> None:
+        return None
+
+    def _held(self, served_id: str) -> HeldModel:
+        spec = self._specs.get(served_id)
+        name, version = (spec.name, spec.version) if spec is not None else ("", 0)
+        return HeldModel(served_id, VersionState.READY.value, name=name, version=version)
+
     def worker_status(self) -> list[WorkerStatus]:
         items = sum(len(batch.jobs) for batch in self.batches)
         return [
@@ -110,6 +131,6 @@ class FakeTransport:
                 index=0, device="fake", threads=0, pid=None, ready=self.ready,
                 alive=not self.closed, batch_size=self._batch_size, batches=len(self.batches),
                 items=items,
-                models=tuple(HeldModel(served, ModelState.READY) for served in self.loaded),
+                models=tuple(self._held(served) for served in self.loaded),
             )
         ]  # fmt: skip

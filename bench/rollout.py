@@ -1,30 +1,41 @@
 """``python -m bench.rollout``: versions swapped under load, in-process and in broker mode.
 
-    python -m bench.rollout                          # 10 swaps, 32 clients, both modes
-    python -m bench.rollout --modes inprocess --swaps 4 --json rollout.json
+    python -m bench.rollout                                   # every scenario (about 35 min)
+    python -m bench.rollout --scenarios inprocess-1-slow,broker-slow --json rollout.json
 
 A model repository with one model (``main``) in two versions of different weights
 (EfficientNet-Lite0 with its ImageNet weights, and with random ones), and a second model
-(``other``) beside it. 32 closed-loop clients send distinct photos to ``main`` while it swaps
-between its two versions ``--swaps`` times: in-process through the admin load route
-(``POST /v2/repository/models/main/load``), in broker mode (``python -m app.broker.cluster``:
-Redis, 2 gunicorn front ends, 2 workers) by publishing the other version as the next one and
-``kill -HUP``. A second pass does the same while a quarter of the clients ask ``other``.
+(``other``) beside it. 16 closed-loop clients send distinct photos to ``main`` while it swaps
+between its two versions, per scenario (``SCENARIOS``):
+
+- in-process (``python -m app``), 1 or 2 workers, through the admin load route, with loads as
+  they come and with loads made 10 s slower (``MB_TEST_LOAD_DELAY_S``): the worker loads in a
+  thread while it serves; what a load costs the requests meanwhile;
+- broker mode (``python -m app.broker.cluster``: Redis, 2 gunicorn front ends, 2 workers):
+  publishing the other version as the next one and ``kill -HUP``, with loads as they come and
+  with loads of 2 s and 15 s on the two workers (longer than any grace period: the rollout
+  must wait for the slower one, and switch); and through the admin load route on a front end,
+  by version number, back and forth: every swap loads again a version its workers unloaded;
+- with a second model under load beside it, in each mode.
 
 Every answer is checked against the reference vector of the version it says computed it
 (``X-Model-Id``), computed here with TorchScript: cosine at least 0.999 (the runtimes agree
-to 0.9999 or better; the two versions' vectors are nowhere near). Printed per run: answers by
-status (anything but 200 is a failure) and by served id, answers that do not match their
-id's reference (must be 0), p50/p99 latency while swapping against steady load, the time
-from the load call (or the SIGHUP) to the switch, and every process's RSS after each swap,
-with its growth after the first swap (flat within 5%).
+to 0.9999 or better; the two versions' vectors are nowhere near). Per run: answers by status
+(anything but 200 is a failure) and by served id before the first swap and after the last,
+answers that do not match their id's reference (must be 0), worker deaths (must be 0),
+latency (p50, p99, worst) and throughput while a version loads against steady load, the time
+from the call (or the SIGHUP) to the switch, and every process's RSS after each swap, with
+its growth after the first swap (flat within 5%).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -52,6 +63,38 @@ MIN_COSINE = 0.999
 FLAT_PCT = 5.0
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """One way of swapping: where (``inprocess`` or ``broker``), on how many workers, how
+    (``admin``: the admin load route, by version number; ``publish``: the other version
+    published as the next one, then ``kill -HUP``), with loads slowed by ``delays``
+    (``MB_TEST_LOAD_DELAY_S``), with a second model under load, and how many swaps."""
+
+    name: str
+    mode: str
+    workers: int
+    how: str
+    delays: str = ""
+    second_model: bool = False
+    swaps: int = 10
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("inprocess-1", "inprocess", 1, "admin"),
+        Scenario("inprocess-1-slow", "inprocess", 1, "admin", delays="10", swaps=4),
+        Scenario("inprocess-2", "inprocess", 2, "admin"),
+        Scenario("inprocess-2-slow", "inprocess", 2, "admin", delays="10", swaps=4),
+        Scenario("inprocess-other", "inprocess", 2, "admin", second_model=True),
+        Scenario("broker", "broker", 2, "publish"),
+        Scenario("broker-slow", "broker", 2, "publish", delays="2,15", swaps=4),
+        Scenario("broker-reload", "broker", 2, "admin"),
+        Scenario("broker-other", "broker", 2, "publish", second_model=True),
+    )
+}
+
+
 @dataclass
 class Answer:
     sent_at: float
@@ -64,15 +107,21 @@ class Answer:
 
 @dataclass
 class Run:
-    """What one run measured."""
+    """What one scenario measured."""
 
-    mode: str
-    second_model: bool
+    scenario: Scenario
     answers: list[Answer] = field(default_factory=list)
     swaps: list[tuple[float, float, float]] = field(default_factory=list)  # asked, switched, done
     samples: list[Sample] = field(default_factory=list)
+    deaths: int = 0  # worker restarts over the run
+    ids: tuple[str, str] = ("", "")  # main's version before the first swap, and after the last
+
+    def loading(self, at: float) -> bool:
+        """Sent while a version loaded (from the call to the switch)."""
+        return any(asked <= at <= switched for asked, switched, _ in self.swaps)
 
     def swapping(self, at: float) -> bool:
+        """Sent between a call and the old version's unload."""
         return any(asked <= at <= done for asked, _, done in self.swaps)
 
 
@@ -144,7 +193,7 @@ async def drive(
     prepared = {model: requests(model) for model in ("main", "other")}
 
     async def client(number: int) -> None:
-        model = "other" if run.second_model and number % 4 == 3 else "main"
+        model = "other" if run.scenario.second_model and number % 4 == 3 else "main"
         connection = Connection(HOST, port)
         index = number
         try:
@@ -188,6 +237,12 @@ def only(port: int, served_id: str, versions: set[str]) -> bool:
     return bool(held) and all(ids == {served_id} for ids in held)
 
 
+def restarts(port: int) -> int:
+    """Worker restarts so far, over every worker slot (a death is a restart)."""
+    workers = httpx.get(f"http://{HOST}:{port}/info", timeout=10).json()["workers"]
+    return sum(int(w.get("restarts", 0)) for w in workers)
+
+
 async def until(check: Any, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not await asyncio.to_thread(check):
@@ -196,8 +251,8 @@ async def until(check: Any, timeout_s: float = 300) -> None:
         await asyncio.sleep(0.1)
 
 
-async def swap_in_process(port: int, version: int) -> None:
-    """The admin route: answers once the version serves."""
+async def swap_by_admin(port: int, version: int) -> None:
+    """The admin route (in-process, or on a broker front end): answers once it serves."""
     async with httpx.AsyncClient(timeout=600) as http:
         answer = await http.post(
             f"http://{HOST}:{port}/v2/repository/models/main/load",
@@ -208,11 +263,11 @@ async def swap_in_process(port: int, version: int) -> None:
         raise RuntimeError(f"load failed: {answer.status_code} {answer.text}")
 
 
-async def swap_broker(
+async def swap_by_publishing(
     port: int, launcher_pid: int, repository: Path, source: Path, target_id: str
 ) -> None:
-    """Publish ``source`` as ``main``'s next version, SIGHUP the workers, and wait until the
-    front ends serve it."""
+    """Publish ``source`` as ``main``'s next version, SIGHUP the server (in broker mode, the
+    cluster, which tells its workers), and wait until it serves it."""
     from app.repository import publish, staging_folder
 
     staging = staging_folder(repository / "main")
@@ -224,8 +279,7 @@ async def swap_broker(
 
 
 async def one_run(
-    mode: str,
-    second_model: bool,
+    scenario: Scenario,
     stores: dict[str, Path],
     repository: Path,
     images: list[bytes],
@@ -236,88 +290,144 @@ async def one_run(
     from bench.systems import serve
 
     ids = {key: read_manifest(store).served_id("auto") for key, store in stores.items()}
-    run = Run(mode, second_model)
+    run = Run(scenario)
+    by_number = scenario.how == "admin"
     settings = {
         "MODEL_REPOSITORY": str(repository),
         "ADMIN_API_KEY": ADMIN_KEY,
         "LOG_LEVEL": "warning",
-        **({"MB_MODEL_VERSIONS": "main=1"} if mode == "inprocess" else {}),
+        **({"MB_MODEL_VERSIONS": "main=1"} if by_number else {}),
+        **({"MB_TEST_LOAD_DELAY_S": scenario.delays} if scenario.delays else {}),
     }
-    kind = {"inprocess": "ours", "broker": "cluster"}[mode]
+    kind = {"inprocess": "ours", "broker": "cluster"}[scenario.mode]
     with serve(
         kind, stores["main-1"], batch_size="32", max_latency=0.005, threads=args.threads,
-        workers=2, settings=settings, front_ends=2,
+        workers=scenario.workers, settings=settings, front_ends=2,
     ) as server:  # fmt: skip
         port = server.port
         await until(lambda: serving(port, "main") == ids["main-1"])
+        deaths = restarts(port)
         stop = asyncio.Event()
         load = asyncio.create_task(drive(port, images, refs, run, stop, args.clients))
         await asyncio.sleep(args.steady_s)
         run.samples.append(Sample.take(server.process.pid, 0))
-        for swap in range(1, args.swaps + 1):
+        for swap in range(1, scenario.swaps + 1):
             key = "main-2" if swap % 2 else "main-1"
             asked = time.monotonic()
-            if mode == "inprocess":
-                await swap_in_process(port, 2 if swap % 2 else 1)
+            if by_number:
+                await swap_by_admin(port, 2 if swap % 2 else 1)
             else:
-                await swap_broker(port, server.process.pid, repository, stores[key], ids[key])
+                pid = server.process.pid
+                await swap_by_publishing(port, pid, repository, stores[key], ids[key])
             switched = time.monotonic()
             main_ids = {ids["main-1"], ids["main-2"]}
             await until(partial(only, port, ids[key], main_ids))  # the old one unloaded
             run.swaps.append((asked, switched, time.monotonic()))
             run.samples.append(Sample.take(server.process.pid, swap))
             print(
-                f"  {mode}{' + other' if second_model else ''}: swap {swap} to {ids[key]}: "
-                f"switched after {switched - asked:.1f} s, old version unloaded "
+                f"  {scenario.name}: swap {swap} to {ids[key]}: switched after "
+                f"{switched - asked:.1f} s, old version unloaded "
                 f"{time.monotonic() - switched:.1f} s later",
                 flush=True,
             )
             await asyncio.sleep(args.steady_s)
         stop.set()
         await load
+        run.deaths = restarts(port) - deaths
+        last = "main-2" if scenario.swaps % 2 else "main-1"
+        run.ids = (ids["main-1"], ids[last])
     return run
 
 
 # -- the report -------------------------------------------------------------------------------
 
 
-def percentiles(latencies: list[float]) -> str:
+def latency(latencies: list[float]) -> dict[str, float | None]:
+    """p50, p99 and the worst, in ms."""
     if not latencies:
-        return "-"
+        return {"p50": None, "p99": None, "max": None}
     ordered = sorted(latencies)
 
     def at(q: float) -> float:
-        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
-    return f"{at(0.5):.0f}/{at(0.99):.0f}"
+    return {"p50": at(0.5), "p99": at(0.99), "max": round(1000 * ordered[-1], 1)}
+
+
+def rate(answers: list[Answer], windows: list[tuple[float, float]]) -> float | None:
+    """Answers per second, over the answers sent within ``windows``."""
+    seconds = sum(end - start for start, end in windows)
+    inside = sum(1 for a in answers if any(s <= a.sent_at <= e for s, e in windows))
+    return round(inside / seconds, 1) if seconds > 0 else None
 
 
 def summary(run: Run) -> dict[str, Any]:
+    scenario = run.scenario
+    main = [a for a in run.answers if a.model == "main"]
     statuses = Counter(a.status for a in run.answers)
-    by_id = Counter(a.served_id for a in run.answers if a.status == 200)
     mismatched = sum(1 for a in run.answers if a.status == 200 and not a.matched)
-    steady = [a.latency_s for a in run.answers if not run.swapping(a.sent_at)]
-    swapping = [a.latency_s for a in run.answers if run.swapping(a.sent_at)]
-    switch_s = [switched - asked for asked, switched, _ in run.swaps]
-    growth = []
-    for row in rows(run.samples[1:]):  # after the first swap, against it
-        growth.append((row.label, row.rss_growth_pct))
+    loads = [(asked, switched) for asked, switched, _ in run.swaps]
+    first_asked = run.swaps[0][0] if run.swaps else math.inf
+    last_done = run.swaps[-1][2] if run.swaps else -math.inf
+    start = min((a.sent_at for a in run.answers), default=0.0)
+    end = max((a.sent_at for a in run.answers), default=0.0)
+    steady_windows = [(start, first_asked)]
+    steady_windows += [
+        (done, asked) for (_, _, done), (asked, _, _) in itertools.pairwise(run.swaps)
+    ]
+    steady_windows.append((last_done, end))
+    steady = [a.latency_s for a in main if not run.swapping(a.sent_at)]
+    during = [a.latency_s for a in main if run.loading(a.sent_at)]
+    before = Counter(a.served_id for a in main if a.status == 200 and a.sent_at < first_asked)
+    after = Counter(a.served_id for a in main if a.status == 200 and a.sent_at > last_done)
+    switch_s = [switched - asked for asked, switched in loads]
+    growth = [(row.label, row.rss_growth_pct) for row in rows(run.samples[1:])]
     worst = max((pct for _, pct in growth if pct is not None), default=0.0)
+    steady_latency, loading_latency = latency(steady), latency(during)
+    steady_rate = rate(main, [w for w in steady_windows if w[1] > w[0]])
+    loading_rate = rate(main, loads)
     return {
-        "mode": run.mode,
-        "second_model": run.second_model,
+        "scenario": scenario.name,
+        "mode": scenario.mode,
+        "workers": scenario.workers,
+        "how": scenario.how,
+        "load_delays_s": scenario.delays or None,
+        "second_model": scenario.second_model,
+        "swaps": len(run.swaps),
         "answers": len(run.answers),
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
-        "by_served_id": dict(by_id),
+        "non_200": sum(n for status, n in statuses.items() if status != 200),
         "mismatched": mismatched,
-        "latency_ms_steady_p50_p99": percentiles(steady),
-        "latency_ms_swapping_p50_p99": percentiles(swapping),
-        "switch_s_median": statistics.median(switch_s) if switch_s else None,
-        "switch_s_max": max(switch_s, default=None),
+        "worker_deaths": run.deaths,
+        "before_first_swap": {
+            run.ids[0]: before.get(run.ids[0], 0),
+            "other ids": sum(before.values()) - before.get(run.ids[0], 0),
+        },
+        "after_last_swap": {
+            run.ids[1]: after.get(run.ids[1], 0),
+            "other ids": sum(after.values()) - after.get(run.ids[1], 0),
+        },
+        "latency_ms_steady": steady_latency,
+        "latency_ms_loading": loading_latency,
+        "p99_loading_over_steady": _ratio(loading_latency["p99"], steady_latency["p99"]),
+        "images_per_s_steady": steady_rate,
+        "images_per_s_loading": loading_rate,
+        "throughput_loading_over_steady": _ratio(loading_rate, steady_rate),
+        "switch_s_median": round(statistics.median(switch_s), 1) if switch_s else None,
+        "switch_s_max": round(max(switch_s), 1) if switch_s else None,
         "rss_growth_after_first_swap_pct": dict(growth),
         "worst_growth_pct": worst,
-        "non_200": sum(n for status, n in statuses.items() if status != 200),
     }
+
+
+def _ms(figures: dict[str, float | None]) -> str:
+    return "/".join(
+        "-" if figures[k] is None else f"{figures[k]:.0f}" for k in ("p50", "p99", "max")
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
 
 
 def report(runs: list[Run]) -> list[dict[str, Any]]:
@@ -326,30 +436,46 @@ def report(runs: list[Run]) -> list[dict[str, Any]]:
         f"\nmodel rollouts ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     )
     head = (
-        f"{'run':<22}{'answers':>9}{'non-200':>9}{'mismatch':>10}{'p50/p99 steady':>16}"
-        f"{'p50/p99 swapping':>18}{'switch s (med/max)':>20}{'RSS growth max':>16}"
+        f"{'scenario':<18}{'swaps':>6}{'answers':>9}{'non-200':>8}{'mixed':>6}{'deaths':>7}"
+        f"{'p50/p99/max steady':>20}{'p50/p99/max loading':>21}{'p99 x':>7}{'img/s st/ld':>13}"
+        f"{'switch s':>10}{'RSS+':>7}"
     )
     print(head)
     for s in summaries:
-        name = f"{s['mode']}{' + other' if s['second_model'] else ''}"
-        switch = f"{s['switch_s_median']:.1f}/{s['switch_s_max']:.1f}" if s["switch_s_max"] else "-"
+        st, ld = s["latency_ms_steady"], s["latency_ms_loading"]
+        switch = f"{s['switch_s_median']}/{s['switch_s_max']}" if s["switch_s_max"] else "-"
         print(
-            f"{name:<22}{s['answers']:>9}{s['non_200']:>9}{s['mismatched']:>10}"
-            f"{s['latency_ms_steady_p50_p99']:>16}{s['latency_ms_swapping_p50_p99']:>18}"
-            f"{switch:>20}{s['worst_growth_pct']:>15.1f}%"
+            f"{s['scenario']:<18}{s['swaps']:>6}{s['answers']:>9}{s['non_200']:>8}"
+            f"{s['mismatched']:>6}{s['worker_deaths']:>7}{_ms(st):>20}{_ms(ld):>21}"
+            f"{s['p99_loading_over_steady'] or '-':>7}"
+            f"{str(s['images_per_s_steady']) + '/' + str(s['images_per_s_loading']):>13}"
+            f"{switch:>10}{s['worst_growth_pct']:>6.1f}%"
         )
     for s, run in zip(summaries, runs, strict=True):
-        name = f"{s['mode']}{' + other' if s['second_model'] else ''}"
-        print(f"\n{name}: answers by served id {s['by_served_id']}, statuses {s['statuses']}")
+        print(
+            f"\n{s['scenario']}: statuses {s['statuses']}; answers before the first swap "
+            f"{s['before_first_swap']}, after the last {s['after_last_swap']}"
+        )
         print(f"RSS in MB after the warm-up (0), then after each swap:\n{table(run.samples)}")
     verdicts = [
         ("every answer 200", all(s["non_200"] == 0 for s in summaries)),
         ("no answer mismatched its id", all(s["mismatched"] == 0 for s in summaries)),
+        ("no worker died", all(s["worker_deaths"] == 0 for s in summaries)),
         (
             f"RSS flat within {FLAT_PCT:g}% after the first swap",
             all(s["worst_growth_pct"] <= FLAT_PCT for s in summaries),
         ),
     ]
+    one_slow = [s for s in summaries if s["scenario"] == "inprocess-1-slow"]
+    if one_slow:
+        s = one_slow[0]
+        verdicts.append(
+            (
+                "one worker, 10 s loads: p99 while loading <= 3x steady, throughput >= 1/2",
+                (s["p99_loading_over_steady"] or 99) <= 3
+                and (s["throughput_loading_over_steady"] or 0) >= 0.5,
+            )
+        )
     print()
     for what, ok in verdicts:
         print(f"{'PASS' if ok else 'FAIL'}: {what}")
@@ -362,42 +488,43 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--modes", default="inprocess,broker")
-    parser.add_argument("--swaps", type=int, default=10)
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated")
+    parser.add_argument("--swaps", type=int, help="instead of each scenario's own")
+    parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--steady-s", type=float, default=5.0, help="load between swaps")
     parser.add_argument("--images", type=int, default=16, help="distinct photos")
     parser.add_argument("--arch", default="efficientnet_lite0")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch, in all")
-    parser.add_argument("--no-second-model", dest="second", action="store_false")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from bench.systems import bench_jpegs
 
+    scenarios = [SCENARIOS[name] for name in args.scenarios.split(",")]
+    if args.swaps is not None:
+        scenarios = [dataclasses.replace(s, swaps=args.swaps) for s in scenarios]
     images = bench_jpegs(args.images)
     runs = []
     with tempfile.TemporaryDirectory(prefix="microbatch-rollout-") as scratch:
         repository = Path(scratch) / "models"
         stores = build_repository(repository, args.arch)
         kept = {key: Path(scratch) / "kept" / key for key in stores}
-        for key, store in stores.items():  # what the broker runs publish copies of
+        for key, store in stores.items():  # what the publishing runs publish copies of
             shutil.copytree(store, kept[key])
         refs = references(stores, images)
-        for mode in args.modes.split(","):
-            for second in (False, True) if args.second else (False,):
-                # In-process, both versions on disk, loaded by number; in broker mode, only
-                # version 1: each swap publishes the other as the next version.
-                shutil.rmtree(repository / "main")
-                shutil.copytree(kept["main-1"], repository / "main" / "1")
-                if mode == "inprocess":
-                    shutil.copytree(kept["main-2"], repository / "main" / "2")
-                runs.append(
-                    asyncio.run(one_run(mode, second, kept, repository, images, refs, args))
-                )
+        for scenario in scenarios:
+            # By number: both versions on disk, loaded by number; by publishing, only
+            # version 1: each swap publishes the other as the next version.
+            shutil.rmtree(repository / "main")
+            shutil.copytree(kept["main-1"], repository / "main" / "1")
+            if scenario.how == "admin":
+                shutil.copytree(kept["main-2"], repository / "main" / "2")
+            runs.append(asyncio.run(one_run(scenario, kept, repository, images, refs, args)))
         summaries = report(runs)
     if args.json:
         args.json.write_text(json.dumps(summaries, indent=2))
-    ok = all(s["non_200"] == 0 and s["mismatched"] == 0 for s in summaries)
+    ok = all(
+        s["non_200"] == 0 and s["mismatched"] == 0 and s["worker_deaths"] == 0 for s in summaries
+    )
     return 0 if ok else 1
 
 

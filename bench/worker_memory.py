@@ -30,9 +30,9 @@ import psutil
 import torch
 
 from app.jobs import Task
+from app.lifecycle import ModelSpec
 from app.manifest import read_manifest
 from app.plan import WorkerConfig
-from app.repository import ModelSpec
 from app.workers import allocator, process
 from bench.memory import MB, growth_pct
 from bench.soak import model_store, soak_images

@@ -9,11 +9,18 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from app.batching import BatchItem, Transport, WorkerStatus
+from app.batching import (
+    BatchItem,
+    ModelHost,
+    QueueBacklog,
+    Transport,
+    VersionControl,
+    WorkerStatus,
+)
 from app.engine import default_transport, models_to_serve
 from app.jobs import BatchKey, ImageJob
+from app.lifecycle import ModelSpec
 from app.plan import plan_serving
-from app.repository import ModelSpec
 from app.settings import Settings
 
 
@@ -92,11 +99,26 @@ class Watched:
         return self.inner.batch_size_for(key)
 
     async def load(self, spec: ModelSpec) -> Sequence[Any]:
-        reports: Sequence[Any] = await self.inner.load(spec)  # type: ignore[attr-defined]
-        return reports
+        assert self.inner.models_host is not None
+        return await self.inner.models_host.load(spec)
 
     async def unload(self, served_id: str) -> None:
-        await self.inner.unload(served_id)  # type: ignore[attr-defined]
+        assert self.inner.models_host is not None
+        await self.inner.models_host.unload(served_id)
+
+    @property
+    def models_host(self) -> ModelHost | None:
+        return self if self.inner.models_host is not None else None
+
+    @property
+    def models_control(self) -> VersionControl | None:
+        return self.inner.models_control
+
+    async def backlog(self) -> QueueBacklog | None:
+        return await self.inner.backlog()
+
+    async def refresh(self) -> None:
+        await self.inner.refresh()
 
     @property
     def ready(self) -> bool:

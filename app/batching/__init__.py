@@ -1,14 +1,18 @@
-"""Micro-batching core: asyncio and the standard library only (no web framework, no torch)."""
+"""Micro-batching core: asyncio and the standard library only (no web framework, no torch;
+the model vocabulary of ``app.lifecycle``, a leaf, for the seam's types)."""
 
 from app.batching.observe import BatchObserver, Trace
 from app.batching.streamer import Streamer
 from app.batching.transport import (
     BatchFn,
     BatchItem,
+    ClusterView,
     HeldModel,
+    ModelHost,
     QueueBacklog,
     StreamCount,
     Transport,
+    VersionControl,
     WorkerStatus,
 )
 
@@ -16,11 +20,14 @@ __all__ = [
     "BatchFn",
     "BatchItem",
     "BatchObserver",
+    "ClusterView",
     "HeldModel",
+    "ModelHost",
     "QueueBacklog",
     "StreamCount",
     "Streamer",
     "Trace",
     "Transport",
+    "VersionControl",
     "WorkerStatus",
 ]

@@ -12,25 +12,34 @@ any of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
+
+from app.lifecycle import AdminPin, ModelSpec, Route, WorkerView
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class HeldModel:
-    """One model a worker holds (or is loading): its served id, its state (a
-    ``app.repository.ModelState`` value), and once loaded what runs it, the largest batch it
-    wants and what it costs the worker."""
+    """One model version a worker holds, is loading or failed to load: its name, number and
+    served id, its state (an ``app.lifecycle.VersionState`` as ``shown``), and once loaded
+    what runs it, the runtimes that failed their self-test or load there (with why), how
+    many times slower than the runtime its export asked for it runs (None: not slower, or
+    not known), the largest batch it wants and what it costs the worker."""
 
     served_id: str
     state: str
     runtime: str | None = None
     batch_size: int | None = None
     memory_bytes: int | None = None
-    reason: str = ""  # why it failed to load (broker mode)
+    reason: str = ""  # why it failed to load
+    name: str = ""
+    version: int = 0
+    skipped: tuple[tuple[str, str], ...] = ()  # (runtime, why it was not used)
+    slowdown: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,44 @@ class BatchItem(Generic[T]):
     deadline: float | None = None
 
 
+class ModelHost(Protocol):
+    """A transport whose workers load models on this process's word (the worker pool, a
+    fake): ``app.services.models.ModelManager`` drives it."""
+
+    async def load(self, spec: ModelSpec) -> Sequence[Any]:
+        """Load ``spec`` beside the models held on every worker; ``ModelLoadFailed`` says
+        why not (the models held before are untouched)."""
+
+    async def unload(self, served_id: str) -> None:
+        """Drop the model, giving its memory back; done when it is back."""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What a broker front end last saw of the workers: their heartbeats, the version each
+    name serves by ``app.lifecycle.routes``, and what the admin route set."""
+
+    workers: Sequence[WorkerView] = ()
+    routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
+    pins: Mapping[str, AdminPin] = dataclasses.field(default_factory=dict)
+
+
+class VersionControl(Protocol):
+    """A transport whose workers choose their versions themselves (broker mode): a front
+    end's admin route asks them through it (``app.services.following``)."""
+
+    async def pin(self, name: str, pin: AdminPin | None) -> None:
+        """Set (or with None clear) what the admin route chose for ``name``, and have every
+        worker act on it now. Raises ``BrokerUnavailable``."""
+
+    @property
+    def view(self) -> ClusterView:
+        """The workers, routes and pins as of the last look."""
+
+    async def refresh(self) -> None:
+        """Look again now (throttled, shared with concurrent callers)."""
+
+
 # Run a batch of same-key items; return each item's result, or an exception for that item
 # alone, keyed by item id. Raising fails the whole batch.
 BatchFn = Callable[[Hashable, Sequence[BatchItem[T]]], Awaitable[Mapping[int, Any]]]
@@ -135,3 +182,19 @@ class Transport(Protocol[T]):
 
     def worker_status(self) -> list[WorkerStatus]:
         """One entry per model worker."""
+
+    async def backlog(self) -> QueueBacklog | None:
+        """The work waiting for workers beyond this process (broker mode: every front
+        end's, in Redis); None when all of it waits here (in the Streamer)."""
+
+    async def refresh(self) -> None:
+        """Look at the workers now rather than at the next periodic look (a no-op where
+        there is nothing to look at)."""
+
+    @property
+    def models_host(self) -> ModelHost | None:
+        """This transport, if this process tells its workers what to load (in-process)."""
+
+    @property
+    def models_control(self) -> VersionControl | None:
+        """How to ask the workers for a version, if they choose for themselves (broker)."""

@@ -1,19 +1,31 @@
 """How a broker worker tells Redis it lives (and learns Redis's clock from it), that it alone
-goes by its name, and how it reports trouble without flooding its log."""
+goes by its name, how it reports trouble without flooding its log, and the threads whose
+death must end it."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.exceptions import RedisError
 
-from app.broker.keys import STALE_S, Keys
+from app.broker.keys import HEARTBEAT_S, STALE_S, Keys
 from app.broker.wire import text
 
 log = logging.getLogger("app.worker")
+
+# A worker whose name another live process holds waits this long (an earlier life's last
+# heartbeat goes stale in STALE_S), then exits with this code.
+JOIN_TIMEOUT_S = 2 * STALE_S + 1.0
+NAME_TAKEN_EXIT = 3
 
 # Sets this worker's heartbeat on Redis's clock and its description, in one step; unless
 # another process (another incarnation, ARGV[3]) holds the name with a heartbeat younger than
@@ -103,6 +115,69 @@ class Heartbeat:
         return int(1000 * time.monotonic() + self._offset_ms)
 
 
+class Presence:
+    """A worker's presence in Redis as a whole: it takes its name (``join``), says it lives
+    with what ``describe`` gives (``send``, every second from its heartbeat thread), and
+    leaves. Never two processes under one name: another live one holding it ends this one
+    (``NAME_TAKEN_EXIT``; its supervisor retries with backoff)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        name: str,
+        describe: Callable[[], dict[str, Any]],
+        trouble: TroubleLog,
+    ) -> None:
+        self.name = name
+        self.heartbeat = Heartbeat(client, keys, name, uuid.uuid4().hex)
+        self._describe = describe
+        self._trouble = trouble
+
+    def join(self, stop: threading.Event) -> bool:
+        """Take this worker's name with a first heartbeat, before reading anything: if a live
+        process holds it (an earlier life still exiting, or a second process started under
+        the same name), wait up to ``JOIN_TIMEOUT_S`` for its heartbeat to go stale, then
+        exit with ``NAME_TAKEN_EXIT``. False if told to stop meanwhile."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not stop.is_set():
+            try:
+                self.send(raising=True)
+                return True
+            except NameTaken as exc:
+                self._trouble.error(str(exc))
+                if time.monotonic() > deadline:
+                    log.error("worker %s: %s; exiting", self.name, exc)
+                    sys.exit(NAME_TAKEN_EXIT)
+            time.sleep(HEARTBEAT_S)
+        return False
+
+    def send(self, *, raising: bool = False) -> None:
+        """Tell Redis this worker lives. Another live process holding the name ends this
+        one (``raising``: the caller decides)."""
+        try:
+            self.heartbeat.send(self._describe())
+        except NameTaken as exc:
+            if raising:
+                raise
+            log.error("worker %s: %s; exiting", self.name, exc)
+            os._exit(NAME_TAKEN_EXIT)
+        except (RedisError, OSError) as exc:  # checked again at the next heartbeat
+            self._trouble.unreachable(exc)
+        else:
+            self._trouble.reachable()
+
+    def leave(self) -> None:
+        """A clean exit: this worker's heartbeat goes now, not after it goes stale."""
+        try:
+            self.heartbeat.leave()
+        except (RedisError, OSError) as exc:
+            self._trouble.unreachable(exc)
+
+    def redis_now_ms(self) -> int:
+        return self.heartbeat.redis_now_ms()
+
+
 class TroubleLog:
     """A Redis outage logged once (and its end), an error at most once a minute."""
 
@@ -128,3 +203,19 @@ class TroubleLog:
             if len(self._logged) > 1000:
                 self._logged.clear()
             log.error("worker %s: %s", self.name, message)
+
+
+def vital_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread whose unexpected death ends the process: a worker that reads nothing
+    while its heartbeats go on would look ready forever. Its supervisor restarts it."""
+
+    def guarded() -> None:
+        try:
+            target()
+        except BaseException:
+            log.exception("the %s thread failed; exiting so the worker restarts", name)
+            os._exit(71)
+
+    thread = threading.Thread(target=guarded, name=name, daemon=True)
+    thread.start()
+    return thread

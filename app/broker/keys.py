@@ -46,9 +46,19 @@ class Keys:
         (``MB_SCALE_FROM_ZERO``)."""
         return f"{self.prefix}:routes"
 
+    @property
+    def pins(self) -> str:
+        """Hash: model name -> what the admin route chose for it (``app.broker.control``)."""
+        return f"{self.prefix}:{{w}}:pins"
+
+    @property
+    def pins_seq(self) -> str:
+        """Hash: ``seq`` -> a number every change of ``pins`` bumps."""
+        return f"{self.prefix}:{{w}}:pins-seq"
+
     def loading(self, host: str) -> str:
-        """A lock one worker of a host holds while it loads a model: one at a time per host,
-        so its other workers serve meanwhile."""
+        """The prefix of the slots a host's workers hold while they load a model (at most
+        ``app.lifecycle.LOADERS_PER_HOST`` at a time), so its other workers serve meanwhile."""
         return f"{self.prefix}:{{w}}:loading:{host}"
 
     def replies(self, frontend: str) -> str:

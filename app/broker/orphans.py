@@ -1,92 +1,98 @@
-"""The part of a broker worker that takes over what others left: entries pending at workers
-whose heartbeats stopped, its own last life's, or its own that Redis refused to let it answer;
-and the clean-up that keeps Redis's memory bounded. Mixed into ``Consumer``."""
+"""What a broker worker takes over from others: entries pending at workers whose heartbeats
+stopped, its own last life's, or its own that Redis refused to let it answer; and the clean-up
+that keeps Redis's memory bounded. One ``OrphanClaims`` per consumer, which hands it how to
+run and answer an entry and which streams it holds."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 from redis.exceptions import RedisError, ResponseError
 
+from app.broker.health import TroubleLog
 from app.broker.keys import GROUP, STALE_S, Keys
+from app.broker.live import LiveWorkers
+from app.broker.replies import Entry, Replier
 from app.broker.stats import ConsumerStats
-from app.broker.wire import MAX_TTL_MS, Request, decode_request, encode_error, text
+from app.broker.wire import MAX_TTL_MS, decode_request, encode_error, text
 from app.errors import InferenceError
 
 log = logging.getLogger("app.worker")
 
 PAGE = 100  # pending entries looked at per round trip
 FORGET_S = 600.0  # heartbeats and idle consumers older than this are cleaned up
-EntryId = bytes | str  # as Redis returns it, or as we pass it back
-Entry = tuple[EntryId, dict[bytes, bytes]]
+# Run entries of a stream as the consumer runs what it reads: (stream, entries, Redis now).
+Process = Callable[[str, Sequence[Entry], int], None]
 
 
 class OrphanClaims:
-    """Needs, from the consumer it is mixed into, what the annotations below name."""
+    """Claims and runs, one at a time, entries their worker can no longer answer.
 
-    client: redis.Redis
-    keys: Keys
-    name: str
-    stats: ConsumerStats
-    max_image_bytes: int
-    max_deliveries: int
-    batch_timeout_s: float
-    _stop: threading.Event
-    _last_cleanup: float
+    >>> # claims = OrphanClaims(client, keys, "host-1:0", stats, replier, consumer.process,
+    >>> #                       versions.held_streams, heartbeat.redis_now_ms, trouble,
+    >>> #                       max_image_bytes=..., max_deliveries=3, batch_timeout_s=60,
+    >>> #                       stop=stop_event)
+    >>> # claims.recover(own=True)     # at start: this worker's last life's
+    >>> # claims.recover(own=False)    # every round: dead workers', and its own stuck ones
+    """
 
-    def _process(self, stream: str, entries: Sequence[Entry], now_ms: int) -> None:
-        raise NotImplementedError
-
-    def _held_streams(self) -> list[str]:
-        raise NotImplementedError
-
-    def _answer(
+    def __init__(
         self,
-        stream: str,
-        replies: Sequence[tuple[EntryId, Request, bytes]],
-        dropped: list[EntryId],
+        client: redis.Redis,
+        keys: Keys,
+        name: str,
+        stats: ConsumerStats,
+        replier: Replier,
+        process: Process,
+        held_streams: Callable[[], list[str]],
+        redis_now_ms: Callable[[], int],
+        trouble: TroubleLog,
+        *,
+        max_image_bytes: int,
+        max_deliveries: int,
+        batch_timeout_s: float,
+        stop: threading.Event,
     ) -> None:
-        raise NotImplementedError
+        self.client = client
+        self.keys = keys
+        self.name = name
+        self.stats = stats
+        self.replier = replier
+        self.process = process
+        self.held_streams = held_streams
+        self.redis_now_ms = redis_now_ms
+        self.trouble = trouble
+        self.max_image_bytes = max_image_bytes
+        self.max_deliveries = max_deliveries
+        self.batch_timeout_s = batch_timeout_s
+        self.stop = stop
+        self._live = LiveWorkers(keys)
+        self._last_cleanup = 0.0
 
-    def _redis_now_ms(self) -> int:
-        raise NotImplementedError
-
-    def _unreachable(self, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def _error(self, message: str) -> None:
-        raise NotImplementedError
-
-    def _recover(self, *, own: bool) -> None:
+    def recover(self, *, own: bool) -> None:
         """Claim and run, one at a time, the entries left pending by this worker's last life
         (``own``), by workers that stopped sending heartbeats, or stuck here (an answer Redis
         refused) for twice ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken:
-        a hung worker ends its own life (see ``_beat``) and stops its heartbeats."""
+        a hung worker ends its own life (``app.broker.consumer``) and stops its heartbeats."""
         try:
             self._recover_once(own=own)
         except ResponseError as exc:
-            self._error(f"could not look for orphaned entries: {exc}")
+            self.trouble.error(f"could not look for orphaned entries: {exc}")
         except (RedisError, OSError) as exc:
-            self._unreachable(exc)
+            self.trouble.unreachable(exc)
 
     def _recover_once(self, *, own: bool) -> None:
-        stop = self._stop
-        seconds, micros = self.client.time()
-        now_ms = seconds * 1000 + micros // 1000
-        live = {
-            text(name)
-            for name in self.client.zrangebyscore(
-                self.keys.heartbeats, now_ms - int(1000 * STALE_S), "+inf"
-            )
-        }
+        stop = self.stop
+        view = self._live.read(self.client)
+        live = view.names
         stuck_ms = int(2000 * self.batch_timeout_s)
         # Entries a dead worker holds have been idle at least since its last heartbeat.
         idle_ms = 0 if own else int(1000 * min(STALE_S, self.batch_timeout_s))
-        for stream in self._held_streams():
+        for stream in self.held_streams():
             start = "-"
             while not stop.is_set():
                 pending = self.client.xpending_range(
@@ -116,7 +122,7 @@ class OrphanClaims:
                 start = "(" + text(pending[-1]["message_id"])
         if not own and time.monotonic() - self._last_cleanup > FORGET_S:
             self._last_cleanup = time.monotonic()
-            self._forget_the_long_gone(now_ms)
+            self._forget_the_long_gone(view.now_ms)
 
     def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
         claimed = self.client.xclaim(stream, GROUP, self.name, idle_ms, [entry_id])
@@ -135,12 +141,13 @@ class OrphanClaims:
             try:
                 request = decode_request(fields, self.max_image_bytes)
             except Exception:  # malformed: never run, never answered
-                self._answer(stream, [], [entry_id])
+                self.replier.answer(stream, [], [entry_id])
                 return
             error = InferenceError(f"the model failed on this image {delivered} times")
-            self._answer(stream, [(entry_id, request, encode_error(request.id, 1, error))], [])
+            reply = encode_error(request.id, 1, error)
+            self.replier.answer(stream, [(entry_id, request, reply)], [])
             return
-        self._process(stream, [(entry_id, fields)], self._redis_now_ms())
+        self.process(stream, [(entry_id, fields)], self.redis_now_ms())
 
     def _forget_the_long_gone(self, now_ms: int) -> None:
         """Bounded memory: heartbeats not renewed for ``FORGET_S``, and consumers with
@@ -151,7 +158,7 @@ class OrphanClaims:
         if gone:
             self.client.zrem(self.keys.heartbeats, *gone)
             self.client.hdel(self.keys.worker_info, *gone)
-        for stream in self._held_streams():
+        for stream in self.held_streams():
             for consumer in self.client.xinfo_consumers(stream, GROUP):
                 if consumer["pending"] == 0 and consumer["idle"] > 1000 * FORGET_S:
                     self.client.xgroup_delconsumer(stream, GROUP, consumer["name"])

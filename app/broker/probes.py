@@ -28,9 +28,9 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.keys import STALE_S, Keys
-from app.broker.wire import MalformedMessage, decode_worker_info
-from app.repository import ModelState
+from app.broker.keys import Keys
+from app.broker.live import LiveWorkers
+from app.lifecycle import VersionState
 
 log = logging.getLogger("app.worker")
 
@@ -58,8 +58,9 @@ class Running:
 
 
 class Probes:
-    """The two answers, computed on demand (readiness: one pipelined Redis call; liveness:
-    none). ``workers``, ``last_turn`` and ``stopping`` come from the supervisor."""
+    """The two answers, computed on demand (readiness: one Redis call, the live workers'
+    view, ``app.broker.live``; liveness: none). ``workers``, ``last_turn`` and ``stopping``
+    come from the supervisor."""
 
     def __init__(
         self,
@@ -74,39 +75,22 @@ class Probes:
         self.workers = workers
         self.last_turn = last_turn
         self.stopping = stopping
-
-    def _heartbeats(self, names: Sequence[str]) -> tuple[int, list[Any], list[Any]]:
-        """Redis's time (ms), and each name's last heartbeat (ms or None) and description."""
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for name in names:
-                pipe.zscore(self.keys.heartbeats, name)
-            if names:
-                pipe.hmget(self.keys.worker_info, list(names))
-            answers = pipe.execute()
-        seconds, micros = answers[0]
-        infos = answers[-1] if names else []
-        return seconds * 1000 + micros // 1000, answers[1 : 1 + len(names)], infos
+        self._live = LiveWorkers(keys)
 
     def readiness(self) -> Probe:
         workers = self.workers()
         if self.stopping():
             return Probe(503, {"status": "stopping"})
         try:
-            now_ms, beats, infos = self._heartbeats([w.name for w in workers])
+            view = self._live.read(self.client)
         except (RedisError, OSError) as exc:
             return Probe(503, {"status": "not_ready", "reason": f"Redis: {exc}"})
         ready = []
-        for worker, beat, raw in zip(workers, beats, infos, strict=True):
-            if beat is None or now_ms - beat > 1000 * STALE_S or raw is None:
+        for worker in workers:
+            info = view.worker(worker.name)
+            if info is None or info.pid != worker.pid:  # stale, or another process's
                 continue
-            try:
-                info = decode_worker_info(raw)
-            except MalformedMessage:
-                continue
-            if info.pid != worker.pid:  # another process goes by this name (not ours yet)
-                continue
-            if not info.draining and any(m.state is ModelState.READY for m in info.models):
+            if not info.draining and any(m.state is VersionState.READY for m in info.models):
                 ready.append(worker.name)
         if ready:
             return Probe(200, {"status": "ready", "workers": ready})

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
-from app.repository import ModelState, Route
-from app.settings import MODEL_NAME_PATTERN
+from app.lifecycle import Route, VersionState
+from app.settings_values import MODEL_NAME_PATTERN
 
 WIRE_VERSION = 1
 REPLY_MAGIC = b"R1"
@@ -162,6 +162,25 @@ def encode_error(request_id: str, batch_size: int, error: ServerError) -> bytes:
     return _frame({"id": request_id, "batch": batch_size, "error": [name, error.message]})
 
 
+def encode_answer(request_id: str, batch_size: int, answer: object) -> bytes:
+    """A reply carrying one item's answer as a worker computed it: an embedding array,
+    ``TopK``, ``EmbeddingAndTopK`` or a ``ServerError``."""
+    if isinstance(answer, ServerError):
+        return encode_error(request_id, batch_size, answer)
+    if isinstance(answer, TopK):
+        return encode_result(
+            request_id, batch_size, {"indices": answer.indices, "probs": answer.probs}
+        )
+    if isinstance(answer, EmbeddingAndTopK):
+        top = answer.top_k
+        return encode_result(
+            request_id,
+            batch_size,
+            {"embedding": answer.embedding, "indices": top.indices, "probs": top.probs},
+        )
+    return encode_result(request_id, batch_size, {"embedding": answer})  # type: ignore[dict-item]
+
+
 @dataclass(frozen=True)
 class Reply:
     """One reply as a front end reads it: the result for ``id`` (or its error)."""
@@ -228,18 +247,23 @@ def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:
 
 class AdvertisedModel(BaseModel):
     """One model version a worker holds, is loading, draining or failed to load, as its
-    heartbeat says (front ends route by it: ``app.broker.routing``)."""
+    heartbeat says (front ends route by it: ``app.lifecycle.routes``): what runs it, the
+    runtimes that failed their self-test there (and why), how many times slower than the
+    fastest of those it runs, and why it failed (``step``, ``reason``) or drains."""
 
     model_config = ConfigDict(extra="ignore")
 
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     version: int = Field(ge=1)
     served_id: str = Field(max_length=300)
-    state: ModelState
+    state: VersionState
     runtime: str | None = Field(None, max_length=32)
     batch_size: int | None = Field(None, ge=1)
     memory_bytes: int | None = Field(None, ge=0)
+    step: str = Field("", max_length=32)
     reason: str = Field("", max_length=1000)
+    skipped: dict[str, str] = Field(default_factory=dict, max_length=8)
+    slowdown: float | None = Field(None, gt=0)
 
 
 class WorkerInfo(BaseModel):
@@ -278,7 +302,7 @@ class WorkerInfo(BaseModel):
     def holds(self, served_id: str) -> bool:
         """Whether it reads ``served_id``'s streams: ready, or draining (it no longer takes
         the name's new requests, and finishes those sent to it)."""
-        reading = (ModelState.READY, ModelState.DRAINING)
+        reading = (VersionState.READY, VersionState.DRAINING)
         return any(m.served_id == served_id and m.state in reading for m in self.models)
 
 

@@ -9,47 +9,42 @@ every model of the repository (``MODEL_REPOSITORY``, or ``MODEL_STORE``: its cho
 of each) and serves their streams at ``MB_BROKER`` (``app.broker.consumer``). Worker ``i`` of
 this host is named ``<MB_WORKER_NAME or host name>:<i>`` in every life, so a restarted
 worker picks up the entries its last life left pending. A worker that dies is restarted with
-backoff. ``kill -HUP`` (or ``MB_REPOSITORY_POLL_S``) makes each load what is new in the
-repository beside what it serves, one worker of the host at a time (``app.broker.rotation``).
-On SIGTERM or Ctrl-C each finishes the batch it runs, drains what only it holds, and the
-command exits 0. This supervising process imports no torch and loads no model: only its
-children do.
+backoff (``app.broker.supervisor``). ``kill -HUP`` (or ``MB_REPOSITORY_POLL_S``, or the admin
+route on any front end) makes each load what is new in the repository beside what it serves,
+in a thread while it goes on serving, one worker of the host at a time
+(``app.broker.versions``). On SIGTERM or Ctrl-C each finishes the batch it runs, drains what
+only it holds, and the command exits 0. This supervising process imports no torch and loads
+no model: only its children do.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
-from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
+from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
-from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.broker.keys import Keys
-from app.broker.probes import Probes, Running
-from app.broker.probes import client_for as probes_client
-from app.broker.probes import serve as serve_probes
-from app.errors import ModelStoreError, SettingsError, StartupError
+from app.broker.supervisor import Supervisor
+from app.errors import ModelNotFound, ModelStoreError, SettingsError, StartupError
+from app.lifecycle import ModelSpec
 from app.logs import configure_logging
 from app.plan import BrokerPlan, RepositoryPlan, Role, ServingPlan, WorkerConfig, plan_serving
-from app.repository import ModelSpec, Repository
+from app.repository import Repository
 from app.settings import get_settings
-from app.workers import allocator
-from app.workers.backoff import RestartBackoff
 from app.workers.lineage import die_with_parent
 
-log = logging.getLogger("app.worker")
+if TYPE_CHECKING:
+    import redis
 
-STABLE_S = 60.0  # a worker that ran this long before it died restarts without delay growth
-STOP_TIMEOUT_S = 60.0  # a worker finishing its batch after SIGTERM gets this long
+    from app.broker.keys import Keys
+
+log = logging.getLogger("app.worker")
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,7 @@ def consumer_main(
 
     from app.broker.consumer import Consumer
     from app.broker.keys import Keys
-    from app.workers.process import prepare, start_failure
+    from app.workers.process import LoadFailure, PreparedWorker, start_failure
 
     reload = threading.Event()  # SIGHUP before the consumer exists: it looks at once
     signal.signal(signal.SIGHUP, lambda *_: reload.set())
@@ -100,20 +95,33 @@ def consumer_main(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
+    # The consumer retries on its own (and says so in the log); the client does not.
+    client = redis.Redis.from_url(
+        spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
+    )
+    keys = Keys(spec.broker.prefix)
+    repository = repository_of(spec.repository)
+    failures: list[tuple[ModelSpec, str, str]] = []
     try:
-        # The versions chosen now, not when the supervisor started: a worker restarted after
-        # a rollout comes back with the new version.
-        models = chosen_models(spec.repository, spec.config.dtype, verify=False)
-        worker = prepare(spec.config, spec.device, spec.threads, tuple(models))
+        # Chosen now, not when the supervisor started: a worker restarted after a rollout
+        # comes back with the versions that serve then.
+        models = starting_versions(client, keys, repository, spec.config.dtype, spec.name)
+        worker = PreparedWorker(spec.config, spec.device, spec.threads)
+        for model in models:
+            try:
+                worker.load(model)
+            except LoadFailure as exc:
+                failures.append((model, exc.step, exc.message))
+        worker.load_delay_s = spec.config.load_delay_for(spec.index)  # rollouts' loads only
+        held = {m.spec.name for m in worker.models.values()}
+        for model, step, message in failures:
+            if model.name not in held:  # nothing of this model serves: it cannot start
+                raise LoadFailure(model, step, message)
     except Exception as exc:
         log.error("worker %s on %s failed to start: %s", spec.name, spec.device, start_failure(exc))
         sys.exit(2)
     if loaded is not None:
         loaded.set()
-    # The consumer retries on its own (and says so in the log); the client does not.
-    client = redis.Redis.from_url(
-        spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
-    )
     description = {
         "host": spec.broker.host_name,
         "index": spec.index,
@@ -124,10 +132,10 @@ def consumer_main(
     }
     consumer = Consumer(
         client,
-        Keys(spec.broker.prefix),
+        keys,
         spec.name,
         worker,
-        repository=repository_of(spec.repository),
+        repository=repository,
         host=spec.broker.host_name,
         description=description,
         max_image_bytes=spec.max_image_bytes,
@@ -138,6 +146,7 @@ def consumer_main(
         poll_s=spec.repository.poll_s,
         on_beat=None if beat is None else lambda: setattr(beat, "value", time.monotonic()),
     )
+    consumer.versions.start(failures)
     signal.signal(signal.SIGHUP, lambda *_: consumer.request_reload())
     if reload.is_set():
         consumer.request_reload()
@@ -151,174 +160,49 @@ def consumer_main(
     consumer.run(stop)
 
 
+def starting_versions(
+    client: redis.Redis, keys: Keys, repository: Repository, dtype: str, name: str
+) -> list[ModelSpec]:
+    """What a worker loads as it starts, for each model: the version the other live
+    workers serve now, if it has it on disk (so it serves at once, even mid-rollout), then
+    the version its name should serve (``app.lifecycle.chosen_version``, with what the admin
+    route chose), unless the others gave that one up. Without Redis: the latter alone."""
+    from redis.exceptions import RedisError
+
+    from app.broker.control import PinReader
+    from app.broker.live import LiveWorkers
+    from app.lifecycle import given_up, routes
+
+    try:
+        pins = PinReader(client, keys).read()
+        others = LiveWorkers(keys).read(client).others(name)
+    except (RedisError, OSError) as exc:
+        log.warning("worker %s: Redis cannot say what serves now (%s)", name, exc)
+        pins, others = {}, []
+    served, gave_up = routes(others), given_up(others)
+    specs: list[ModelSpec] = []
+    for model in repository.names():
+        target = repository.chosen(model, pins.get(model))
+        if target is None:  # unloaded by the admin route
+            continue
+        route = served.get(model)
+        numbers = [target]
+        if route is not None and route.version != target:
+            numbers = [route.version] if (model, target) in gave_up else [route.version, target]
+        for number in numbers:
+            if number not in repository.versions(model):
+                continue
+            spec = repository.read(model, number, dtype, verify=False).spec
+            if number == target or spec.served_id == route.served_id:  # type: ignore[union-attr]
+                specs.append(spec)
+    return specs
+
+
 def repository_of(plan: RepositoryPlan) -> Repository:
     """The repository a worker reads: a repository, or a lone store as one."""
     if plan.single:
         return Repository.of_store(plan.root, plan.pins)
     return Repository(plan.root, pins=plan.pins)
-
-
-class Supervisor:
-    """Keeps one process per spec running until told to stop."""
-
-    def __init__(self, specs: list[ConsumerSpec]) -> None:
-        self.specs = specs
-        self.processes: dict[int, BaseProcess] = {}
-        self.stopping = threading.Event()
-        self._backoff = RestartBackoff()
-        self._due: dict[int, float] = {}  # index -> when to restart it
-        self._started: dict[int, float] = {}  # index -> when its current life began
-        self._signalled: set[int] = set()  # pids told to stop
-        self._loaded: dict[int, EventType] = {}  # index -> set once its current life loaded
-        self._beats: dict[int, Any] = {}  # index -> its current life's heartbeat-thread clock
-        self.last_turn = time.monotonic()  # when the loop last turned (liveness)
-        self.snapshot: tuple[Running, ...] = ()  # the workers, as of the last turn (probes)
-
-    def _start(self, spec: ConsumerSpec) -> None:
-        spec = replace(spec, parent_pid=os.getpid())
-        context = mp.get_context("spawn")
-        self._loaded[spec.index] = loaded = context.Event()
-        self._beats[spec.index] = beat = context.Value("d", 0.0, lock=False)
-        process = context.Process(
-            target=consumer_main, args=(spec, loaded, beat), name=f"model-worker-{spec.index}"
-        )
-        # Started with SIGHUP blocked (the child unblocks it once it handles it): a SIGHUP
-        # that reaches it sooner must not end it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-        try:
-            with allocator.for_children():
-                process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-        self.processes[spec.index] = process
-        self._started[spec.index] = time.monotonic()
-
-    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
-        """``kill -HUP``: every worker looks at the repository and loads what is new."""
-        log.info("SIGHUP: the workers load what is new in the repository")
-        for process in self.processes.values():
-            if process.pid is not None and process.is_alive():
-                os.kill(process.pid, signal.SIGHUP)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self.stopping.is_set():
-            log.info("stopping the workers (each finishes its batch)")
-            self.stopping.set()
-        self._tell_to_stop()
-
-    def _tell_to_stop(self) -> None:
-        """SIGTERM to every worker not told yet (one may have started after the signal)."""
-        for process in self.processes.values():
-            pid = process.pid
-            if pid is not None and pid not in self._signalled and process.is_alive():
-                self._signalled.add(pid)
-                os.kill(pid, signal.SIGTERM)
-
-    def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        signal.signal(signal.SIGHUP, self._on_hangup)
-        for spec in self.specs:
-            if not self.stopping.is_set():
-                self._start(spec)
-        deadline: float | None = None
-        while True:
-            if self.stopping.is_set():
-                self._tell_to_stop()
-                if deadline is None:
-                    deadline = time.monotonic() + STOP_TIMEOUT_S
-            self.last_turn = time.monotonic()
-            self.snapshot = self._running()
-            alive = {p.sentinel: i for i, p in self.processes.items() if p.exitcode is None}
-            if self.stopping.is_set() and not alive:
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                for index in alive.values():
-                    log.warning("worker %d did not stop in time; killing it", index)
-                    self.processes[index].kill()
-                deadline = time.monotonic() + 5
-            for sentinel in wait(list(alive), timeout=0.2):
-                self._exited(alive[sentinel])  # type: ignore[index]
-            self._restart_due()
-
-    def _exited(self, index: int) -> None:
-        process = self.processes[index]
-        process.join(timeout=1)
-        if self.stopping.is_set():
-            return
-        if time.monotonic() - self._started.get(index, 0.0) >= STABLE_S:
-            self._backoff.reset(index)  # it served a while: start the backoff afresh
-        crashed = process.exitcode is not None and process.exitcode < 0  # a signal
-        if crashed and not self._loaded[index].is_set():
-            self._leave_runtimes_out(index)
-        delay = self._backoff.next_delay(index)
-        log.error(
-            "worker %s died (exit code %s); restarting it in %.1f s",
-            self.specs[index].name,
-            process.exitcode,
-            delay,
-        )
-        self._due[index] = time.monotonic() + delay
-
-    def _leave_runtimes_out(self, index: int) -> None:
-        """Under ``MB_RUNTIME=auto``, a worker that crashed while it loaded and self-tested
-        the runtimes (native code aborting on this host, which no self-test catches
-        in-process): every worker of this host starts with TorchScript alone from now on."""
-        if self.specs[index].config.runtime != "auto":
-            return
-        log.error(
-            "worker %s crashed while loading its runtimes; a runtime other than TorchScript "
-            "may crash on this host: its workers serve with TorchScript only",
-            self.specs[index].name,
-        )
-        self.specs = [
-            replace(spec, config=replace(spec.config, runtime="torchscript")) for spec in self.specs
-        ]
-
-    def _running(self) -> tuple[Running, ...]:
-        """Each worker as the probes see it; made by this loop (which alone waits on the
-        processes), read by the probes' thread as a whole."""
-        now = time.monotonic()
-        found = []
-        for spec in self.specs:
-            process = self.processes.get(spec.index)
-            beat = self._beats.get(spec.index)
-            found.append(
-                Running(
-                    spec.name,
-                    pid=process.pid if process is not None else None,
-                    alive=process is not None and process.exitcode is None,
-                    loaded=spec.index in self._loaded and self._loaded[spec.index].is_set(),
-                    silent_s=now - beat.value if beat is not None and beat.value else None,
-                )
-            )
-        return tuple(found)
-
-    def serve_probes(self, broker: BrokerPlan) -> None:
-        """``MB_HEALTH_PORT``: answer /healthz and /readyz (``app.broker.probes``)."""
-        if broker.health_port is None:
-            return
-        probes = Probes(
-            probes_client(broker.url),
-            Keys(broker.prefix),
-            lambda: self.snapshot,
-            lambda: self.last_turn,
-            self.stopping.is_set,
-        )
-        serve_probes(probes, broker.health_port)
-
-    def _restart_due(self) -> None:
-        now = time.monotonic()
-        for index, when in list(self._due.items()):
-            if self.stopping.is_set():
-                self._due.clear()
-                return
-            if now >= when:
-                del self._due[index]
-                spec = self.specs[index]
-                restarts = spec.restarts + 1
-                self.specs[index] = replace(spec, restarts=restarts)
-                self._start(self.specs[index])
 
 
 def consumer_specs(plan: ServingPlan) -> list[ConsumerSpec]:
@@ -358,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         plan = plan_serving(settings, Role.WORKERS)
-        models = chosen_models(plan.repository, plan.worker.dtype, verify=True)  # fail here
+        repository = repository_of(plan.repository)
+        models = [item.spec for item in repository.read_chosen(plan.worker.dtype)]  # fail here
         specs = consumer_specs(plan)
-    except (ModelStoreError, StartupError) as exc:
+    except (ModelStoreError, StartupError, ModelNotFound) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
@@ -377,25 +262,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: health port {plan.broker.health_port}: {exc}", file=sys.stderr)
         return 2
     return supervisor.run()
-
-
-def chosen_models(plan: RepositoryPlan, dtype: str, *, verify: bool) -> list[ModelSpec]:
-    """The version of every model a worker loads as it starts (its pin, else its newest);
-    ``verify``: every sha256 checked here (a worker's load checks them anyway)."""
-    from app.manifest import read_manifest
-
-    repository = repository_of(plan)
-    names = repository.names()
-    if not names:
-        raise ModelStoreError(f"no model in {plan.root}: export one first")
-    models = []
-    for name in names:
-        number = repository.chosen(name)
-        store = repository.path(name, number)
-        manifest = read_manifest(store, verify=verify)
-        served_id = manifest.served_id(dtype)
-        models.append(ModelSpec(name, number, str(store), served_id, manifest.input.image_shape))
-    return models
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from app.exporters.base import derive_checked
 from app.manifest import FileEntry, RuntimeArtifact, sha256_file
-from app.workers.models import Model, quiet_torchscript
+from app.workers.models import Model, openvino_core, quiet_torchscript
 
 log = logging.getLogger("app.export")
 
@@ -44,9 +44,7 @@ def _convert(source: Source, example: torch.Tensor, path: Path) -> None:
 
 
 def _run(path: Path, x: torch.Tensor) -> torch.Tensor:
-    import openvino as ov
-
-    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = openvino_core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     return torch.from_numpy(compiled(x.numpy())[0].copy())
 
 

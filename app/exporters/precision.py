@@ -39,7 +39,7 @@ from app.manifest import (
     sha256_file,
 )
 from app.workers.agreement import measure
-from app.workers.models import LoadedModels, LoadOptions, Runtime, load_models
+from app.workers.models import LoadedModels, LoadOptions, Runtime, load_models, openvino_core
 
 log = logging.getLogger("app.export")
 
@@ -134,7 +134,7 @@ def _quantize(source: Path, target: Path, inputs: list[np.ndarray], kept: frozen
     except ImportError as exc:
         raise ExportError(f"--precision int8 needs nncf and openvino: {exc}") from None
     logging.getLogger("nncf").setLevel(logging.WARNING)  # not every layer's decision
-    model = ov.Core().read_model(str(source))
+    model = openvino_core().read_model(str(source))
     convolutions = [op for op in model.get_ordered_ops() if op.get_type_name() == "Convolution"]
     names = [convolutions[0].get_friendly_name()] if "first" in kept and convolutions else []
     types = ["GroupConvolution"] if "depthwise" in kept else []

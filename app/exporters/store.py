@@ -12,6 +12,7 @@ from torch import nn
 
 from app.exporters.aoti import derive_aoti, remove_aoti
 from app.exporters.base import ExportError, SplitModel, features_dim, random_images, run
+from app.exporters.measure import content_of, speeds_of
 from app.exporters.openvino_ir import Source, derive_openvino, remove_derived
 from app.exporters.precision import GOLDEN_FILE, PrecisionRequest, lower_precision
 from app.exporters.program import export_programs
@@ -179,6 +180,9 @@ def export_split(
         files=files,
         runtimes=derived,
         program=program,
+    )
+    manifest = manifest.model_copy(
+        update={"content": content_of(out, manifest), "speeds": speeds_of(out, manifest)}
     )
     _write_manifest(out, manifest)
     if precision.precision != "fp32":

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from app.settings import AUTO
+from app.settings_values import AUTO
 
 log = logging.getLogger(__name__)
 

@@ -52,6 +52,11 @@ class WorkerConfig:
     memory_budget_bytes: int | None = None  # MB_MODEL_MEMORY: what its models may take
     log_level: str = "info"
     log_format: str = "text"  # "json": each record (a traceback too) one JSON line
+    load_delays_s: tuple[float, ...] = ()  # testing only: MB_TEST_LOAD_DELAY_S, by worker
+
+    def load_delay_for(self, index: int) -> float:
+        """How long worker ``index`` sleeps in each load (testing only; 0 normally)."""
+        return self.load_delays_s[index % len(self.load_delays_s)] if self.load_delays_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,7 @@ def plan_serving(
             ),
             log_level=settings.log_level,
             log_format=settings.log_format,
+            load_delays_s=settings.mb_test_load_delay_s,
         ),
         limits=Limits(
             max_batch_size=settings.max_batch_size,

@@ -20,7 +20,7 @@ from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
 from app.services.predictor import DEFAULT_K, Predictor
-from app.settings import MODEL_NAME_PATTERN
+from app.settings_values import MODEL_NAME_PATTERN
 
 router = APIRouter(
     prefix="/predict", tags=["predict"], route_class=DirectRoute, dependencies=REQUIRES_API_KEY

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
 from app.routers.common import ERRORS
-from app.settings import VERSION_PATTERN
+from app.settings_values import VERSION_PATTERN
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 admin = APIRouter(
@@ -36,10 +36,20 @@ class IndexEntry(BaseModel):
     model_id: str | None = Field(description="the served id its answers carry (X-Model-Id)")
     state: str = Field(description="unavailable, loading, ready, draining or failed")
     serving: bool = Field(description="the version its name serves now")
-    reason: str = ""
+    reason: str = Field("", description="why it failed (the step, then what), or drains")
     in_flight: int = 0
     workers: int = Field(0, description="workers holding it ready")
     memory_bytes: int | None = Field(None, description="what it costs a worker holding it")
+    runtime: str | None = Field(None, description="what runs it on its workers (MB_RUNTIME)")
+    runtimes_failed: dict[str, str] = Field(
+        default_factory=dict,
+        description="runtimes its store holds that failed their self-test or load, and why",
+    )
+    slowdown: float | None = Field(
+        None,
+        description="how many times slower it runs than on the fastest of those, as its "
+        "export measured them (absent: not slower, or not known)",
+    )
 
 
 class LoadParameters(BaseModel):
@@ -94,7 +104,7 @@ async def load(name: str, request: Request, body: LoadRequest | None = None) -> 
         name=version.name,
         version=str(version.version),
         model_id=version.served_id,
-        state=version.state.value,
+        state=version.state.shown,
     )
 
 
@@ -108,5 +118,5 @@ async def unload(name: str, request: Request) -> Loaded:
         name=version.name,
         version=str(version.version),
         model_id=version.served_id,
-        state=version.state.value,
+        state=version.state.shown,
     )

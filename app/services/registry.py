@@ -1,10 +1,11 @@
-"""The model registry: every version the server knows, its state, and which version each
-name serves. The one state machine of model versions (states: ``app.repository.ModelState``);
-every move is a method here, and nothing else changes a version's state.
+"""The model registry of one HTTP process: every version it knows, each as a
+``app.lifecycle.VersionLife`` moved only by the methods here, which version each name serves,
+and the leases of the requests admitted for each.
 
-    LOADING --ready()--> READY --switch() to another, or retire()--> DRAINING --gone()--> GONE
-    LOADING --failed()--> FAILED                (what served before serves on)
-    DRAINING --revive()--> READY                (a rollback before it was unloaded)
+    LOADING --ready()--> READY --switch()--> SERVING --switch() to another, retire()--> DRAINING
+    LOADING --failed()--> FAILED   (what served before serves on; a retry loads it afresh)
+    DRAINING --switch()--> SERVING   (a rollback before it was unloaded: no load needed)
+    DRAINING --gone()--> UNLOADED    (forgotten: the index shows it on disk again)
 
 A request resolves its model once, when it is admitted (``admit``): by name (``?model=``, or
 the default), or pinned to an exact served id (``X-Model-Id``), and holds a lease on that
@@ -13,41 +14,35 @@ and the write, so a request sees the old version or the new, never neither. A ve
 stops serving drains: it takes no new request, and ``drained`` is set once the last lease on
 it is released; only then may its models be unloaded.
 
+Versions are known by name and number: a version that failed its checks is its own row, even
+when its manifest claims the served id of another (a corrupted copy).
+
 No asyncio waits, no I/O: the manager (``app.services.models``) does the loading.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.errors import InvalidRequest, ModelNotFound, ModelVersionUnavailable, NotReady
+from app.lifecycle import VersionLife, VersionState
 from app.manifest import Manifest
-from app.repository import ModelState, check_name
+from app.repository import check_name
 from app.services.predictor import Predictor
 
 
 @dataclass(eq=False)
-class ModelVersion:
-    """One version of one model, as the registry knows it."""
+class ModelVersion(VersionLife):
+    """One version of one model, as the registry knows it: its life, and once ready what
+    answers for it and the requests admitted for it."""
 
-    name: str
-    version: int
-    served_id: str
-    state: ModelState = ModelState.LOADING
     manifest: Manifest | None = None
     predictor: Predictor | None = None  # once READY
-    reason: str | None = None  # FAILED: why
     in_flight: int = 0  # requests admitted for it and not yet answered
-    since: float = field(default_factory=time.monotonic)  # when it entered its state
     drained: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} version {self.version} ({self.served_id})"
 
 
 def _numbered(version: ModelVersion, number: str) -> bool:
@@ -66,15 +61,15 @@ class ModelRegistry:
 
     def __init__(self, default_name: str | None = None) -> None:
         self.default_name = default_name
-        self._versions: dict[tuple[str, str], ModelVersion] = {}  # (name, served id)
-        self._serving: dict[str, ModelVersion] = {}  # name -> its READY version
+        self._versions: dict[tuple[str, int], ModelVersion] = {}  # (name, number)
+        self._serving: dict[str, ModelVersion] = {}  # name -> its SERVING version
         self._known: set[str] = set()  # every name ever asked to load (for 404 vs 503)
 
     # -- what is there -----------------------------------------------------------------------
 
     def versions(self) -> list[ModelVersion]:
         """Every version known, by name then version number."""
-        return sorted(self._versions.values(), key=lambda v: (v.name, v.version, v.since))
+        return sorted(self._versions.values(), key=lambda v: (v.name, v.version))
 
     def names(self) -> list[str]:
         """The names that serve a version now."""
@@ -83,11 +78,20 @@ class ModelRegistry:
     def serving(self, name: str) -> ModelVersion | None:
         return self._serving.get(name)
 
+    def get(self, name: str, number: int) -> ModelVersion | None:
+        return self._versions.get((name, number))
+
     def holders(self, served_id: str) -> list[ModelVersion]:
         """The versions, under any name, that are this export and still hold its models
-        (loading, serving or draining)."""
-        live = (ModelState.LOADING, ModelState.READY, ModelState.DRAINING)
-        return [v for v in self._versions.values() if v.served_id == served_id and v.state in live]
+        (loading, ready, serving or draining)."""
+        return [
+            v for v in self._versions.values() if v.served_id == served_id and v.state.holds_models
+        ]
+
+    def of_export(self, name: str, served_id: str) -> ModelVersion | None:
+        """``name``'s version that is this export and holds its models, if any (under
+        whatever number it was published as)."""
+        return next((v for v in self.holders(served_id) if v.name == name), None)
 
     @property
     def default(self) -> ModelVersion | None:
@@ -123,6 +127,8 @@ class ModelRegistry:
             return version
         if name is None:
             name = self._default_name()
+            if name is None and not self._known:
+                raise ModelNotFound("no model is served here (the admin route unloaded it)")
             if name is None:
                 raise InvalidRequest(
                     f"this server serves several models ({', '.join(self.names())}): name one "
@@ -170,7 +176,7 @@ class ModelRegistry:
             yield version
         finally:
             version.in_flight -= 1
-            if version.in_flight == 0 and version.state is ModelState.DRAINING:
+            if version.in_flight == 0 and version.state is VersionState.DRAINING:
                 version.drained.set()
 
     def expect(self, names: Iterable[str]) -> None:
@@ -180,41 +186,46 @@ class ModelRegistry:
 
     # -- moves -------------------------------------------------------------------------------
 
-    def _move(self, version: ModelVersion, state: ModelState) -> None:
-        version.state = state
-        version.since = time.monotonic()
-
-    def loading(self, name: str, version: int, served_id: str) -> ModelVersion:
-        """A load begins (a failed try of the same export before is forgotten)."""
+    def loading(self, name: str, number: int, served_id: str) -> ModelVersion:
+        """A load of ``name``'s version ``number`` begins: a new row, or one that failed or
+        was unloaded before loads afresh. A version already loading, ready, serving or
+        draining is returned as it is."""
         self._known.add(name)
-        key = (name, served_id)
-        existing = self._versions.get(key)
-        if existing is not None and existing.state is not ModelState.FAILED:
-            return existing  # loading, serving or draining already
-        entry = self._versions[key] = ModelVersion(name, version, served_id)
+        key = (name, number)
+        entry = self._versions.get(key)
+        if entry is not None and entry.state.holds_models:
+            return entry
+        if entry is None or entry.served_id != served_id:
+            entry = self._versions[key] = ModelVersion(name, number, served_id)
+        entry.move(VersionState.LOADING)
         return entry
 
     def ready(self, version: ModelVersion, manifest: Manifest, predictor: Predictor) -> None:
         """LOADING -> READY: loaded everywhere it must be; not serving until ``switch``."""
-        if version.state is not ModelState.LOADING:
-            raise RuntimeError(f"{version.label} is {version.state}, not loading")
         version.manifest, version.predictor = manifest, predictor
-        self._move(version, ModelState.READY)
+        version.move(VersionState.READY)
 
-    def failed(self, version: ModelVersion, reason: str) -> None:
-        """LOADING -> FAILED, with the reason (``/info``, the repository index)."""
-        version.reason = reason
-        self._move(version, ModelState.FAILED)
+    def failed(self, version: ModelVersion, step: str, reason: str) -> None:
+        """LOADING -> FAILED, at ``step``, with the reason (``/info``, the index)."""
+        version.move(VersionState.FAILED, step, reason)
 
     def switch(self, version: ModelVersion) -> ModelVersion | None:
-        """Make ``version`` (READY) the one its name serves, in one step; the version it
-        replaces starts draining and is returned (None if there was none, or it was this)."""
-        if version.state is not ModelState.READY:
-            raise RuntimeError(f"{version.label} is {version.state}, not ready")
+        """Make ``version`` (READY, or DRAINING: a rollback before it was unloaded) the one
+        its name serves, in one step; the version it replaces starts draining and is
+        returned (None if there was none). Failures of the name's older versions are
+        forgotten: what failed before the one serving now no longer matters."""
         old = self._serving.get(version.name)
+        if old is version:
+            return None
+        if version.state is VersionState.DRAINING:
+            version.drained.clear()
+        version.move(VersionState.SERVING)
         self._serving[version.name] = version  # the switch: one assignment
-        self._forget_failures(version.name)
-        if old is None or old is version:
+        for key, entry in list(self._versions.items()):
+            failed = entry.state is VersionState.FAILED
+            if failed and entry.name == version.name and entry.version < version.version:
+                del self._versions[key]
+        if old is None:
             return None
         self._drain(old)
         return old
@@ -233,29 +244,20 @@ class ModelRegistry:
     def renumber(self, version: ModelVersion, number: int) -> None:
         """The same export published again as another version (a rollback written as the
         next version): it serves under that number, with no load."""
+        if version.version == number:
+            return
+        self._versions.pop((version.name, version.version), None)
         version.version = number
-
-    def revive(self, version: ModelVersion) -> None:
-        """DRAINING -> READY, before its models are unloaded: a rollback to it needs no load
-        (``switch`` then makes it serve)."""
-        if version.state is not ModelState.DRAINING:
-            raise RuntimeError(f"{version.label} is {version.state}, not draining")
-        version.drained.clear()
-        self._move(version, ModelState.READY)
+        self._versions[(version.name, number)] = version
 
     def _drain(self, version: ModelVersion) -> None:
-        self._move(version, ModelState.DRAINING)
+        version.move(VersionState.DRAINING)
         if version.in_flight == 0:
             version.drained.set()
 
     def gone(self, version: ModelVersion) -> None:
-        """DRAINING (or FAILED) -> GONE: its models are unloaded; it is forgotten."""
-        if version.state is ModelState.READY and self._serving.get(version.name) is version:
-            raise RuntimeError(f"{version.label} still serves")
-        self._move(version, ModelState.GONE)
-        self._versions.pop((version.name, version.served_id), None)
-
-    def _forget_failures(self, name: str) -> None:
-        for key, entry in list(self._versions.items()):
-            if entry.name == name and entry.state is ModelState.FAILED:
-                del self._versions[key]
+        """DRAINING (or READY, never served) -> UNLOADED: its models are unloaded; it is
+        forgotten (the index shows it on disk again)."""
+        version.move(VersionState.UNLOADED)
+        if self._versions.get((version.name, version.version)) is version:
+            del self._versions[(version.name, version.version)]

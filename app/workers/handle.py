@@ -22,8 +22,8 @@ from app.errors import (
     WorkerDied,
     WorkerStartError,
 )
+from app.lifecycle import ModelSpec, VersionState
 from app.plan import WorkerConfig
-from app.repository import ModelSpec, ModelState
 from app.workers import allocator
 from app.workers.buffer import InputBuffer
 from app.workers.channel import Channel, channel_pair
@@ -50,11 +50,17 @@ Reply = BatchDone | LoadDone | ModelUnloaded
 log = logging.getLogger("app.workers.pool")
 
 
+def retrieve(future: asyncio.Future[Reply]) -> None:
+    """Read a reply nobody awaits, so that a failure in it is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _worker_entry(spec: WorkerSpec, conn: Connection) -> None:
     """The worker process's target: it dies with the pool's process (killed, even with
     ``-9``); torch is imported there, never in the pool's process."""
     die_with_parent(spec.parent_pid)
-    from app.workers.process import worker_main
+    from app.workers.serve import worker_main
 
     worker_main(spec, conn)
 
@@ -118,15 +124,17 @@ class WorkerHandle:
         self.ready = False
         self.alive = True
         self.models: dict[str, ModelLoaded] = {}  # by served id, once it is ready
-        self.loading: str | None = None  # the served id it is loading now
+        self.loading: ModelSpec | None = None  # what it is loading now
         self.batches = 0
         self.items = 0
         self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
         self._reader: asyncio.Task[None] | None = None
         self._on_idle: Callable[[WorkerHandle], None] = lambda _: None
         self._on_exit: Callable[[WorkerHandle], None] = lambda _: None
-        self._pending: asyncio.Future[Reply] | None = None
-        self._pending_id: int | None = None
+        # The batch it runs (one at a time), and the loads and unloads it was asked for: a
+        # load runs in a thread of the worker's while batches go on.
+        self._batch: tuple[int, asyncio.Future[Reply]] | None = None
+        self._control: dict[int, asyncio.Future[Reply]] = {}
 
     @classmethod
     def spawn(
@@ -141,8 +149,9 @@ class WorkerHandle:
         """Start a worker process (it loads ``models`` in the background)."""
         buffer = InputBuffer.create(buffer_size)
         spec = WorkerSpec(
-            index, device, threads, config, buffer.path, buffer.size, models, os.getpid()
-        )
+            index, device, threads, config, buffer.path, buffer.size, models, os.getpid(),
+            config.load_delay_for(index),
+        )  # fmt: skip
         parent, child = channel_pair()
         process = mp.get_context("spawn").Process(
             target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True
@@ -174,7 +183,8 @@ class WorkerHandle:
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None
+        """Running a batch (a load beside it does not make it busy)."""
+        return self._batch is not None
 
     @property
     def serving(self) -> bool:
@@ -193,11 +203,19 @@ class WorkerHandle:
     def status(self, restarts: int = 0) -> WorkerStatus:
         """This worker for ``/readyz``, ``/info`` and the metrics; ``restarts``: of its slot."""
         held = [
-            HeldModel(m.served_id, ModelState.READY, m.runtime, m.batch_size, m.memory_bytes)
+            HeldModel(
+                m.served_id, VersionState.READY.value, m.runtime, m.batch_size, m.memory_bytes,
+                name=m.name, version=m.version, skipped=m.skipped, slowdown=m.slowdown,
+            )
             for m in self.models.values()
-        ]
+        ]  # fmt: skip
         if self.loading is not None:
-            held.append(HeldModel(self.loading, ModelState.LOADING))
+            spec = self.loading
+            held.append(
+                HeldModel(
+                    spec.served_id, VersionState.LOADING.value, name=spec.name, version=spec.version
+                )
+            )
         first = next(iter(self.models.values()), None)
         return WorkerStatus(
             index=self.index,
@@ -261,20 +279,29 @@ class WorkerHandle:
             self._on_reply(message)
 
     def _on_reply(self, message: object) -> None:
-        future, expected = self._pending, self._pending_id
         replies = BatchDone | BatchFailed | LoadDone | LoadFailed | ModelUnloaded
-        if not isinstance(message, replies) or message.batch_id != expected:
+        batch = isinstance(message, BatchDone | BatchFailed)
+        future: asyncio.Future[Reply] | None = None
+        if not isinstance(message, replies):
             log.error("worker %d sent an unexpected message %r", self.index, message)
             return
-        self._pending = self._pending_id = None
-        self.loading = None
+        if batch and self._batch is not None and self._batch[0] == message.batch_id:
+            future, self._batch = self._batch[1], None
+        elif not batch and message.batch_id in self._control:
+            future = self._control.pop(message.batch_id)
+        else:
+            log.error("worker %d answered a request it was not sent: %r", self.index, message)
+            return
         if isinstance(message, LoadDone):
             self.models[message.model.served_id] = message.model
         elif isinstance(message, ModelUnloaded):
             self.models.pop(message.served_id, None)
-        self.idle_since = time.monotonic()
-        self._on_idle(self)
-        if future is None or future.done():
+        if isinstance(message, LoadDone | LoadFailed):
+            self.loading = None
+        if batch:
+            self.idle_since = time.monotonic()
+            self._on_idle(self)
+        if future.done():
             return
         if isinstance(message, BatchFailed):
             # The full message (it may hold paths) goes to the log, not to HTTP clients.
@@ -291,17 +318,22 @@ class WorkerHandle:
             future.set_result(message)
 
     def send(self, message: RunBatch | LoadModel | UnloadModel) -> asyncio.Future[Reply]:
-        """Send one request: a batch, or a model to load or unload. The future gets its
-        reply, ``InferenceError`` if the worker reports the batch failed, ``ModelLoadFailed``
-        if the load did, or ``WorkerDied`` once it is marked dead (a socket found closed here
-        is reported to ``on_exit`` at once, like one the reader finds closed)."""
+        """Send one request: a batch (one at a time: the pool sends one only to an idle
+        worker), or a model to load or unload (any time: a load runs beside the batches).
+        The future gets its reply, ``InferenceError`` if the worker reports the batch failed,
+        ``ModelLoadFailed`` if the load did, or ``WorkerDied`` once it is marked dead (a
+        socket found closed here is reported to ``on_exit`` at once, like one the reader
+        finds closed)."""
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending, self._pending_id = future, message.batch_id
         if isinstance(message, RunBatch):
+            assert self._batch is None, f"worker {self.index} runs a batch already"
+            self._batch = (message.batch_id, future)
             self.batches += 1
             self.items += len(message.ids)
-        elif isinstance(message, LoadModel):
-            self.loading = message.spec.served_id
+        else:
+            self._control[message.batch_id] = future
+            if isinstance(message, LoadModel):
+                self.loading = message.spec
         try:
             self.conn.send(message)
         except (OSError, RuntimeError):
@@ -309,14 +341,18 @@ class WorkerHandle:
         return future
 
     def mark_dead(self, reason: str) -> None:
-        """No longer serving: fail the batch it was running with ``WorkerDied``."""
+        """No longer serving: fail the batch it was running, and any load or unload it was
+        asked for, with ``WorkerDied``."""
         if self.alive:
             self.alive = False
             if self._reader is not None and self._reader is not asyncio.current_task():
                 self._reader.cancel()
-        future, self._pending = self._pending, None
-        if future is not None and not future.done():
-            future.set_exception(WorkerDied(reason))
+        futures = [self._batch[1]] if self._batch is not None else []
+        futures += self._control.values()
+        self._batch, self._control = None, {}
+        for future in futures:
+            if not future.done():
+                future.set_exception(WorkerDied(reason))
 
     def ask_to_stop(self) -> None:
         if self.alive:

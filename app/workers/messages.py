@@ -14,8 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 from app.jobs import Task
+from app.lifecycle import ModelSpec
 from app.plan import WorkerConfig
-from app.repository import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class WorkerSpec:
     buffer_size: int
     models: tuple[ModelSpec, ...] = ()
     parent_pid: int = 0  # the pool's process: the worker dies with it (app.workers.lineage)
+    load_delay_s: float = 0.0  # testing only (MB_TEST_LOAD_DELAY_S)
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,22 @@ class ModelLoaded:
     runtime: str  # what runs it (MB_RUNTIME)
     memory_bytes: int  # what it costs the worker (measured growth, at least its files)
     throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
+    name: str = ""
+    version: int = 0
+    skipped: tuple[tuple[str, str], ...] = ()  # runtimes that failed here, and why
+    slowdown: float | None = None  # how many times slower than a skipped runtime
 
 
 @dataclass(frozen=True)
 class LoadModel:
-    """Load ``spec`` beside the models held (verify, self-test, warm up); answered with
-    ``LoadDone`` or ``LoadFailed`` carrying the same ``batch_id`` (every request to a worker
-    is numbered from one counter, batches and these alike)."""
+    """Load ``spec`` beside the models held (verify, self-test, warm up), in a thread while
+    batches go on; answered with ``LoadDone``, or ``LoadFailed`` (step ``timeout`` once
+    ``timeout_s`` passed; 0: no deadline), carrying the same ``batch_id`` (every request to
+    a worker is numbered from one counter, batches and these alike)."""
 
     batch_id: int
     spec: ModelSpec
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)

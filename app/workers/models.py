@@ -4,6 +4,7 @@ TorchScript, which every store holds, and the runtimes whose models the export d
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,8 +14,9 @@ from typing import Any, Literal
 
 import torch
 
-from app.errors import ModelStoreError
+from app.errors import ContentMismatch, ModelStoreError
 from app.manifest import InputSpec, Manifest, RuntimeName, read_manifest
+from app.workers.content import module_digest
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 Runtime = Literal["torchscript"] | RuntimeName
@@ -55,6 +57,9 @@ class LoadOptions:
     # Set for an embedding model of a runtime in PIXELS_IN: the model takes uint8 NHWC pixels
     # and normalises them as this says, inside its compiled graph.
     normalise: InputSpec | None = None
+    # The TorchScript module's content digest the manifest records (``Manifest.content``):
+    # checked on the module as loaded, before anything rewrites it.
+    digest: str | None = None
 
 
 def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) -> Model:
@@ -62,6 +67,11 @@ def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) ->
         raise ModelStoreError("TorchScript has no int8 models: int8 runs on OpenVINO")
     with quiet_torchscript():
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+        if options.digest is not None and module_digest(module) != options.digest:
+            raise ContentMismatch(
+                f"{path.name} does not compute what its manifest's id says (its weights or "
+                "graph differ from the export's): re-export the model"
+            )
         module.eval()
         if options.dtype != torch.float32:
             module = module.to(options.dtype)
@@ -100,11 +110,33 @@ def _with_normalisation(model: Any, spec: InputSpec) -> Any:
     return steps.build()
 
 
+_core: Any = None
+_core_lock = threading.Lock()
+
+
+def openvino_core() -> Any:
+    """This process's one OpenVINO ``Core``, made on first use and kept for its life.
+
+    Not one per model: OpenVINO's CPU plugin, made once per ``Core``, gives the thread that
+    makes it an alternate signal stack of its own (``sigaltstack``, sized for AMX state) and,
+    destroyed, restores the one it replaced and unmaps its own. Plugins destroyed in another
+    order than the reverse of their making (a model's embedding before its classifier, an
+    older version after a newer one) left the thread's alternate stack on unmapped memory,
+    and the next signal handled in Python (a broker worker's SIGHUP or SIGTERM: every Python
+    handler runs on that stack) killed the worker with SIGSEGV before any handler ran. One
+    ``Core``: one plugin, one ``sigaltstack``, never undone while the process serves."""
+    global _core
+    with _core_lock:
+        if _core is None:
+            import openvino as ov
+
+            _core = ov.Core()
+        return _core
+
+
 def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Model:
     if device.type != "cpu":
         raise ValueError(f"OpenVINO runs on the CPU here, not on {device}")
-    import openvino as ov
-
     # Several worker processes share the cores: no pinning, each its own thread count. The
     # precision is pinned, or OpenVINO may compute in bf16 on CPUs that have it (an int8
     # model's layers left unquantized run in f32).
@@ -115,7 +147,7 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_PRECISION_HINT": precision,
     }
-    core = ov.Core()
+    core = openvino_core()
     model = core.read_model(str(path))
     if options.normalise is not None:
         model = _with_normalisation(model, options.normalise)
@@ -217,12 +249,15 @@ def load_models(
         dtype = torch.float32  # the derived models take float32 whatever they compute in
     load = LOADERS[runtime]
     pixels_in = runtime in PIXELS_IN
-    first = replace(options, normalise=manifest.input) if pixels_in else options
+    digests = manifest.content.modules if manifest.content and runtime == "torchscript" else {}
+    first = replace(options, digest=digests.get("embedding"))
+    first = replace(first, normalise=manifest.input) if pixels_in else first
+    head = replace(options, digest=digests.get("classifier"))
     return LoadedModels(
         manifest=manifest,
         embedding=load(store / files["embedding"], device, first),
         classifier=(
-            load(store / files["classifier"], device, options) if manifest.has_classifier else None
+            load(store / files["classifier"], device, head) if manifest.has_classifier else None
         ),
         dtype=dtype,
         runtime=runtime,

@@ -6,54 +6,38 @@ or unload models between them) until told to stop.
 images through their shared buffer, see ``app.workers.transfer``). ``PreparedWorker`` is the
 part any worker process runs, whatever feeds it batches (the broker's consumer too): it holds
 every model the worker serves, by served id, so one process (and its cores) serves several
-models and versions, and it owns their loading and unloading.
+models and versions, and it owns their loading and unloading. Both run a batch with one
+function, ``app.workers.compute.run_batch``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-import traceback
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from app.errors import WorkerStartError
-from app.logs import configure_logging
+from app.errors import ContentMismatch, WorkerStartError
+from app.lifecycle import ModelSpec
 from app.manifest import Manifest, read_manifest
 from app.plan import WorkerConfig
-from app.repository import ModelSpec
 from app.workers.allocator import (
     ResidentBound,
     anonymous_bytes,
     release_freed_memory,
     retain_freed_memory,
 )
-from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder
 from app.workers.messages import (
-    STOP,
-    BatchDone,
-    BatchFailed,
-    LoadDone,
-    LoadFailed,
-    LoadModel,
     ModelLoaded,
-    ModelUnloaded,
-    Ready,
-    RunBatch,
-    StartFailed,
-    UnloadModel,
-    WorkerSpec,
 )
 from app.workers.models import LoadOptions
 from app.workers.runner import BatchRunner, choose_batch_size
 from app.workers.runtimes import choose_runtime
-from app.workers.transfer import read_images
 
 log = logging.getLogger("app.worker")
 
@@ -76,7 +60,9 @@ class LoadFailure(Exception):
 
 @dataclass
 class PreparedModel:
-    """One model a worker holds: loaded, self-tested, warmed up and measured."""
+    """One model a worker holds: loaded, self-tested, warmed up and measured; the runtimes
+    that failed their self-test or load for it (``skipped``, with why), and how many times
+    slower than the fastest of those its export measured it runs (``slowdown``)."""
 
     spec: ModelSpec
     runner: BatchRunner
@@ -84,6 +70,8 @@ class PreparedModel:
     batch_size: int  # the largest batch it wants: its auto choice, or the maximum
     throughput: dict[int, float] = field(default_factory=dict)  # auto: images/s per size
     memory_bytes: int = 0  # what it costs this worker: measured growth, at least its files
+    skipped: dict[str, str] = field(default_factory=dict)
+    slowdown: float | None = None
 
     @property
     def report(self) -> ModelLoaded:
@@ -93,7 +81,22 @@ class PreparedModel:
             self.runner.models.runtime,
             self.memory_bytes,
             self.throughput,
+            name=self.spec.name,
+            version=self.spec.version,
+            skipped=tuple(self.skipped.items()),
+            slowdown=self.slowdown,
         )
+
+    @property
+    def advertised(self) -> dict[str, Any]:
+        """What a broker worker's heartbeat says of it, beside its name and state."""
+        return {
+            "runtime": self.runner.models.runtime,
+            "batch_size": self.batch_size,
+            "memory_bytes": self.memory_bytes,
+            "skipped": {name: reason[:300] for name, reason in self.skipped.items()},
+            "slowdown": self.slowdown,
+        }
 
     def close(self) -> None:
         if self.decoder is not None:
@@ -129,11 +132,15 @@ class PreparedWorker:
     >>> # worker.unload("resnet50@1a2b3c4d5e6f")   # its memory goes back to the kernel
     """
 
-    def __init__(self, config: WorkerConfig, device_name: str, threads: int) -> None:
+    def __init__(
+        self, config: WorkerConfig, device_name: str, threads: int, load_delay_s: float = 0.0
+    ) -> None:
         retain_freed_memory()  # first: every allocation after it benefits
         _configure_threads(threads)
         self.config = config
         self.threads = threads
+        # Testing only (MB_TEST_LOAD_DELAY_S): each load sleeps this long, on purpose.
+        self.load_delay_s = load_delay_s
         self.device = torch.device(device_name)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -143,7 +150,19 @@ class PreparedWorker:
 
     @property
     def held_bytes(self) -> int:
-        return sum(model.memory_bytes for model in self.models.values())
+        # list(): one step under the GIL, while a load in another thread reads this
+        return sum(model.memory_bytes for model in list(self.models.values()))
+
+    def own_thread(self) -> None:
+        """Run torch on the calling thread (a loader's) with this worker's thread count:
+        each thread has its own OpenMP settings."""
+        _configure_threads(self.threads)
+
+    def hold(self, prepared: PreparedModel) -> None:
+        """Serve ``prepared`` from now on (a model ``load(..., hold=False)`` prepared in
+        another thread: only the thread that runs batches changes what they see)."""
+        self.models[prepared.spec.served_id] = prepared
+        self.memory.settle()
 
     def model(self, served_id: str) -> PreparedModel:
         """The model a batch names; ``KeyError`` with a message if this worker lacks it."""
@@ -152,9 +171,11 @@ class PreparedWorker:
         except KeyError:
             raise KeyError(f"this worker holds no model {served_id!r}") from None
 
-    def load(self, spec: ModelSpec) -> PreparedModel:
-        """Verify, load, self-test and warm up ``spec`` beside the models held; raises
-        ``LoadFailure`` (saying at which step) and then holds nothing of it."""
+    def load(self, spec: ModelSpec, *, hold: bool = True) -> PreparedModel:
+        """Verify, load, self-test and warm up ``spec`` beside the models held, and with
+        ``hold`` serve it from now on; raises ``LoadFailure`` (saying at which step) and then
+        holds nothing of it. Without ``hold`` it may run in a thread of its own while batches
+        run: the caller's ``hold`` puts it in service."""
         if spec.served_id in self.models:
             return self.models[spec.served_id]
         store = Path(spec.store)
@@ -187,8 +208,8 @@ class PreparedWorker:
             del prepared
             release_freed_memory()
             raise
-        self.models[spec.served_id] = prepared
-        self.memory.settle()
+        if hold:
+            self.hold(prepared)
         log.info(
             "loaded %s version %d (%s) on %s with %s: %d MB",
             spec.name,
@@ -218,9 +239,13 @@ class PreparedWorker:
             dtype=getattr(torch, dtype), optimize=config.optimize, threads=self.threads
         )
         try:
+            if self.load_delay_s:  # testing only: a slow load, on purpose
+                time.sleep(self.load_delay_s)
             choice = choose_runtime(store, device, options, config.runtime, manifest)
         except WorkerStartError as exc:  # a runtime refused by its self-test, or absent
             raise LoadFailure(spec, "self-test", str(exc)) from None
+        except ContentMismatch as exc:
+            raise LoadFailure(spec, "verify", str(exc)) from None
         except Exception as exc:
             raise LoadFailure(spec, "load", f"{type(exc).__name__}: {exc}") from None
         if choice.images_per_s:
@@ -236,7 +261,14 @@ class PreparedWorker:
             )
         runner = BatchRunner(choice.models, device)
         decoder: Decoder | DeviceDecoder | None = None
-        prepared = PreparedModel(spec, runner, decoder, config.max_batch_size)
+        prepared = PreparedModel(
+            spec,
+            runner,
+            decoder,
+            config.max_batch_size,
+            skipped=dict(choice.skipped),
+            slowdown=choice.slowdown,
+        )
         try:
             if config.decode_threads:
                 spec_in = choice.models.manifest.input
@@ -275,13 +307,19 @@ class PreparedWorker:
 
 
 def prepare(
-    config: WorkerConfig, device_name: str, threads: int, models: tuple[ModelSpec, ...]
+    config: WorkerConfig,
+    device_name: str,
+    threads: int,
+    models: tuple[ModelSpec, ...],
+    load_delay_s: float = 0.0,
 ) -> PreparedWorker:
     """A worker holding ``models``, each loaded, warmed up and measured. Raises what stops
-    it (``LoadFailure`` for a model); the caller reports it."""
+    it (``LoadFailure`` for a model); the caller reports it. ``load_delay_s`` (testing
+    only) slows the loads after these."""
     worker = PreparedWorker(config, device_name, threads)
     for spec in models:
         worker.load(spec)
+    worker.load_delay_s = load_delay_s
     return worker
 
 
@@ -290,75 +328,3 @@ def start_failure(exc: BaseException) -> str:
     if isinstance(exc, LoadFailure):
         return exc.describe()
     return f"{type(exc).__name__}: {exc}"
-
-
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of a pool's worker process."""
-    configure_logging(spec.config.log_level, spec.config.log_format)
-    try:
-        worker = prepare(spec.config, spec.device, spec.threads, spec.models)
-        buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
-    except BaseException as exc:
-        conn.send(StartFailed(spec.index, start_failure(exc)))
-        conn.close()
-        return
-    reports = tuple(model.report for model in worker.models.values())
-    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), reports))
-    _serve(worker, buffer, conn)
-
-
-def run_message(worker: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
-    """Run one batch from the buffer on the model it names; raises if the batch as a whole
-    fails."""
-    started = time.perf_counter()
-    prepared = worker.model(message.model)
-    if message.threads and message.threads != torch.get_num_threads():
-        torch.set_num_threads(message.threads)
-    runner = prepared.runner
-    pixels, errors = read_images(message, buffer, prepared.decoder, runner.image_shape)
-    outputs = runner.run(message.task, pixels, message.top_k) if len(pixels) else {}
-    return BatchDone(
-        message.batch_id,
-        message.ids,
-        outputs,
-        time.perf_counter() - started,
-        errors,
-        torch.get_num_threads(),
-        prepared.spec.served_id,
-    )
-
-
-def _control(
-    worker: PreparedWorker, message: LoadModel | UnloadModel
-) -> LoadDone | LoadFailed | ModelUnloaded:
-    """Load or unload a model between batches."""
-    if isinstance(message, UnloadModel):
-        worker.unload(message.served_id)
-        return ModelUnloaded(message.batch_id, message.served_id, anonymous_bytes())
-    try:
-        return LoadDone(message.batch_id, worker.load(message.spec).report)
-    except LoadFailure as exc:
-        log.error("loading %s failed", exc.describe())
-        return LoadFailed(message.batch_id, message.spec.served_id, exc.step, exc.message)
-
-
-def _serve(worker: PreparedWorker, buffer: InputBuffer, conn: Connection) -> None:
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the pool went away: nothing left to serve
-            return
-        if message is STOP:
-            conn.close()
-            return
-        if isinstance(message, LoadModel | UnloadModel):
-            conn.send(_control(worker, message))
-            continue
-        assert isinstance(message, RunBatch)
-        try:
-            reply: BatchDone | BatchFailed = run_message(worker, buffer, message)
-        except Exception as exc:
-            log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())
-            reply = BatchFailed(message.batch_id, message.ids, f"{type(exc).__name__}: {exc}")
-        conn.send(reply)
-        worker.memory.after_batch()

@@ -50,11 +50,45 @@ TIMING_MIN_S = 0.1
 @dataclass
 class RuntimeChoice:
     """The models a worker serves with, and what the choice saw: images/s by runtime at
-    ``TIMING_BATCH`` (those timed), and why others were skipped."""
+    ``TIMING_BATCH`` (those timed), why others were skipped, and how many times slower than
+    the fastest skipped runtime the export measured the one serving is (None: not slower,
+    or no figures to say)."""
 
     models: LoadedModels
     images_per_s: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    slowdown: float | None = None
+
+    def judge(self, manifest: Manifest) -> RuntimeChoice:
+        """Set ``slowdown`` from the speeds the export measured (``Manifest.speeds``), and
+        say in one WARNING when a runtime that failed here would have served faster."""
+        if not self.skipped:
+            return self
+        serving = self.models.runtime
+        speeds = manifest.speeds.images_per_s if manifest.speeds is not None else {}
+        faster = {n: speeds[n] for n in self.skipped if speeds.get(n, 0) > speeds.get(serving, 0)}
+        if faster and speeds.get(serving):
+            best = max(faster, key=lambda name: faster[name])
+            self.slowdown = round(faster[best] / speeds[serving], 2)
+            log.warning(
+                "serving with %s, %.1fx slower than %s (as the export measured them on %s): "
+                "%s failed here: %s",
+                serving,
+                self.slowdown,
+                best,
+                manifest.speeds.cpu if manifest.speeds is not None else "its host",
+                best,
+                self.skipped[best][:300],
+            )
+        elif not speeds:
+            log.warning(
+                "serving with %s: %s failed here (%s); the export measured no speeds to say "
+                "how much slower that is",
+                serving,
+                ", ".join(self.skipped),
+                "; ".join(reason[:200] for reason in self.skipped.values()),
+            )
+        return self
 
 
 def self_test_images(
@@ -205,10 +239,10 @@ def choose_runtime(
         return RuntimeChoice(passing[0])
     choice = RuntimeChoice(reference, skipped=skipped)
     if not passing:
-        return choice
+        return choice.judge(manifest)
     timing = np.concatenate([test.images] * (TIMING_BATCH // len(test.images) + 1))
     for models in [reference, *passing]:
         choice.images_per_s[models.runtime] = images_per_s(models, device, timing[:TIMING_BATCH])
     fastest = max(choice.images_per_s, key=lambda name: choice.images_per_s[name])
     choice.models = next(m for m in [reference, *passing] if m.runtime == fastest)
-    return choice
+    return choice.judge(manifest)

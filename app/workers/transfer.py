@@ -2,14 +2,15 @@
 
 The pool writes a batch's images into the buffer (``write_images``) and turns the worker's
 reply into each item's result (``results``); the worker reads the images back
-(``read_images``), decoding them first when they came encoded. A batch is all pixels or all
-encoded uploads: the Streamer never mixes the two (``app.jobs.BatchKey``).
+(``batch_images``), and decodes them when they came encoded (``app.workers.compute``). A
+batch is all pixels or all encoded uploads: the Streamer never mixes the two
+(``app.jobs.BatchKey``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -18,11 +19,6 @@ from app.errors import IMAGE_ERRORS, InferenceError, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
 from app.workers.buffer import Inline, InputBuffer, Spans
 from app.workers.messages import RunBatch
-
-if TYPE_CHECKING:
-    import torch
-
-    from app.workers.decoding import Decoder, DeviceDecoder
 
 # position in the batch -> (error class name, message), for uploads a worker could not decode
 Errors = dict[int, tuple[str, str]]
@@ -45,25 +41,20 @@ def write_images(
     return (), ()
 
 
-def read_images(
-    message: RunBatch,
-    buffer: InputBuffer,
-    decoder: Decoder | DeviceDecoder | None,
-    image_shape: tuple[int, int, int],
-) -> tuple[npt.NDArray[np.uint8] | torch.Tensor, Errors]:
-    """The batch's uint8 pixels (decoded here when they came encoded), less the uploads that
-    could not be decoded, and those uploads' errors by position."""
+def batch_images(
+    message: RunBatch, buffer: InputBuffer, image_shape: tuple[int, int, int]
+) -> npt.NDArray[np.uint8] | list[bytes]:
+    """The batch's images as they came: its uint8 pixels (the buffer's first rows), or its
+    encoded uploads (from the buffer, or inline) for the worker to decode."""
     if not message.spans:
-        return buffer.images(len(message.ids), image_shape), {}
-    if decoder is None:
-        raise RuntimeError("an encoded batch reached a worker that does not decode")
+        return buffer.images(len(message.ids), image_shape)
     blobs = [
         buffer.blob(span) if span is not None else inline
         for span, inline in zip(message.spans, message.inline, strict=True)
     ]
     if any(blob is None for blob in blobs):
         raise ValueError("an encoded row has neither a span nor inline bytes")
-    return decoder.decode(blobs)  # type: ignore[arg-type]  # None ruled out above
+    return blobs  # type: ignore[return-value]  # None ruled out above
 
 
 def image_error(name: str, message: str) -> ServerError:

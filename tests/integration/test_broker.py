@@ -354,7 +354,9 @@ async def test_a_corrupt_image_fails_alone_in_its_batch(tiny_store: Path, tmp_pa
 async def test_a_worker_killed_mid_batch_has_its_entries_answered_exactly_once(
     tmp_path: Path,
 ) -> None:
-    slow = export_slow(tmp_path / "slow", rounds=900)
+    # Slow enough that a batch outlasts a heartbeat (1 s) on fast CPUs too (AMX makes the
+    # model's matrix work several times faster than on the CPUs this was written on).
+    slow = export_slow(tmp_path / "slow", rounds=1500)
     expect = Expectation(slow)
     with RedisServer() as redis_server, Workers(redis_server, slow, count=2) as workers:
         with front_end(redis_server, slow) as front:

@@ -20,7 +20,7 @@ from app.broker.probes import Probes, Running
 from app.broker.probes import client_for as probes_client
 from app.broker.transport import BrokerTransport
 from app.jobs import Task
-from app.repository import Route
+from app.lifecycle import Route
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import distinct_images
 from tests.integration.test_broker import front_end, post, wait_for
@@ -48,7 +48,10 @@ async def test_the_backlog_sums_lag_and_pending_over_the_served_versions_streams
             client.xadd(stale, {"h": b"x"})  # an old version's leftovers
         transport = BrokerTransport(redis_server.url, PREFIX, max_queue=100)
         await transport.start()
-        transport.routes = {"m": Route(1, "m@aaaaaaaaaaaa"), "n": Route(1, "n@bbbbbbbbbbbb")}
+        transport.monitor.routes = {
+            "m": Route(1, "m@aaaaaaaaaaaa"),
+            "n": Route(1, "n@bbbbbbbbbbbb"),
+        }
         try:
             backlog = await transport.backlog()
             assert (backlog.lag, backlog.pending, backlog.backlog) == (7, 2, 9)

@@ -79,7 +79,10 @@ def test_tag_tags_and_ready(server: ServerProcess) -> None:
     assert [t.prob for t in top] == sorted((t.prob for t in top), reverse=True)
     assert {t.name for t in top} <= set(names) and len(names) == 1000
     assert [len(tags) for tags in both] == [2, 2]
-    assert both[0] == top[:2]
+    # The same tags as alone; the probabilities to float32 rounding (a batch of two computes
+    # them along another path), as the embeddings are compared.
+    assert [t.name for t in both[0]] == [t.name for t in top[:2]]
+    assert [t.prob for t in both[0]] == pytest.approx([t.prob for t in top[:2]], abs=1e-6)
 
 
 def test_a_path_and_a_file_object_are_images(

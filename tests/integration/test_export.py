@@ -73,3 +73,48 @@ def test_random_weights_warn_loudly(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert main(["--arch", "resnet18", "--weights", "random", "--out", str(tmp_path)]) == 0
     assert "RANDOM weights" in caplog.text
     assert read_manifest(tmp_path).weights == "random"
+
+
+def test_the_same_weights_exported_twice_get_the_same_id_and_other_weights_another(
+    tmp_path: Path,
+) -> None:
+    """The served id is the digest of what computes the answer: two exports of the same
+    weights (one of them into another folder, later, in the same process) share it; the
+    same weights scaled get another (their classifier's digest is the same: only the
+    embedding's graph differs)."""
+    from tests.models import export_scaled, export_tiny
+
+    first = read_manifest(export_tiny(tmp_path / "a"))
+    again = read_manifest(export_tiny(tmp_path / "elsewhere" / "b"))
+    scaled = read_manifest(export_scaled(tmp_path / "c", 2.0))
+    assert first.content is not None and first.content.modules == again.content.modules  # type: ignore[union-attr]
+    assert first.served_id("auto") == again.served_id("auto")
+    assert scaled.served_id("auto") != first.served_id("auto")
+    assert scaled.content.modules["classifier"] == first.content.modules["classifier"]  # type: ignore[union-attr]
+
+
+def test_a_module_replaced_under_a_rewritten_checksum_is_refused(tmp_path: Path) -> None:
+    """Someone swaps embedding.pt for another model and rewrites its sha256 in the manifest:
+    the files verify, but the module is not what the id says: the worker refuses it (step
+    verify), before it could answer under another model's id."""
+    import json
+
+    from app.manifest import sha256_file
+    from app.plan import WorkerConfig
+    from app.repository import Repository
+    from app.workers.process import LoadFailure, PreparedWorker
+    from tests.models import export_scaled, export_tiny
+
+    store = export_tiny(tmp_path / "tiny")
+    other = export_scaled(tmp_path / "scaled", 3.0)
+    (store / "embedding.pt").write_bytes((other / "embedding.pt").read_bytes())
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["files"]["embedding"]["sha256"] = sha256_file(store / "embedding.pt")
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    spec = Repository.of_store(store).read("tiny-test", 1, "auto").spec  # the files verify
+    worker = PreparedWorker(WorkerConfig(max_batch_size=2, runtime="torchscript"), "cpu", 1)
+    with pytest.raises(LoadFailure) as failure:
+        worker.load(spec)
+    assert failure.value.step == "verify"
+    assert "does not compute what its manifest's id says" in failure.value.message
+    assert worker.models == {}

@@ -14,7 +14,7 @@ import torch
 from app.engine import models_to_serve
 from app.errors import ModelStoreError, WorkerStartError
 from app.images import preprocess
-from app.jobs import Task
+from app.jobs import BatchKey, Task
 from app.manifest import read_manifest, sha256_file
 from app.plan import plan_serving
 from app.settings import load_settings
@@ -130,9 +130,11 @@ async def test_auto_batch_size_is_measured_and_used(tiny_store: Path) -> None:
     ) as (app, client):
         worker = app.state.engine.transport.worker_status()[0]
         ready = (await client.get("/readyz")).json()
-        streamer_batch = app.state.engine.streamer.max_batch_size
+        (served,) = worker.models
+        key = BatchKey(Task.EMBEDDING, False, served.served_id)
+        streamer_batch = app.state.engine.streamer.batch_size(key)
     assert 1 <= worker.batch_size <= 8
-    assert streamer_batch == worker.batch_size
+    assert streamer_batch == worker.batch_size  # the batches the Streamer forms of that model
     assert ready["workers"][0]["batch_size"] == worker.batch_size
 
 

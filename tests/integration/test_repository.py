@@ -439,7 +439,7 @@ async def test_unload_gives_the_memory_back_and_replace_trades_a_gap_for_it(
         cuda_devices="cpu", mb_worker_num=1, mb_default_model="tiny",
     ) as (_, client):  # fmt: skip
         unloaded = await client.post("/v2/repository/models/backbone/unload", headers=ADMIN)
-        assert unloaded.status_code == 200 and unloaded.json()["state"] == "gone"
+        assert unloaded.status_code == 200 and unloaded.json()["state"] == "unloaded"
         assert set(watched.inner.models) == {served_id(v1)}  # type: ignore[attr-defined]
         gone = await embed(client, model="backbone")
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
@@ -466,3 +466,44 @@ async def test_unload_gives_the_memory_back_and_replace_trades_a_gap_for_it(
         assert (await load).status_code == 200
         assert (await embed(client)).headers["X-Model-Id"] == served_id(v2)
         assert set(watched.inner.models) == {served_id(v2)}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("outcome", ["serves", "fails"])
+async def test_a_slow_load_runs_beside_the_batches_of_the_version_serving(
+    tmp_path: Path, outcome: str
+) -> None:
+    """One worker, a load made 6 s slower on purpose (in its self-test step): the worker
+    loads in a thread of its own and answers the serving version's requests meanwhile, each
+    within a bound far below the delay; the load then serves, or fails (a corrupted file
+    behind the delay) and leaves the version before serving, untouched."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    async with running_app(
+        model_repository=repository, admin_api_key="admin-secret", cuda_devices="cpu",
+        mb_worker_num=1, mb_test_load_delay_s="6",
+    ) as (_, client):  # fmt: skip
+        if outcome == "serves":
+            v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+        else:  # the sha256 checks pass (rewritten): the module digest fails, after the delay
+            v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+            (v2 / "embedding.pt").write_bytes((v1 / "embedding.pt").read_bytes())
+            manifest = json.loads((v2 / "manifest.json").read_text())
+            manifest["files"]["embedding"]["sha256"] = sha256_file(v2 / "embedding.pt")
+            (v2 / "manifest.json").write_text(json.dumps(manifest))
+        async with probing(client) as answers:
+            started = time.monotonic()
+            loaded = await client.post("/v2/repository/models/tiny/load", headers=ADMIN)
+            took = time.monotonic() - started
+        after = await embed(client)
+    assert took >= 6, f"the load took {took:.1f} s: the delay did not apply"
+    assert answers and all(a.status_code == 200 for a in answers)
+    during = [a for a in answers if a.headers["X-Model-Id"] == served_id(v1)]
+    assert len(during) >= 20, f"only {len(during)} answers while it loaded for {took:.1f} s"
+    slowest = max(a.elapsed.total_seconds() for a in during)
+    assert slowest < 2, f"an answer waited {slowest:.1f} s while the worker loaded"
+    if outcome == "serves":
+        assert loaded.status_code == 200 and after.headers["X-Model-Id"] == served_id(v2)
+    else:
+        assert loaded.status_code == 422 and loaded.json()["error"]["type"] == "model_load_failed"
+        assert "does not compute what its manifest's id says" in loaded.json()["error"]["message"]
+        assert after.headers["X-Model-Id"] == served_id(v1)

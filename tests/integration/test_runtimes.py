@@ -273,3 +273,97 @@ def test_a_broker_worker_that_crashes_on_a_runtime_is_restarted_without_it(
         heartbeats = list(workers.live().values())
     assert [beat["runtime"] for beat in heartbeats] == ["torchscript"]
     assert "crashed while loading its runtimes" in workers.output
+
+
+# Load, unload and load the same version again, each time followed by a signal handled in
+# Python (a broker worker's SIGHUP): 20 cycles.
+LOAD_UNLOAD_SIGNAL = """
+import os, signal, sys
+from pathlib import Path
+from app.plan import WorkerConfig
+from app.repository import Repository
+from app.workers.process import PreparedWorker
+
+store, runtime = Path(sys.argv[1]), sys.argv[2]
+spec = Repository.of_store(store).read(Repository.of_store(store).names()[0], 1, "auto").spec
+worker = PreparedWorker(WorkerConfig(max_batch_size=2, runtime=runtime), "cpu", threads=1)
+handled = []
+signal.signal(signal.SIGHUP, lambda *_: handled.append(1))
+for _ in range(20):
+    assert worker.load(spec).runner.models.runtime == runtime  # no reference kept: unloaded,
+    worker.unload(spec.served_id)                              # it is freed
+    os.kill(os.getpid(), signal.SIGHUP)
+assert len(handled) == 20
+"""
+
+
+@pytest.mark.parametrize("runtime", ["openvino", "torchscript"])
+def test_a_version_loads_and_unloads_twenty_times_and_signals_still_land(
+    tiny_openvino: Path, runtime: str
+) -> None:
+    """OpenVINO's CPU plugin (one per ``Core``) gives the thread that makes it an alternate
+    signal stack, and unmaps it when destroyed: with a ``Core`` per model file, unloading a
+    model could leave the thread's alternate stack unmapped, and the next signal killed the
+    worker with SIGSEGV (both broker workers, at the SIGHUP that loaded a version again)."""
+    import subprocess
+    import sys
+
+    from tests.server import REPO
+
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_UNLOAD_SIGNAL, str(tiny_openvino), runtime],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit code {done.returncode}: {done.stderr[-2000:]}"
+
+
+def _with_broken_openvino(source: Path, out: Path, speeds: dict[str, float]) -> Path:
+    """A copy of ``source`` whose OpenVINO embedding weights are garbage, their sha256
+    rewritten to match (the files verify), and whose export measured ``speeds``."""
+    import shutil
+
+    from app.manifest import sha256_file
+
+    shutil.copytree(source, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = manifest["runtimes"]["openvino"]["files"]
+    weights = out / files["embedding.bin"]["path"]
+    weights.write_bytes(bytes(255 - b for b in weights.read_bytes()))
+    files["embedding.bin"]["sha256"] = sha256_file(weights)
+    manifest["speeds"] = {"images_per_s": speeds, "batch_size": 8, "cpu": "the export's CPU"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_a_version_on_a_slower_runtime_says_how_much_slower(
+    tiny_openvino: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenVINO's weights broken under a rewritten checksum: the version serves on
+    TorchScript, and says so: the runtime that failed and why, and how much slower the one
+    serving is, by the speeds the export measured (one WARNING)."""
+    store = _with_broken_openvino(
+        tiny_openvino, tmp_path / "store", {"torchscript": 100.0, "openvino": 710.0}
+    )
+    with caplog.at_level(logging.WARNING, logger="app.worker"):
+        choice = choose_runtime(store, CPU, LoadOptions(threads=1), "auto")
+    assert choice.models.runtime == "torchscript" and "openvino" in choice.skipped
+    assert choice.slowdown == 7.1
+    assert "serving with torchscript, 7.1x slower than openvino" in caplog.text
+
+
+async def test_the_index_and_metrics_name_the_runtime_that_failed_and_the_cost(
+    tiny_openvino: Path, tmp_path: Path
+) -> None:
+    store = _with_broken_openvino(
+        tiny_openvino, tmp_path / "store", {"torchscript": 100.0, "openvino": 710.0}
+    )
+    async with running_app(model_store=store, cuda_devices="cpu", mb_worker_num=1) as (_, client):
+        (row,) = (await client.get("/v2/repository/index")).json()
+        metrics = (await client.get("/metrics")).text
+    assert (row["state"], row["serving"], row["runtime"]) == ("ready", True, "torchscript")
+    assert set(row["runtimes_failed"]) == {"openvino"} and row["runtimes_failed"]["openvino"]
+    assert row["slowdown"] == 7.1
+    assert (
+        'microbatch_model_runtime_slowdown{model="tiny-test",runtime="torchscript",version="1"} 7.1'
+        in metrics
+    )

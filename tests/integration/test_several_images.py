@@ -56,7 +56,12 @@ async def test_three_images_come_back_in_order_each_as_when_alone(
     assert tags.status_code == 200 and [len(t) for t in tags.json()] == [2, 2, 2]
     for answer, data in zip(tags.json(), images, strict=True):
         alone = await client.post("/predict/tag", files={"image": ("x.png", data)}, data={"k": "2"})
-        assert answer == alone.json()
+        # The same classes, the probabilities to float32 rounding: a batch of three and a lone
+        # image go through different kernels, which round differently on some CPUs.
+        assert [t["name"] for t in answer] == [t["name"] for t in alone.json()]
+        np.testing.assert_allclose(
+            [t["prob"] for t in answer], [t["prob"] for t in alone.json()], rtol=1e-5
+        )
 
 
 async def test_a_request_with_more_images_than_a_batch_comes_back_whole(

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from app.jobs import Task
+from app.lifecycle import ModelSpec
 from app.manifest import read_manifest
 from app.plan import WorkerConfig
-from app.repository import ModelSpec
 from app.workers.allocator import anonymous_bytes
 from app.workers.process import LoadFailure, PreparedWorker
 from tests.models import HeavyEmbedding, export_scaled, export_test_model, export_tiny

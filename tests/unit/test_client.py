@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import io
 import sys
 from collections.abc import Callable
@@ -183,6 +184,7 @@ def test_a_retry_that_succeeds_returns_the_answer() -> None:
         unavailable("11"),  # longer than max_retry_wait_s
         unavailable(None),  # no Retry-After
         unavailable("soon"),  # unreadable
+        unavailable("Wed, 21 Oct 2015 07:28:00 -0000"),  # a date without a zone: unreadable too
         httpx.Response(500, json={"error": {"type": "inference_error", "message": "x"}}),
         httpx.Response(429, headers={"Retry-After": "0"}),
     ],
@@ -247,6 +249,29 @@ async def test_async_client_gives_up_after_its_retries() -> None:
             await c.ready()  # a 503 from /readyz is an answer, not an error
             await c.tag(b"x")
     assert caught.value.type == "not_ready"
+
+
+async def test_the_async_client_has_the_sync_ones_methods_awaited() -> None:
+    for name in ("embed", "tag", "info", "ready", "tags"):
+        method = getattr(AsyncClient, name)
+        assert inspect.iscoroutinefunction(method) and method.__name__ == name
+        assert inspect.signature(method) == inspect.signature(getattr(Client, name))
+        assert method.__doc__ and method.__doc__ == getattr(Client, name).__doc__
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/predict/tag":
+            one = [{"name": "cat", "prob": 0.75}]
+            return httpx.Response(200, json=[one, one] if len(image_parts(request)) > 1 else one)
+        answers = {"/info": {"model_id": MODEL_ID}, "/tags": ["cat"]}
+        return httpx.Response(200, json=answers[request.url.path], headers={"X-Model-Id": MODEL_ID})
+
+    async with AsyncClient("http://server", transport=httpx.MockTransport(handler)) as c:
+        assert await c.tag(b"x", k=1) == [Tag("cat", 0.75)]
+        assert await c.tag([b"x", b"y"]) == [[Tag("cat", 0.75)], [Tag("cat", 0.75)]]
+        assert await c.info() == {"model_id": MODEL_ID}
+        assert await c.tags() == ["cat"] and c.model_id == MODEL_ID
+        with pytest.raises(TypeError, match="binary"):
+            await c.embed(io.StringIO("text"))  # type: ignore[arg-type]
 
 
 def test_the_module_can_be_copied_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,6 +62,7 @@ class FakeEngine:
         self.streamer = SimpleNamespace(queue_depth=0, in_flight=0)
         self.queue_depth = 0
         self.registry = SimpleNamespace(default=None, versions=list)
+        self.models = SimpleNamespace()  # neither reloads nor polls
         self.labels = lambda served_id: ("", "")
         self.closed_while_serving: bool | None = None
         FakeEngine.instances.append(self)

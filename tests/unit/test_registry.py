@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from app.errors import InvalidRequest, ModelNotFound, ModelVersionUnavailable, NotReady
-from app.repository import ModelState
+from app.lifecycle import IllegalMove, VersionState
 from app.services.registry import ModelRegistry, ModelVersion
 
 MANIFEST: Any = object()  # the registry stores it, never reads it
@@ -22,44 +22,74 @@ def _serving(registry: ModelRegistry, name: str, number: int, served_id: str) ->
     return version
 
 
-def _state(version: ModelVersion) -> ModelState:
+def _state(version: ModelVersion) -> VersionState:
     return version.state  # read afresh (mypy narrows an attribute across calls)
 
 
 def test_a_version_loads_serves_drains_and_goes() -> None:
     registry = ModelRegistry()
     v1 = registry.loading("tagger", 1, "t@1")
-    assert registry.versions() == [v1] and v1.state is ModelState.LOADING
+    assert registry.versions() == [v1] and v1.state is VersionState.LOADING
     with pytest.raises(NotReady):  # known, but nothing serves it yet
         registry.resolve("tagger")
     registry.ready(v1, MANIFEST, PREDICTOR)
-    assert _state(v1) is ModelState.READY and registry.serving("tagger") is None
+    assert _state(v1) is VersionState.READY and registry.serving("tagger") is None
     assert registry.switch(v1) is None
+    assert _state(v1) is VersionState.SERVING
     assert registry.resolve("tagger") is v1 and registry.resolve(None) is v1
     v2 = registry.loading("tagger", 2, "t@2")
     registry.ready(v2, MANIFEST, PREDICTOR)
     assert registry.resolve("tagger") is v1  # ready, but not switched yet
     assert registry.switch(v2) is v1
-    assert _state(v1) is ModelState.DRAINING and v1.drained.is_set()  # nothing was in flight
+    assert _state(v1) is VersionState.DRAINING and v1.drained.is_set()  # nothing was in flight
     assert registry.resolve("tagger") is v2
     registry.gone(v1)
-    assert _state(v1) is ModelState.GONE and v1 not in registry.versions()
+    assert _state(v1) is VersionState.UNLOADED and v1 not in registry.versions()
 
 
 def test_a_failed_load_leaves_the_version_before_serving() -> None:
     registry = ModelRegistry()
     v1 = _serving(registry, "tagger", 1, "t@1")
     v2 = registry.loading("tagger", 2, "t@2")
-    registry.failed(v2, "self-test: cosine 0.5")
-    assert v2.state is ModelState.FAILED and v2.reason == "self-test: cosine 0.5"
+    registry.failed(v2, "self-test", "cosine 0.5")
+    assert v2.state is VersionState.FAILED and (v2.step, v2.reason) == ("self-test", "cosine 0.5")
     assert registry.resolve("tagger") is v1 and v2 in registry.versions()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IllegalMove):
         registry.switch(v2)  # only a ready version can serve
-    again = registry.loading("tagger", 2, "t@2")  # a retry starts afresh
-    assert again is not v2 and again.state is ModelState.LOADING
+    again = registry.loading("tagger", 2, "t@2")  # a retry loads it afresh
+    assert again is v2 and again.state is VersionState.LOADING and again.reason == ""
     registry.ready(again, MANIFEST, PREDICTOR)
     registry.switch(again)
-    assert all(v.state is not ModelState.FAILED for v in registry.versions())
+    assert all(v.state is not VersionState.FAILED for v in registry.versions())
+
+
+def test_a_failure_is_on_its_own_row_even_when_it_claims_the_serving_export() -> None:
+    """A corrupted copy of version 4 published as version 5 claims version 4's served id:
+    its failure is version 5's, and version 4 serves on, untouched."""
+    registry = ModelRegistry()
+    v4 = _serving(registry, "tagger", 4, "t@4")
+    v5 = registry.loading("tagger", 5, "t@4")
+    assert v5 is not v4
+    registry.failed(v5, "verify", "embedding.pt does not match its sha256")
+    assert v4.state is VersionState.SERVING and v4.reason == ""
+    assert [(v.version, v.state) for v in registry.versions()] == [
+        (4, VersionState.SERVING),
+        (5, VersionState.FAILED),
+    ]
+    assert registry.holders("t@4") == [v4]
+
+
+def test_failures_of_older_versions_are_forgotten_once_a_newer_one_serves() -> None:
+    registry = ModelRegistry()
+    _serving(registry, "tagger", 1, "t@1")
+    for number in (2, 4):
+        registry.failed(registry.loading("tagger", number, f"t@{number}"), "load", "boom")
+    _serving(registry, "tagger", 3, "t@3")
+    assert [(v.version, v.state.value) for v in registry.versions()] == [
+        (1, "draining"),
+        (3, "serving"),
+        (4, "failed"),
+    ]
 
 
 def test_a_request_admitted_before_a_switch_keeps_its_version_until_answered() -> None:
@@ -68,20 +98,34 @@ def test_a_request_admitted_before_a_switch_keeps_its_version_until_answered() -
     with registry.admit("tagger") as admitted:
         assert admitted is v1 and v1.in_flight == 1
         _serving(registry, "tagger", 2, "t@2")
-        assert v1.state is ModelState.DRAINING and not v1.drained.is_set()
+        assert v1.state is VersionState.DRAINING and not v1.drained.is_set()
         with registry.admit("tagger") as later:
             assert later.served_id == "t@2"
     assert v1.in_flight == 0 and v1.drained.is_set()
 
 
-def test_a_draining_version_can_be_revived_before_it_is_unloaded() -> None:
+def test_a_draining_version_serves_again_before_it_is_unloaded() -> None:
+    registry = ModelRegistry()
+    v1 = _serving(registry, "tagger", 1, "t@1")
+    v2 = _serving(registry, "tagger", 2, "t@2")
+    assert v1.drained.is_set()
+    assert registry.switch(v1) is v2  # a rollback: no load
+    assert v1.state is VersionState.SERVING and not v1.drained.is_set()
+    assert registry.resolve("tagger") is v1 and v2.state is VersionState.DRAINING
+
+
+def test_an_unloaded_version_is_forgotten_and_a_renumbered_one_moves_row() -> None:
     registry = ModelRegistry()
     v1 = _serving(registry, "tagger", 1, "t@1")
     _serving(registry, "tagger", 2, "t@2")
-    registry.revive(v1)
-    assert v1.state is ModelState.READY and not v1.drained.is_set()
-    registry.switch(v1)
-    assert registry.resolve("tagger") is v1
+    registry.gone(v1)
+    assert v1.state is VersionState.UNLOADED and registry.get("tagger", 1) is None
+    with pytest.raises(IllegalMove):
+        registry.gone(registry.serving("tagger"))  # type: ignore[arg-type]  # still serves
+    v2 = registry.serving("tagger")
+    assert v2 is not None
+    registry.renumber(v2, 3)  # the same export published again as version 3
+    assert registry.get("tagger", 3) is v2 and registry.get("tagger", 2) is None
 
 
 def test_a_pin_gets_exactly_that_export_or_409_naming_what_is_served() -> None:
@@ -126,7 +170,7 @@ def test_an_unloaded_name_drains_and_is_no_longer_served() -> None:
     registry = ModelRegistry()
     v1 = _serving(registry, "tagger", 1, "t@1")
     assert registry.retire("tagger") is v1
-    assert v1.state is ModelState.DRAINING and registry.names() == []
+    assert v1.state is VersionState.DRAINING and registry.names() == []
     with pytest.raises(ModelNotFound):
         registry.resolve("tagger")
     assert registry.retire("tagger") is None

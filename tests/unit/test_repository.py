@@ -12,7 +12,8 @@ import pytest
 from app.errors import InvalidRequest, ModelNotFound, ModelStoreError
 from app.manifest import MANIFEST_NAME
 from app.repository import Repository, check_name, name_of_export, publish, staging_folder
-from app.settings import Settings, load_settings, parse_pins
+from app.settings import Settings, load_settings
+from app.settings_values import parse_pins
 
 
 def _store(folder: Path, arch: str = "tiny") -> Path:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from app.plan.devices import assign_workers, resolve_devices
-from app.settings import parse_cuda_devices
+from app.settings_values import parse_cuda_devices
 
 
 @pytest.mark.parametrize(

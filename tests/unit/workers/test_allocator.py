@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.lifecycle import ModelSpec
 from app.plan import WorkerConfig
-from app.repository import ModelSpec
-from app.workers import allocator, process
+from app.workers import allocator, process, serve
 from app.workers.messages import StartFailed, WorkerSpec
 
 # Activation-sized arrays (1-48 MiB) allocated and freed in a mixed order, as batches of
@@ -82,7 +82,7 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     config = WorkerConfig(max_batch_size=8)
     model = ModelSpec("unused", 1, "unused", "unused@000000000000")
     spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0, (model,))
-    process.worker_main(spec, theirs)
+    serve.worker_main(spec, theirs)
     assert isinstance(ours.recv(), StartFailed)
     assert calls == ["allocator", "load_models"]
 

@@ -18,7 +18,7 @@ from app.manifest import InputSpec
 from app.workers.buffer import InputBuffer
 from app.workers.decoding import Decoder, DeviceDecoder, resize_center_crop, upright
 from app.workers.messages import RunBatch
-from app.workers.transfer import read_images
+from app.workers.transfer import batch_images
 from tests.unit.test_images import encode
 
 SPEC = InputSpec(
@@ -134,7 +134,9 @@ def test_encoded_batch_becomes_a_device_tensor_the_runner_takes() -> None:
     try:
         spans, inline = buffer.pack([upload, upload])  # the second travels inline
         message = RunBatch(0, Task.EMBEDDING, (1, 2), 0, spans, inline)
-        pixels, errors = read_images(message, buffer, decoder(), (64, 64, 3))
+        blobs = batch_images(message, buffer, (64, 64, 3))
+        assert isinstance(blobs, list)
+        pixels, errors = decoder().decode(blobs)
     finally:
         buffer.unlink()
         buffer.close()

@@ -8,7 +8,7 @@ import types
 from typing import Any
 
 from app.errors import WorkerDied
-from app.repository import ModelSpec
+from app.lifecycle import ModelSpec
 from app.workers.messages import LoadDone, LoadModel, ModelLoaded, ModelUnloaded
 from app.workers.pool import WorkerPool
 
@@ -63,7 +63,6 @@ class FakeHandle:
             else:
                 self.models.pop(message.served_id, None)
                 answer = ModelUnloaded(message.batch_id, message.served_id, 0)
-            self._on_idle(self)
             if not future.done():
                 future.set_result(answer)
 
@@ -98,8 +97,8 @@ def fake_pool(models: list[ModelSpec]) -> WorkerPool:
         limits=types.SimpleNamespace(start_timeout_s=5, batch_timeout_s=5),
     )
     pool = WorkerPool(models, plan)
-    pool._backoff.next_delay = lambda index: 0.05  # type: ignore[method-assign]
-    pool._spawn = lambda index: FakeHandle(index, tuple(pool._models.values()))  # type: ignore[assignment, method-assign, return-value]
+    pool.supervision.backoff.next_delay = lambda index: 0.05  # type: ignore[method-assign]
+    pool._spawn = lambda index: FakeHandle(index, tuple(pool.hosting.specs.values()))  # type: ignore[assignment, method-assign, return-value]
     return pool
 
 

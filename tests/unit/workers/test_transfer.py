@@ -1,9 +1,11 @@
 """A batch's trip through the shared buffer, both ways: what the pool writes, what the worker
-reads back (decoding encoded uploads), and each item's result from the worker's reply."""
+reads back (and decodes, for encoded uploads), and each item's result from the worker's
+reply."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,9 +15,10 @@ import pytest
 from app.errors import InferenceError, InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.jobs import EmbeddingAndTopK, Task, TopK
 from app.workers.buffer import InputBuffer
+from app.workers.compute import run_batch
 from app.workers.decoding import Decoder
 from app.workers.messages import BatchDone, RunBatch
-from app.workers.transfer import image_error, read_images, results, write_images
+from app.workers.transfer import batch_images, image_error, results, write_images
 from tests.unit.test_images import SPEC, encode, gradient
 
 SHAPE = (32, 32, 3)
@@ -42,8 +45,8 @@ def test_pixels_travel_as_the_buffers_first_rows(buffer: InputBuffer) -> None:
     pixels = [rng.integers(0, 256, SHAPE, dtype=np.uint8) for _ in range(3)]
     spans, inline = write_images(buffer, pixels, SHAPE)
     assert (spans, inline) == ((), ())
-    rows, errors = read_images(_message(count=3), buffer, None, SHAPE)
-    assert errors == {}
+    rows = batch_images(_message(count=3), buffer, SHAPE)
+    assert isinstance(rows, np.ndarray)
     for row, want in enumerate(pixels):
         assert np.array_equal(rows[row], want)
 
@@ -53,7 +56,9 @@ def test_uploads_travel_encoded_and_come_back_decoded_in_order(buffer: InputBuff
     decoder = Decoder(SPEC, 1, max_pixels=10**6)
     spans, inline = write_images(buffer, [uploads[0], b"not an image", uploads[2]], SHAPE)
     message = _message(spans, inline, count=3)
-    rows, errors = read_images(message, buffer, decoder, SHAPE)
+    blobs = batch_images(message, buffer, SHAPE)
+    assert isinstance(blobs, list)
+    rows, errors = decoder.decode(blobs)
     assert {row: name for row, (name, _) in errors.items()} == {1: "InvalidImage"}
     assert rows.shape == (2, *SHAPE)
     for row, upload in zip((0, 1), (uploads[0], uploads[2]), strict=True):
@@ -67,7 +72,9 @@ def test_uploads_the_buffer_has_no_room_for_travel_inline() -> None:
         spans, inline = write_images(buffer, [small, small], SHAPE)
         assert spans == ((0, len(small)), None) and inline == (None, small)
         decoder = Decoder(SPEC, 1, max_pixels=10**6)
-        pixels, errors = read_images(_message(spans, inline), buffer, decoder, SHAPE)
+        blobs = batch_images(_message(spans, inline), buffer, SHAPE)
+        assert isinstance(blobs, list)
+        pixels, errors = decoder.decode(blobs)
         assert errors == {} and pixels.shape == (2, *SHAPE)
         assert pixels[0].any() and np.array_equal(pixels[0], pixels[1])
     finally:
@@ -80,10 +87,11 @@ def test_a_batch_never_mixes_pixels_and_uploads(buffer: InputBuffer) -> None:
         write_images(buffer, [np.zeros(SHAPE, np.uint8), b"jpeg bytes"], SHAPE)
 
 
-def test_a_worker_that_does_not_decode_refuses_an_encoded_batch(buffer: InputBuffer) -> None:
-    message = _message(((0, 4),), (None,), count=1)
+def test_a_worker_that_does_not_decode_refuses_an_encoded_batch() -> None:
+    model = SimpleNamespace(decoder=None)
+    worker: Any = SimpleNamespace(model=lambda served_id: model)
     with pytest.raises(RuntimeError, match="does not decode"):
-        read_images(message, buffer, None, SHAPE)
+        run_batch(worker, "t@1", Task.TAG, [b"jpeg bytes"], 5)
 
 
 @pytest.mark.parametrize(

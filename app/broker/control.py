@@ -1,0 +1,104 @@
+"""What the admin route chose, shared in Redis: for each model name, the version a load by
+the admin route pinned, or that it unloaded the name (``app.lifecycle.AdminPin``).
+
+A front end's admin call writes the pin and bumps a sequence number in one transaction;
+every worker reads the number each round (one ``HGET``), and when it moved, reads the pins
+and loads (or drains) what they choose, as on ``SIGHUP`` (a failed version is tried again).
+A worker that starts later reads them before it loads anything: the operator's choice holds
+for every worker, a restarted one too, until the admin route says otherwise.
+
+    <prefix>:{w}:pins       hash: name -> {"version": N} or {"unloaded": true}
+    <prefix>:{w}:pins-seq   hash: "seq" -> a number bumped by every change
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from app.broker.keys import Keys
+from app.broker.wire import text
+from app.lifecycle import UNLOADED, AdminPin
+from app.repository import check_name
+
+SEQ = "seq"
+
+
+def encode_pin(pin: AdminPin) -> str:
+    """One field of the pins hash.
+
+    >>> encode_pin(3), encode_pin("unloaded")
+    ('{"version": 3}', '{"unloaded": true}')
+    """
+    return json.dumps({"unloaded": True} if pin == UNLOADED else {"version": int(pin)})
+
+
+def decode_pins(raw: Mapping[Any, Any]) -> dict[str, AdminPin]:
+    """The pins hash as pins; a field that does not parse (or names no valid model) is
+    left out: anyone who can write to Redis can write anything.
+
+    >>> decode_pins({b"tagger": b'{"version": 2}', b"old": b'{"unloaded": true}', b"x": b"{"})
+    {'tagger': 2, 'old': 'unloaded'}
+    """
+    pins: dict[str, AdminPin] = {}
+    for field, value in raw.items():
+        try:
+            name = check_name(text(field))
+            fields = json.loads(value)
+            if fields.get("unloaded") is True:
+                pins[name] = UNLOADED
+            elif isinstance(fields.get("version"), int) and fields["version"] >= 1:
+                pins[name] = fields["version"]
+        except Exception:  # malformed: ignored, never trusted
+            continue
+    return pins
+
+
+async def set_pin(client: aioredis.Redis, keys: Keys, name: str, pin: AdminPin | None) -> int:
+    """Set (or with None clear) ``name``'s pin and bump the sequence, in one transaction;
+    returns the new sequence number. Raises ``RedisError`` or ``OSError``."""
+    async with client.pipeline(transaction=True) as pipe:
+        if pin is None:
+            pipe.hdel(keys.pins, check_name(name))
+        else:
+            pipe.hset(keys.pins, check_name(name), encode_pin(pin))
+        pipe.hincrby(keys.pins_seq, SEQ, 1)
+        answers = await pipe.execute()
+    return int(answers[-1])
+
+
+class PinReader:
+    """A worker's reader of the pins: ``changed()`` (one round trip) says whether they
+    moved since the last ``read()``.
+
+    >>> # reader = PinReader(client, keys); pins = reader.read()
+    >>> # if reader.changed(): pins = reader.read()
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._seen: int | None = None
+
+    def _seq(self) -> int:
+        raw = self.client.hget(self.keys.pins_seq, SEQ)
+        return int(raw) if raw is not None else 0
+
+    def changed(self) -> bool:
+        """Whether an admin call changed the pins since the last read. Raises
+        ``RedisError`` or ``OSError``."""
+        return self._seq() != self._seen
+
+    def read(self) -> dict[str, AdminPin]:
+        """The pins now (and the sequence they are at). Raises ``RedisError`` or
+        ``OSError``."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hget(self.keys.pins_seq, SEQ)
+            pipe.hgetall(self.keys.pins)
+            seq, raw = pipe.execute()
+        self._seen = int(seq) if seq is not None else 0
+        return decode_pins(raw)

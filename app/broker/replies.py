@@ -1,0 +1,67 @@
+"""How a broker worker answers what it read: the replies pushed to each front end's list, and
+the entries acknowledged and deleted, in one transaction, so an entry leaves its stream
+exactly when its reply exists. Used for batches, for claimed orphans and for entries dropped
+unrun (malformed, or past their deadline)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import redis
+from redis.exceptions import RedisError, ResponseError
+
+from app.broker.health import TroubleLog
+from app.broker.keys import GROUP, REPLY_TTL_S, Keys
+from app.broker.wire import Request
+
+RETRY_S = 0.5  # after Redis failed us
+EntryId = bytes | str  # as Redis returns it, or as we pass it back
+Entry = tuple[EntryId, dict[bytes, bytes]]
+# One answered entry: its id, the request it held, and the reply's bytes.
+Answered = tuple[EntryId, Request, bytes]
+
+
+class Replier:
+    """Answers entries of one worker (``answer``), retrying while Redis is away unless the
+    worker is stopping (then they stay pending: its next life, or another worker, redoes
+    them)."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, stop: threading.Event, trouble: TroubleLog
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.stop = stop
+        self.trouble = trouble
+
+    def answer(self, stream: str, replies: Sequence[Answered], dropped: Sequence[EntryId]) -> None:
+        """Push the replies, acknowledge and delete their entries (and the dropped ones),
+        in one transaction."""
+        if not replies and not dropped:
+            return
+        by_frontend: dict[str, list[bytes]] = defaultdict(list)
+        for _, request, reply in replies:
+            by_frontend[request.frontend].append(reply)
+        done = [entry_id for entry_id, _, _ in replies] + list(dropped)
+        while True:
+            try:
+                with self.client.pipeline(transaction=True) as pipe:
+                    for frontend, items in by_frontend.items():
+                        pipe.rpush(self.keys.replies(frontend), *items)
+                        pipe.expire(self.keys.replies(frontend), REPLY_TTL_S)
+                    pipe.xack(stream, GROUP, *done)
+                    pipe.xdel(stream, *done)
+                    pipe.execute()
+                return
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                    return  # the stream or group is gone (Redis came back empty), and its callers
+                self.trouble.error(f"could not answer {len(done)} entries: {exc}")  # out of memory
+            except (RedisError, OSError) as exc:
+                self.trouble.unreachable(exc)
+            if self.stop.is_set():
+                return
+            time.sleep(RETRY_S)

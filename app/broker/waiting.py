@@ -1,0 +1,92 @@
+"""The requests one broker front end has sent and waits the replies of: each by its id, with
+the version it went to; the reply that comes is delivered to it, and none goes to another
+caller (replies are matched by request id, and dropped when nobody waits)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from app.broker.wire import MalformedMessage, decode_reply
+from app.errors import ServerError, WorkerDied
+
+log = logging.getLogger("app.broker.transport")
+
+ORPHANED_S = 2.0  # a waiting request whose version no live worker holds fails after this
+
+
+class Waiting:
+    """The requests waiting for replies (``add``/``discard``), delivered (``deliver``) or
+    failed together (``fail``, ``fail_orphaned``).
+
+    >>> # waiting = Waiting()
+    >>> # future = waiting.add("fe-1", "tagger@1a2b3c4d5e6f")   # in the event loop
+    >>> # waiting.deliver(raw_reply)      # or: waiting.fail(WorkerDied("gone"), served_id)
+    """
+
+    def __init__(self) -> None:
+        self._futures: dict[str, asyncio.Future[object]] = {}
+        self._models: dict[str, str] = {}  # request id -> the served id it went to
+        self._unheld_since: dict[str, float] = {}  # served id -> since no live worker holds it
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def add(self, request_id: str, served_id: str) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._models[request_id] = served_id
+        return future
+
+    def discard(self, request_id: str) -> None:
+        self._futures.pop(request_id, None)
+        self._models.pop(request_id, None)
+
+    def deliver(self, raw: bytes) -> None:
+        """A reply from the list: to the request it names, if it still waits."""
+        try:
+            reply = decode_reply(raw)
+        except MalformedMessage as exc:
+            log.error("broker: dropped a malformed reply (%s)", exc)
+            return
+        future = self._futures.get(reply.id)
+        if future is None or future.done():
+            return  # its caller gave up, or a duplicate after a reclaim
+        if isinstance(reply.result, ServerError):
+            future.set_exception(reply.result)
+        else:
+            future.set_result(reply.result)
+
+    def fail(self, error: ServerError, served_id: str | None = None) -> None:
+        """Fail every waiting request (or those sent to ``served_id``) with ``error``."""
+        failed = [
+            request_id
+            for request_id, model in self._models.items()
+            if served_id is None or model == served_id
+        ]
+        for request_id in failed:
+            future = self._futures.pop(request_id, None)
+            self._models.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    def fail_orphaned(self, held: Callable[[str], bool]) -> None:
+        """Requests waiting on a version that has not been ``held`` (by a live worker, or
+        waited for) for ``ORPHANED_S`` fail now (503 ``worker_died``): its workers died (a
+        restart and a reload take longer than a caller should wait), or its name moved on
+        and it is gone."""
+        now = time.monotonic()
+        waiting = set(self._models.values())
+        for served_id in waiting:
+            if held(served_id):
+                self._unheld_since.pop(served_id, None)
+                continue
+            since = self._unheld_since.setdefault(served_id, now)
+            if now - since >= ORPHANED_S:
+                log.error("broker: no live worker holds %s; failing its requests", served_id)
+                error = WorkerDied(f"no live worker holds {served_id} any more", retry_after_s=2)
+                self.fail(error, served_id)
+        for served_id in set(self._unheld_since) - waiting:
+            del self._unheld_since[served_id]

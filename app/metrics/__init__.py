@@ -1,0 +1,183 @@
+"""Prometheus metrics, one registry per app (so tests can build several apps side by side).
+
+Counters and histograms are updated where things happen (HTTP edge, Streamer, worker pool);
+gauges (queue depth, workers alive/ready) are read from live state at scrape time.
+
+Two modes change where some figures come from:
+
+* Several front-end processes (uvicorn ``--workers``, gunicorn) share
+  ``PROMETHEUS_MULTIPROC_DIR``: counters and histograms go to files there, and a scrape of
+  any one process sums them all (prometheus-client's multiprocess mode). The live gauges
+  come from the process that answers the scrape.
+* Broker mode (``remote_workers``): batches form in the model workers, so the batch sizes,
+  queue waits and model times they ran come from their heartbeats (``on_workers``), summed
+  over the workers alive, not from this process.
+
+Request, batch and model-time figures carry ``model`` (the name) and ``version`` (its number)
+labels; ``labels`` turns a served id into them (the engine's registry knows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from app.errors import ServerError
+from app.metrics.labels import (
+    BATCH_BUCKETS,
+    BATCH_LABELS,
+    LATENCY_BUCKETS,
+    LOAD_BUCKETS,
+    BatchRun,
+    Labels,
+)
+from app.metrics.live import LiveGauges, LiveState, VersionState
+from app.metrics.reported import WorkerReport, WorkerReported
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "LATENCY_BUCKETS",
+    "BatchRun",
+    "LiveState",
+    "Metrics",
+    "VersionState",
+    "WorkerReport",
+]
+
+
+class Metrics:
+    """Every metric the server exports. ``render()`` gives the Prometheus text format."""
+
+    def __init__(
+        self, *, remote_workers: bool = False, multiprocess_dir: Path | None = None
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.remote_workers = remote_workers
+        self.multiprocess_dir = multiprocess_dir
+        # CPU, memory and open files of the process that answers the scrape.
+        self._live: list[Collector] = [ProcessCollector(registry=None)]
+        self._workers: Sequence[WorkerReport] = ()
+        self.labels: Labels = lambda served_id: (served_id, "")
+        r = self.registry
+        self.requests = Counter(
+            "microbatch_http_requests",
+            "HTTP requests by route, status and the model version that answered.",
+            ["route", "status", "model", "version"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "microbatch_http_request_duration_seconds",
+            "Request latency by route and model version.",
+            ["route", "model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        if remote_workers:
+            self._live.append(WorkerReported(lambda: self._workers, lambda: self.labels))
+        else:
+            self.queue_wait = Histogram(
+                "microbatch_queue_wait_seconds",
+                "Time an item waited for its batch, by task and model version.",
+                BATCH_LABELS,
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
+            self.model_time = Histogram(
+                "microbatch_model_seconds",
+                "Worker time per batch (decode if it decodes + model), by task and model version.",
+                BATCH_LABELS,
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
+            self.batch_size = Histogram(
+                "microbatch_batch_size",
+                "Images per model call, by task and model version.",
+                BATCH_LABELS,
+                buckets=BATCH_BUCKETS,
+                registry=r,
+            )
+        self.rejected = Counter(
+            "microbatch_rejected", "Requests refused, by reason.", ["reason"], registry=r
+        )
+        self.load_time = Histogram(
+            "microbatch_model_load_seconds",
+            "Loads of a model version that ended serving: from the call to the switch.",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.load_failures = Counter(
+            "microbatch_model_load_failures",
+            "Loads of a model version that failed (the version before serves on), by step.",
+            ["model", "step"],
+            registry=r,
+        )
+
+    def watch(self, read_state: Callable[[], LiveState]) -> None:
+        """Export gauges read from ``read_state()`` at every scrape."""
+        self._live.append(LiveGauges(read_state))
+
+    def on_workers(self, workers: Sequence[WorkerReport]) -> None:
+        """Broker mode: the heartbeats of the workers alive, with what each has run."""
+        self._workers = workers
+
+    def on_batch(
+        self, task: str, size: int, waits: Sequence[float], model: str = "", version: str = ""
+    ) -> None:
+        self.batch_size.labels(task, model, version).observe(size)
+        histogram = self.queue_wait.labels(task, model, version)
+        for wait in waits:
+            histogram.observe(wait)
+
+    def on_run(self, run: BatchRun, model: str = "", version: str = "") -> None:
+        self.model_time.labels(run.task, model, version).observe(run.compute_s)
+
+    def on_load(self, model: str, version: int, seconds: float, failed_step: str | None) -> None:
+        """A load of ``model``'s ``version`` ended (``app.services.models.LoadObserver``)."""
+        if failed_step is None:
+            self.load_time.labels(model).observe(seconds)
+        else:
+            self.load_failures.labels(model, failed_step).inc()
+
+    def on_error(self, error: ServerError | type[ServerError]) -> None:
+        """Count a refusal under its ``reject_reason`` (see ``app.errors``); other errors are
+        not counted. A class stands for a refusal that FastAPI or Starlette made itself."""
+        reason = error.reject_reason
+        if reason is not None:
+            self.rejected.labels(reason).inc()
+
+    def on_request(
+        self, route: str, status: int, seconds: float, model: str = "", version: str = ""
+    ) -> None:
+        self.requests.labels(route, str(status), model, version).inc()
+        self.latency.labels(route, model, version).observe(seconds)
+
+    def render(self) -> bytes:
+        registry = self.registry
+        if self.multiprocess_dir is not None:  # every process's counters, from their files
+            registry = CollectorRegistry()
+            path = str(self.multiprocess_dir)
+            MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+        return generate_latest(_Joined(registry, *self._live))
+
+
+class _Joined:
+    """What ``generate_latest`` reads: a registry's metrics, then the live ones."""
+
+    def __init__(self, *sources: CollectorRegistry | Collector) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Any]:
+        for source in self._sources:
+            yield from source.collect()

@@ -1,0 +1,64 @@
+"""How the settings' text values read: the GPU list (``CUDA_DEVICES``), version pins
+(``MB_MODEL_VERSIONS``), and what a model name and a version number look like (also checked
+wherever a name from a request meets a path)."""
+
+from __future__ import annotations
+
+import re
+
+AUTO = None  # sentinel returned by parse_cuda_devices: "every visible CUDA device"
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"  # a model's name (its repository folder)
+VERSION_PATTERN = r"^[1-9][0-9]{0,8}$"  # a version number (its folder in the model's)
+
+
+def parse_cuda_devices(text: str | None) -> list[int] | None:
+    """Parse ``CUDA_DEVICES``.
+
+    ``None`` or ``"auto"`` -> ``None`` (all visible CUDA devices, CPU when there are none);
+    ``""`` or ``"cpu"`` -> ``[]`` (CPU only); ``"0,2"`` -> ``[0, 2]``. GPU 0 is a device like
+    any other. Raises ``ValueError`` for negatives, non-integers and duplicates.
+
+    >>> parse_cuda_devices("0, 1")
+    [0, 1]
+    """
+    if text is None:
+        return AUTO
+    cleaned = text.strip().lower()
+    if cleaned == "auto":
+        return AUTO
+    if cleaned in ("", "cpu", "none"):
+        return []
+    ids: list[int] = []
+    for part in cleaned.split(","):
+        token = part.strip()
+        if not token.isdigit():
+            raise ValueError(
+                f"expected comma-separated GPU indices like '0,1', 'cpu' or 'auto', got {text!r}"
+            )
+        index = int(token)
+        if index in ids:
+            raise ValueError(f"GPU {index} is listed twice in {text!r}")
+        ids.append(index)
+    return ids
+
+
+def parse_pins(text: str | None) -> dict[str, int]:
+    """``MB_MODEL_VERSIONS``: ``name=version`` pairs, comma-separated.
+
+    >>> parse_pins("tagger=3, embedder=1")
+    {'tagger': 3, 'embedder': 1}
+    """
+    pins: dict[str, int] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, version = (piece.strip() for piece in part.partition("="))
+        if not sep or not re.match(VERSION_PATTERN, version):
+            raise ValueError(f"expected name=version pairs like 'tagger=3', got {part.strip()!r}")
+        if not re.match(MODEL_NAME_PATTERN, name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a model name ({MODEL_NAME_PATTERN})")
+        if name in pins:
+            raise ValueError(f"{name!r} is pinned twice")
+        pins[name] = int(version)
+    return pins

@@ -1,0 +1,78 @@
+"""Running one batch in a worker process: the one function every worker runs a batch with,
+whatever brought it (``run_batch``): a pool's worker, from its shared buffer
+(``run_message``), or a broker's consumer, from the stream entries it read."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
+import torch
+
+from app.jobs import Task
+from app.workers.buffer import InputBuffer
+from app.workers.messages import BatchDone, RunBatch
+from app.workers.runner import Pixels
+from app.workers.transfer import Errors, batch_images
+
+if TYPE_CHECKING:
+    from app.workers.process import PreparedWorker
+
+
+@dataclass(frozen=True)
+class Computed:
+    """One batch's outputs (rows: the images that decoded, in order), the errors of those
+    that did not (by position), the torch threads it ran on, how long it took and the model
+    that ran it."""
+
+    outputs: dict[str, npt.NDArray[Any]]
+    errors: Errors
+    threads: int
+    seconds: float
+    served_id: str
+
+
+def run_batch(
+    worker: PreparedWorker,
+    served_id: str,
+    task: Task,
+    images: Pixels | Sequence[bytes | memoryview],
+    top_k: int,
+    threads: int = 0,
+) -> Computed:
+    """Run ``images`` (uint8 pixels, or encoded uploads the model's decoder decodes here) as
+    one batch of ``task`` on the model ``served_id`` names, on ``threads`` torch threads (0:
+    as they are). Raises if the batch as a whole fails (``KeyError``: no such model here)."""
+    started = time.perf_counter()
+    prepared = worker.model(served_id)
+    if threads and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    errors: Errors = {}
+    if isinstance(images, Sequence):  # encoded uploads
+        if prepared.decoder is None:
+            raise RuntimeError("an encoded batch reached a worker that does not decode")
+        pixels, errors = prepared.decoder.decode(list(images))  # type: ignore[arg-type]
+    else:
+        pixels = images
+    outputs = prepared.runner.run(task, pixels, top_k) if len(pixels) else {}
+    seconds = time.perf_counter() - started
+    return Computed(outputs, errors, torch.get_num_threads(), seconds, prepared.spec.served_id)
+
+
+def run_message(worker: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
+    """A pool worker's batch, from its shared buffer."""
+    prepared = worker.model(message.model)
+    images = batch_images(message, buffer, prepared.runner.image_shape)
+    done = run_batch(worker, message.model, message.task, images, message.top_k, message.threads)
+    return BatchDone(
+        message.batch_id,
+        message.ids,
+        done.outputs,
+        done.seconds,
+        done.errors,
+        done.threads,
+        done.served_id,
+    )

@@ -1,0 +1,218 @@
+"""Model versions in broker mode at real load times, with real worker processes, a real Redis
+and a real front end: a rollout whose loads take longer than any grace period still
+switches; the admin routes on a front end ask the workers through Redis and answer once the
+switch is done (or why not); the index says the truth about a failed version; and requests
+whose worker dies mid-load get their 503 within seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.broker import RedisServer, Workers, broker_env
+from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id, until
+from tests.integration.test_repository import add_version
+from tests.models import export_scaled, export_tiny
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+IMAGE = {"image": ("x.png", IMAGES[0])}
+
+
+def workers_of(redis_server: RedisServer, repository: Path, count: int, **env: str) -> Workers:
+    workers = Workers(redis_server, repository, count=count, MODEL_REPOSITORY=str(repository))
+    workers.env.update(env)
+    return workers
+
+
+def front_of(redis_server: RedisServer, repository: Path, store: Path, **env: str) -> ServerProcess:
+    return ServerProcess(
+        **broker_env(
+            redis_server.url, store, MODEL_REPOSITORY=str(repository),
+            ADMIN_API_KEY="admin-secret", **env,
+        )
+    )  # fmt: skip
+
+
+@contextmanager
+def cluster(repository: Path, store: Path) -> Iterator[tuple[Workers, ServerProcess, httpx.Client]]:
+    """Redis, a host of two workers and a front end serving ``repository``, and a client of
+    the front end."""
+    with (
+        RedisServer() as redis_server,
+        workers_of(redis_server, repository, 2) as workers,
+        front_of(redis_server, repository, store) as front,
+        httpx.Client(base_url=front.base_url, timeout=120) as client,
+    ):
+        yield workers, front, client
+
+
+def index(front: ServerProcess) -> dict[str, dict[str, object]]:
+    rows = httpx.get(f"{front.base_url}/v2/repository/index", timeout=10).json()
+    return {row["version"]: row for row in rows}
+
+
+async def test_a_rollout_whose_loads_take_longer_than_any_grace_period_switches(
+    tmp_path: Path,
+) -> None:
+    """Two workers of one host load one after the other, in 2 s and 8 s: the first holds the
+    new version ready for 8 s before the second has it, longer than the 5.5 s after which
+    the old rule retired it (and the rollout never happened). Under load: every answer 200
+    and its own version's, the name moves, and version 1 leaves both workers."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    scales = {served_id(v1): 1.0}
+    checked = Checked(v1, scales)
+    with (
+        RedisServer() as redis_server,
+        workers_of(redis_server, repository, 2, MB_TEST_LOAD_DELAY_S="2,8") as workers,
+        front_of(redis_server, repository, v1) as front,
+    ):
+        async with load(front.base_url, checked):
+            await until(lambda: checked.ids[served_id(v1)] > 20, "answers from version 1")
+            v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+            scales[served_id(v2)] = 2.0
+            asked = time.monotonic()
+            os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+            await until(lambda: checked.ids[served_id(v2)] > 20, "answers from version 2", 120)
+            switched_s = time.monotonic() - asked
+            beats = workers.own().values()
+            await until(
+                lambda: (
+                    [(r["state"], r["serving"]) for r in index(front).values()]
+                    == [("unavailable", False), ("ready", True)]
+                ),
+                "version 1 unloaded from both workers",
+            )
+    print(f"\nslow rollout: switched after {switched_s:.1f} s; answers {dict(checked.ids)}")
+    assert checked.statuses.keys() == {200}, checked.refused
+    assert checked.mismatched == 0
+    assert switched_s > 8  # it waited for the slower worker, and did not give up meanwhile
+    assert len(beats) == 2
+
+
+def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
+    tmp_path: Path,
+) -> None:
+    """On a front end: load (the newest, then a pinned older one), unload, load again; each
+    answers once every worker serves what it asked (the next request is answered by it),
+    with the same bodies as in-process. A SIGHUP does not undo what the admin route pinned."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    with cluster(repository, v1) as (workers, _, client):
+
+        def served_now() -> str:
+            answer = client.post("/predict/embedding", files=IMAGE)
+            assert answer.status_code == 200, answer.text
+            return answer.headers["X-Model-Id"]
+
+        v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+        loaded = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json() == {"name": "tiny", "version": "2", "model_id": served_id(v2),
+                                 "state": "ready"}  # fmt: skip
+        assert served_now() == served_id(v2)
+        pinned = client.post(
+            "/v2/repository/models/tiny/load", headers=ADMIN,
+            json={"parameters": {"version": "1"}},
+        )  # fmt: skip
+        assert pinned.status_code == 200 and pinned.json()["model_id"] == served_id(v1)
+        assert served_now() == served_id(v1)
+        os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        time.sleep(3)
+        assert served_now() == served_id(v1)  # the admin route's pin holds
+        unloaded = client.post("/v2/repository/models/tiny/unload", headers=ADMIN)
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.json()["model_id"] == served_id(v1)
+        gone = client.post("/predict/embedding", files=IMAGE)
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
+        assert all(not beat["models"] for beat in workers.own().values())
+        again = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
+        assert again.status_code == 200 and again.json()["model_id"] == served_id(v2)
+        assert served_now() == served_id(v2)
+
+
+def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Path) -> None:
+    """A corrupted copy of version 1 published as version 2 (its manifest claims version
+    1's id): the load answers 422 with the reason, the index shows version 2 failed with
+    it and version 1 ready and serving, and every worker goes on serving version 1."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    with cluster(repository, v1) as (workers, front, client):
+        v2 = repository / "tiny" / "2"
+        shutil.copytree(v1, v2)
+        with (v2 / "embedding.pt").open("r+b") as damaged:
+            damaged.seek(100)
+            damaged.write(b"\0" * 64)
+        failed = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
+        rows = index(front)
+        beats = list(workers.own().values())
+    assert failed.status_code == 422, failed.text
+    error = failed.json()["error"]
+    assert error["type"] == "model_load_failed" and "verify" in error["message"]
+    assert (rows["2"]["state"], rows["2"]["serving"]) == ("failed", False)
+    assert "verify" in str(rows["2"]["reason"]) and "sha256" in str(rows["2"]["reason"])
+    assert (rows["1"]["state"], rows["1"]["serving"], rows["1"]["reason"]) == ("ready", True, "")
+    for beat in beats:
+        ready = [m["served_id"] for m in beat["models"] if m["state"] == "ready"]
+        assert ready == [served_id(v1)]
+
+
+async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
+    tmp_path: Path, slow_store: Path
+) -> None:
+    """The only host dies (kill -9 of its supervisor: its worker dies with it) while its
+    worker loads a new version (serving meanwhile): the requests it had taken, and those
+    queued for it, are answered 503 ``worker_died`` within seconds (before: they waited for
+    their deadline, or for a restart that loads again), and so are new ones."""
+    repository = tmp_path / "models"
+    shutil.copytree(slow_store, repository / "slow" / "1")
+    with (
+        RedisServer() as redis_server,
+        workers_of(redis_server, repository, 1, MB_TEST_LOAD_DELAY_S="60") as workers,
+        front_of(redis_server, repository, slow_store) as front,
+    ):
+        add_version(repository, "slow", lambda out: export_scaled(out, 2.0))
+        os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await until(
+            lambda: any(
+                m["state"] == "loading" for beat in workers.own().values() for m in beat["models"]
+            ),
+            "the worker loading version 2",
+        )
+        answers: list[tuple[float, float, int, str]] = []  # sent, seconds, status, type
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=front.base_url, timeout=60) as client:
+
+            async def caller() -> None:
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    answer = await client.post("/predict/embedding", files=IMAGE)
+                    kind = answer.json()["error"]["type"] if answer.status_code != 200 else ""
+                    answers.append((sent, time.monotonic() - sent, answer.status_code, kind))
+
+            callers = [asyncio.create_task(caller()) for _ in range(8)]
+            await asyncio.sleep(1)  # answered while the worker loads version 2
+            died_at = time.monotonic()
+            workers.process.kill()  # type: ignore[union-attr]
+            await asyncio.sleep(12)
+            stop.set()
+            await asyncio.gather(*callers)
+    before = [a for a in answers if a[0] + a[1] < died_at]
+    around = [a for a in answers if a[0] < died_at < a[0] + a[1]]  # in flight at the death
+    after = [a for a in answers if a[0] > died_at + 6]
+    assert before and all(status == 200 for _, _, status, _ in before)  # served while loading
+    assert around and all((s, k) == (503, "worker_died") for _, _, s, k in around), around
+    assert max(seconds for _, seconds, _, _ in around) < 8, around  # not 28, not a deadline
+    assert after and {(s, k) for _, _, s, k in after} == {(503, "worker_died")}
