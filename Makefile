@@ -72,7 +72,7 @@ soak-quick: install-dev $(MODEL_STORE)/manifest.json  ## the same, 10,000 reques
 chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py, about 12 min)
 	$(PY) -m bench.chaos
 
-rollout: install-dev redis-server  ## model versions swapped under load, in-process and broker (about 25 min)
+rollout: install-dev redis-server  ## versions swapped under load: in-process, broker, slow loads, reloads (about 40 min)
 	$(PY) -m bench.rollout
 
 loadtest: install-dev $(MODEL_STORE)/manifest.json  ## locust, headless, 30 s, against a local server

@@ -77,20 +77,21 @@ class Scenario:
     delays: str = ""
     second_model: bool = False
     swaps: int = 10
+    source: Path | None = None  # another commit's tree to serve (--baseline); None: this one
 
 
 SCENARIOS = {
     s.name: s
     for s in (
-        Scenario("inprocess-1", "inprocess", 1, "admin"),
-        Scenario("inprocess-1-slow", "inprocess", 1, "admin", delays="10", swaps=4),
-        Scenario("inprocess-2", "inprocess", 2, "admin"),
-        Scenario("inprocess-2-slow", "inprocess", 2, "admin", delays="10", swaps=4),
-        Scenario("inprocess-other", "inprocess", 2, "admin", second_model=True),
-        Scenario("broker", "broker", 2, "publish"),
-        Scenario("broker-slow", "broker", 2, "publish", delays="2,15", swaps=4),
-        Scenario("broker-reload", "broker", 2, "admin"),
-        Scenario("broker-other", "broker", 2, "publish", second_model=True),
+        Scenario("inprocess-1", "inprocess", 1, "admin", swaps=11),
+        Scenario("inprocess-1-slow", "inprocess", 1, "admin", delays="10", swaps=3),
+        Scenario("inprocess-2", "inprocess", 2, "admin", swaps=11),
+        Scenario("inprocess-2-slow", "inprocess", 2, "admin", delays="10", swaps=3),
+        Scenario("inprocess-other", "inprocess", 2, "admin", second_model=True, swaps=11),
+        Scenario("broker", "broker", 2, "publish", swaps=11),
+        Scenario("broker-slow", "broker", 2, "publish", delays="2,15", swaps=3),
+        Scenario("broker-reload", "broker", 2, "admin", swaps=11),
+        Scenario("broker-other", "broker", 2, "publish", second_model=True, swaps=11),
     )
 }
 
@@ -148,8 +149,18 @@ def build_repository(root: Path, arch: str) -> dict[str, Path]:
     return stores
 
 
+def served_ids(store: Path) -> frozenset[str]:
+    """The ids a server may give ``store``'s answers: this tree's, and a tree's from before
+    the content digest (the first 12 hex of the manifest's sha256)."""
+    from app.manifest import read_manifest
+
+    manifest = read_manifest(store)
+    return frozenset({manifest.served_id("auto"), f"{manifest.arch}@{manifest.digest[:12]}"})
+
+
 def references(stores: dict[str, Path], images: list[bytes]) -> dict[str, npt.NDArray[np.float32]]:
-    """served id -> each image's embedding under that version, by TorchScript here."""
+    """served id (either form: ``served_ids``) -> each image's embedding under that
+    version, by TorchScript here."""
     import torch
 
     from app.images import preprocess
@@ -167,7 +178,8 @@ def references(stores: dict[str, Path], images: list[bytes]) -> dict[str, npt.ND
         std = torch.tensor(spec.std).view(1, 3, 1, 1)
         with torch.inference_mode():
             vectors = models.embedding((batch - mean) / std).numpy()
-        out[manifest.served_id("auto")] = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        for served in served_ids(store):
+            out[served] = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     return out
 
 
@@ -229,12 +241,12 @@ def serving(port: int, name: str) -> str | None:
     return next((r["model_id"] for r in rows if r["name"] == name and r["serving"]), None)
 
 
-def only(port: int, served_id: str, versions: set[str]) -> bool:
-    """Whether every worker holds ``served_id`` and no other of ``versions`` (the swapped
-    model's): the old version is unloaded everywhere."""
+def only(port: int, served: frozenset[str], versions: frozenset[str]) -> bool:
+    """Whether every worker holds ``served`` (either form of its id) and no other of
+    ``versions`` (the swapped model's): the old version is unloaded everywhere."""
     workers = httpx.get(f"http://{HOST}:{port}/info", timeout=10).json()["workers"]
     held = [{m["served_id"] for m in w["models"]} & versions for w in workers]
-    return bool(held) and all(ids == {served_id} for ids in held)
+    return bool(held) and all(len(ids) == 1 and ids <= served for ids in held)
 
 
 def restarts(port: int) -> int:
@@ -264,7 +276,7 @@ async def swap_by_admin(port: int, version: int) -> None:
 
 
 async def swap_by_publishing(
-    port: int, launcher_pid: int, repository: Path, source: Path, target_id: str
+    port: int, launcher_pid: int, repository: Path, source: Path, target: frozenset[str]
 ) -> None:
     """Publish ``source`` as ``main``'s next version, SIGHUP the server (in broker mode, the
     cluster, which tells its workers), and wait until it serves it."""
@@ -275,7 +287,7 @@ async def swap_by_publishing(
     shutil.copytree(source, staging)
     publish(staging, repository / "main")
     os.kill(launcher_pid, signal.SIGHUP)
-    await until(lambda: serving(port, "main") == target_id)
+    await until(lambda: serving(port, "main") in target)
 
 
 async def one_run(
@@ -286,10 +298,9 @@ async def one_run(
     refs: dict[str, npt.NDArray[np.float32]],
     args: argparse.Namespace,
 ) -> Run:
-    from app.manifest import read_manifest
     from bench.systems import serve
 
-    ids = {key: read_manifest(store).served_id("auto") for key, store in stores.items()}
+    ids = {key: served_ids(store) for key, store in stores.items()}
     run = Run(scenario)
     by_number = scenario.how == "admin"
     settings = {
@@ -300,12 +311,14 @@ async def one_run(
         **({"MB_TEST_LOAD_DELAY_S": scenario.delays} if scenario.delays else {}),
     }
     kind = {"inprocess": "ours", "broker": "cluster"}[scenario.mode]
+    source = {"source": scenario.source} if scenario.source is not None else {}
     with serve(
         kind, stores["main-1"], batch_size="32", max_latency=0.005, threads=args.threads,
-        workers=scenario.workers, settings=settings, front_ends=2,
+        workers=scenario.workers, settings=settings, front_ends=2, **source,
     ) as server:  # fmt: skip
         port = server.port
-        await until(lambda: serving(port, "main") == ids["main-1"])
+        await until(lambda: serving(port, "main") in ids["main-1"])
+        serving_at_start = serving(port, "main") or ""
         deaths = restarts(port)
         stop = asyncio.Event()
         load = asyncio.create_task(drive(port, images, refs, run, stop, args.clients))
@@ -320,12 +333,12 @@ async def one_run(
                 pid = server.process.pid
                 await swap_by_publishing(port, pid, repository, stores[key], ids[key])
             switched = time.monotonic()
-            main_ids = {ids["main-1"], ids["main-2"]}
+            main_ids = ids["main-1"] | ids["main-2"]
             await until(partial(only, port, ids[key], main_ids))  # the old one unloaded
             run.swaps.append((asked, switched, time.monotonic()))
             run.samples.append(Sample.take(server.process.pid, swap))
             print(
-                f"  {scenario.name}: swap {swap} to {ids[key]}: switched after "
+                f"  {scenario.name}: swap {swap} to {key}: switched after "
                 f"{switched - asked:.1f} s, old version unloaded "
                 f"{time.monotonic() - switched:.1f} s later",
                 flush=True,
@@ -334,8 +347,8 @@ async def one_run(
         stop.set()
         await load
         run.deaths = restarts(port) - deaths
-        last = "main-2" if scenario.swaps % 2 else "main-1"
-        run.ids = (ids["main-1"], ids[last])
+        first_id, last_id = serving_at_start, serving(port, "main") or ""
+        run.ids = (first_id, last_id)
     return run
 
 
@@ -399,6 +412,7 @@ def summary(run: Run) -> dict[str, Any]:
         "non_200": sum(n for status, n in statuses.items() if status != 200),
         "mismatched": mismatched,
         "worker_deaths": run.deaths,
+        "by_served_id": dict(Counter(a.served_id for a in run.answers if a.status == 200)),
         "before_first_swap": {
             run.ids[0]: before.get(run.ids[0], 0),
             "other ids": sum(before.values()) - before.get(run.ids[0], 0),
@@ -496,7 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="efficientnet_lite0")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch, in all")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--baseline", metavar="REF", help="also run --baseline-scenarios from commit REF's tree"
+    )
+    parser.add_argument("--baseline-scenarios", default="inprocess-1,inprocess-2,broker")
     args = parser.parse_args(argv)
+    from bench.baseline import source_tree
     from bench.systems import bench_jpegs
 
     scenarios = [SCENARIOS[name] for name in args.scenarios.split(",")]
@@ -505,6 +524,20 @@ def main(argv: list[str] | None = None) -> int:
     images = bench_jpegs(args.images)
     runs = []
     with tempfile.TemporaryDirectory(prefix="microbatch-rollout-") as scratch:
+        if args.baseline:  # the same swaps served by the earlier commit, first
+            tree = source_tree(args.baseline, Path(scratch) / "baseline")
+            before = [SCENARIOS[name] for name in args.baseline_scenarios.split(",")]
+            if any(s.delays for s in before):
+                raise SystemExit("bench: a baseline has no MB_TEST_LOAD_DELAY_S (no slow runs)")
+            scenarios = [
+                dataclasses.replace(
+                    s,
+                    name=f"before:{s.name}",
+                    source=tree,
+                    swaps=min(s.swaps, args.swaps or s.swaps),
+                )
+                for s in before
+            ] + scenarios
         repository = Path(scratch) / "models"
         stores = build_repository(repository, args.arch)
         kept = {key: Path(scratch) / "kept" / key for key in stores}
