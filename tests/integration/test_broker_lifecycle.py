@@ -46,12 +46,14 @@ def front_of(redis_server: RedisServer, repository: Path, store: Path, **env: st
 
 
 @contextmanager
-def cluster(repository: Path, store: Path) -> Iterator[tuple[Workers, ServerProcess, httpx.Client]]:
-    """Redis, a host of two workers and a front end serving ``repository``, and a client of
-    the front end."""
+def cluster(
+    repository: Path, store: Path, **env: str
+) -> Iterator[tuple[Workers, ServerProcess, httpx.Client]]:
+    """Redis, a host of two workers (with ``env``) and a front end serving ``repository``,
+    and a client of the front end."""
     with (
         RedisServer() as redis_server,
-        workers_of(redis_server, repository, 2) as workers,
+        workers_of(redis_server, repository, 2, **env) as workers,
         front_of(redis_server, repository, store) as front,
         httpx.Client(base_url=front.base_url, timeout=120) as client,
     ):
@@ -107,17 +109,20 @@ def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
 ) -> None:
     """On a front end: load (the newest, then a pinned older one), unload, load again; each
     answers once every worker serves what it asked (the next request is answered by it),
-    with the same bodies as in-process. A SIGHUP does not undo what the admin route pinned."""
+    with the same bodies as in-process. A SIGHUP does not undo what the admin route pinned,
+    and it finds the workers alive: on OpenVINO, after loading again versions they had
+    unloaded (the SIGSEGV of 2026-11-27), with no restart."""
     repository = tmp_path / "models"
-    v1 = export_tiny(repository / "tiny" / "1")
-    with cluster(repository, v1) as (workers, _, client):
+    v1 = export_tiny(repository / "tiny" / "1", runtimes=("openvino",))
+    with cluster(repository, v1, MB_RUNTIME="openvino") as (workers, _, client):
+        pids = {beat["pid"] for beat in workers.own().values()}
 
         def served_now() -> str:
             answer = client.post("/predict/embedding", files=IMAGE)
             assert answer.status_code == 200, answer.text
             return answer.headers["X-Model-Id"]
 
-        v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
+        v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0, ("openvino",)))
         loaded = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         assert loaded.status_code == 200, loaded.text
         assert loaded.json() == {"name": "tiny", "version": "2", "model_id": served_id(v2),
@@ -138,9 +143,17 @@ def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
         gone = client.post("/predict/embedding", files=IMAGE)
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
         assert all(not beat["models"] for beat in workers.own().values())
+        os.kill(workers.process.pid, signal.SIGHUP)  # after unloading what they loaded last
+        time.sleep(2)
         again = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         assert again.status_code == 200 and again.json()["model_id"] == served_id(v2)
         assert served_now() == served_id(v2)
+        os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        time.sleep(2)
+        beats = list(workers.own().values())
+    assert {beat["pid"] for beat in beats} == pids  # the same processes: none died
+    assert all(beat["restarts"] == 0 for beat in beats)
+    assert all(m["runtime"] == "openvino" for beat in beats for m in beat["models"])
 
 
 def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Path) -> None:

@@ -507,3 +507,35 @@ async def test_a_slow_load_runs_beside_the_batches_of_the_version_serving(
         assert loaded.status_code == 422 and loaded.json()["error"]["type"] == "model_load_failed"
         assert "does not compute what its manifest's id says" in loaded.json()["error"]["message"]
         assert after.headers["X-Model-Id"] == served_id(v1)
+
+
+@pytest.mark.parametrize("runtime", ["openvino", "torchscript"])
+async def test_versions_load_unload_and_load_again_twenty_times(
+    tmp_path: Path, runtime: str
+) -> None:
+    """Through the admin route, in-process: versions 1 and 2 in turn, 20 loads, each of a
+    version its worker had unloaded: every load answers 200, the worker never dies, and
+    each answer is its version's. (A broker worker's signals after such cycles:
+    ``test_runtimes.py``.)"""
+    repository = tmp_path / "models"
+    runtimes = ("openvino",) if runtime == "openvino" else ()
+    v1 = export_tiny(repository / "tiny" / "1", runtimes=runtimes)
+    v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0, runtimes))
+    expected = expected_for(IMAGE, v1)
+    async with running_app(
+        model_repository=repository, admin_api_key="admin-secret", cuda_devices="cpu",
+        mb_worker_num=1, mb_runtime=runtime, mb_model_versions="tiny=1",
+    ) as (app, client):  # fmt: skip
+        (pid,) = [w.pid for w in app.state.engine.transport.worker_status()]
+        for cycle in range(20):
+            number = 2 if cycle % 2 == 0 else 1
+            loaded = await client.post(
+                "/v2/repository/models/tiny/load", headers=ADMIN,
+                json={"parameters": {"version": str(number)}},
+            )  # fmt: skip
+            assert loaded.status_code == 200, f"cycle {cycle}: {loaded.text}"
+            answer = await embed(client)
+            assert answer.headers["X-Model-Id"] == served_id(v2 if number == 2 else v1)
+            np.testing.assert_allclose(answer.json(), number * expected, atol=1e-5)
+        (worker,) = app.state.engine.transport.worker_status()
+    assert (worker.pid, worker.restarts, worker.alive) == (pid, 0, True)
