@@ -143,7 +143,7 @@ def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
         gone = client.post("/predict/embedding", files=IMAGE)
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
         assert all(not beat["models"] for beat in workers.own().values())
-        os.kill(workers.process.pid, signal.SIGHUP)  # after unloading what they loaded last
+        os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]  # after an unload
         time.sleep(2)
         again = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         assert again.status_code == 200 and again.json()["model_id"] == served_id(v2)
