@@ -28,10 +28,7 @@ log = logging.getLogger("app")
 
 def repository_of(plan: ServingPlan) -> Repository:
     """The model repository the plan names: a repository, or a lone store as one."""
-    where = plan.repository
-    if where.single:
-        return Repository.of_store(where.root, where.pins)
-    return Repository(where.root, pins=where.pins)
+    return Repository.of_plan(plan.repository)
 
 
 def default_transport(

@@ -198,7 +198,9 @@ class Manifest(BaseModel):
         }
 
     def serving_dtype(self, setting: str) -> str:
-        """MB_DTYPE resolved for this store: ``auto`` is the precision it was exported for."""
+        """MB_DTYPE resolved for this store before any measurement: ``auto`` is the precision
+        it was exported for (a worker may then choose a faster one that passes its gate:
+        ``app.workers.runtimes``; its answers' id says which)."""
         return DTYPES[self.precision] if setting == "auto" else setting
 
     def served_id(self, setting: str) -> str:
@@ -254,6 +256,20 @@ def served_model_id(model_id: str, dtype: str) -> str:
     'efficientnet_lite0@89e9be0d4f64'
     """
     return model_id + PRECISION_TAGS[dtype]
+
+
+def split_served_id(served_id: str) -> tuple[str, str]:
+    """A served id's export (``<arch>@<version>``) and the dtype that computes it.
+
+    >>> split_served_id("efficientnet_lite0@89e9be0d4f64+bf16")
+    ('efficientnet_lite0@89e9be0d4f64', 'bfloat16')
+    >>> split_served_id("efficientnet_lite0@89e9be0d4f64")
+    ('efficientnet_lite0@89e9be0d4f64', 'float32')
+    """
+    for dtype, tag in PRECISION_TAGS.items():
+        if tag and served_id.endswith(tag):
+            return served_id[: -len(tag)], dtype
+    return served_id, "float32"
 
 
 def model_version(model_id: str) -> str:

@@ -23,13 +23,17 @@ import os
 import re
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.errors import InvalidRequest, ModelNotFound, ModelStoreError
 from app.lifecycle import AdminPin, ModelSpec, chosen_version
 from app.manifest import MANIFEST_NAME, Manifest, read_classes, read_manifest
 from app.settings_values import MODEL_NAME_PATTERN, VERSION_PATTERN
+
+if TYPE_CHECKING:
+    from app.plan import RepositoryPlan
 
 _NAME = re.compile(MODEL_NAME_PATTERN)
 _VERSION = re.compile(VERSION_PATTERN)
@@ -65,7 +69,8 @@ def name_of_export(arch: str) -> str:
 @dataclass(frozen=True)
 class Repository:
     """The models under ``root``; ``single``: the name of the one model when ``root`` is a
-    lone store (``MODEL_STORE``). ``pins``: versions to serve instead of the newest.
+    lone store (``MODEL_STORE``). ``pins``: versions to serve instead of the newest;
+    ``dtypes``: MB_DTYPE by model, over the one every ``read`` is given.
 
     >>> # repo = Repository(Path("models"))
     >>> # repo.names(), repo.versions("tagger"), repo.chosen("tagger")   # newest unless pinned
@@ -75,11 +80,19 @@ class Repository:
     root: Path
     single: str | None = None
     pins: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of_store(cls, store: Path, pins: dict[str, int] | None = None) -> Repository:
         """A lone store as a repository of one model (``ModelStoreError`` if it holds none)."""
         return cls(store, name_of_export(read_manifest(store, verify=False).arch), pins or {})
+
+    @classmethod
+    def of_plan(cls, plan: RepositoryPlan) -> Repository:
+        """The repository a plan names: a repository, or a lone store as one."""
+        if plan.single:
+            return replace(cls.of_store(plan.root, plan.pins), dtypes=plan.dtypes)
+        return cls(plan.root, pins=plan.pins, dtypes=plan.dtypes)
 
     def names(self) -> list[str]:
         """The models there are, sorted (a folder counts once it holds a version)."""
@@ -143,15 +156,16 @@ class Repository:
         roles: Collection[str] | None = None,
     ) -> VersionOnDisk:
         """``name``'s ``version`` as the server loads it: what to hand the workers (its
-        served id under MB_DTYPE ``dtype``), its manifest and its class names. With
-        ``verify``, every file's sha256 is checked (or those of ``roles`` only: a broker
-        front end needs its class names, not its weights). ``ModelNotFound``,
-        ``ModelStoreError``."""
+        served id under MB_DTYPE ``dtype``, or the model's own in ``dtypes``), its manifest
+        and its class names. With ``verify``, every file's sha256 is checked (or those of
+        ``roles`` only: a broker front end needs its class names, not its weights).
+        ``ModelNotFound``, ``ModelStoreError``."""
         store = self.path(name, version)
         manifest = read_manifest(store, verify=verify, roles=roles)
         classes = read_classes(store, manifest)
+        dtype = self.dtypes.get(name, dtype)
         served_id = manifest.served_id(dtype)
-        spec = ModelSpec(name, version, str(store), served_id, manifest.input.image_shape)
+        spec = ModelSpec(name, version, str(store), served_id, manifest.input.image_shape, dtype)
         return VersionOnDisk(spec, manifest, classes)
 
     def read_chosen(
@@ -186,7 +200,8 @@ class Repository:
         """The served id a version's manifest claims, unverified ("" if it has none): what
         a version that failed its checks is shown as."""
         try:
-            return read_manifest(self.path(name, version), verify=False).served_id(dtype)
+            manifest = read_manifest(self.path(name, version), verify=False)
+            return manifest.served_id(self.dtypes.get(name, dtype))
         except (ModelStoreError, ModelNotFound):
             return ""
 

@@ -23,6 +23,16 @@ class Health(BaseModel):
     status: str
 
 
+class TrialState(BaseModel):
+    label: str = Field(description="a runtime, and its precision below fp32: 'openvino+bf16'")
+    passed: bool = Field(description="whether it passed its gate against fp32 TorchScript")
+    cosine_min: float | None = Field(
+        None, description="least embedding cosine with fp32 TorchScript on the self-test images"
+    )
+    top1: float | None = Field(None, description="share of those images given the same class")
+    images_per_s: float | None = Field(None, description="where timed: images/s at batch 8")
+
+
 class HeldModelState(BaseModel):
     served_id: str = Field(description="the model version's id (X-Model-Id)")
     state: str = Field(description="loading, ready, draining, or (broker mode) failed")
@@ -37,6 +47,11 @@ class HeldModelState(BaseModel):
     )
     slowdown: float | None = Field(
         None, description="times slower than the fastest of those, as the export measured"
+    )
+    dtype: str | None = Field(None, description="the precision that computes it: 'bfloat16'")
+    trials: list[TrialState] = Field(
+        default_factory=list,
+        description="the runtimes and precisions tried here, with their gate figures",
     )
 
 

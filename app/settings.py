@@ -24,6 +24,7 @@ from app.errors import SettingsError
 from app.settings_values import (
     MODEL_NAME_PATTERN,
     parse_cuda_devices,
+    parse_model_dtypes,
     parse_pins,
 )
 
@@ -50,9 +51,11 @@ class Settings(BaseSettings):
     mb_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
         description=(
-            "Model precision in the workers: 'auto' is the one the store was exported for "
-            "(python -m app.export --precision; float32 by default); bfloat16/float16 opt in "
-            "on any store; int8 needs a store exported with --precision int8 (OpenVINO, CPU)."
+            "Model precision in the workers: 'auto' serves an export made --precision bf16 "
+            "or int8 as made, and an fp32 export in fp32 or, on a CPU with bf16 units, in "
+            "bf16 where that is faster and passes its gate (X-Model-Id then ends +bf16); "
+            "float32/bfloat16/float16 insist on any store; int8 needs a store exported with "
+            "--precision int8 (OpenVINO, CPU)."
         ),
     )
     mb_runtime: Literal["auto", "torchscript", "openvino", "aoti"] = Field(
@@ -133,6 +136,10 @@ class Settings(BaseSettings):
         None,
         description="Versions to serve instead of the newest: 'name=3,other=1'.",
     )
+    mb_model_dtypes: str | None = Field(
+        None,
+        description="MB_DTYPE per model, over MB_DTYPE: 'tagger=float32,other=auto'.",
+    )
     mb_model_memory: ByteSize | None = Field(
         None,
         description=(
@@ -161,6 +168,13 @@ class Settings(BaseSettings):
             "Testing only: seconds each model worker sleeps in every load after its start (a "
             "slow rollout, on purpose), as a comma-separated list by worker index (worker i "
             "gets item i modulo its length)."
+        ),
+    )
+    mb_test_cpu_bf16: bool | None = Field(
+        None,
+        description=(
+            "Testing only: workers take the CPU to have (true) or lack (false) bf16 units, "
+            "whatever it has."
         ),
     )
     max_upload_bytes: int = Field(
@@ -266,6 +280,12 @@ class Settings(BaseSettings):
         parse_pins(value)  # raises ValueError naming the bad pair
         return value
 
+    @field_validator("mb_model_dtypes")
+    @classmethod
+    def _check_model_dtypes(cls, value: str | None) -> str | None:
+        parse_model_dtypes(value)  # raises ValueError naming the bad pair
+        return value
+
     @field_validator("mb_test_load_delay_s", mode="before")
     @classmethod
     def _split_delays(cls, value: object) -> object:
@@ -284,6 +304,11 @@ class Settings(BaseSettings):
     def model_pins(self) -> dict[str, int]:
         """Parsed ``MB_MODEL_VERSIONS``: name -> the version to serve."""
         return parse_pins(self.mb_model_versions)
+
+    @property
+    def model_dtypes(self) -> dict[str, str]:
+        """Parsed ``MB_MODEL_DTYPES``: name -> its MB_DTYPE."""
+        return parse_model_dtypes(self.mb_model_dtypes)
 
     @field_validator("mb_batch_size")
     @classmethod

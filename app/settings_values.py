@@ -43,6 +43,40 @@ def parse_cuda_devices(text: str | None) -> list[int] | None:
     return ids
 
 
+DTYPE_SETTINGS = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def parse_model_dtypes(text: str | None) -> dict[str, str]:
+    """``MB_MODEL_DTYPES``: ``name=dtype`` pairs, comma-separated (MB_DTYPE per model).
+
+    >>> parse_model_dtypes("tagger=float32, embedder=auto")
+    {'tagger': 'float32', 'embedder': 'auto'}
+    """
+    dtypes: dict[str, str] = {}
+    for name, dtype in _pairs(text, "name=dtype", "tagger=float32"):
+        if dtype not in DTYPE_SETTINGS:
+            raise ValueError(f"{dtype!r} is not one of {', '.join(DTYPE_SETTINGS)}")
+        if name in dtypes:
+            raise ValueError(f"{name!r} is given twice")
+        dtypes[name] = dtype
+    return dtypes
+
+
+def _pairs(text: str | None, shape: str, example: str) -> list[tuple[str, str]]:
+    """``name=value`` pairs, comma-separated, each name a model name."""
+    pairs = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = (piece.strip() for piece in part.partition("="))
+        if not sep:
+            raise ValueError(f"expected {shape} pairs like {example!r}, got {part.strip()!r}")
+        if not re.match(MODEL_NAME_PATTERN, name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a model name ({MODEL_NAME_PATTERN})")
+        pairs.append((name, value))
+    return pairs
+
+
 def parse_pins(text: str | None) -> dict[str, int]:
     """``MB_MODEL_VERSIONS``: ``name=version`` pairs, comma-separated.
 
@@ -50,14 +84,9 @@ def parse_pins(text: str | None) -> dict[str, int]:
     {'tagger': 3, 'embedder': 1}
     """
     pins: dict[str, int] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, sep, version = (piece.strip() for piece in part.partition("="))
-        if not sep or not re.match(VERSION_PATTERN, version):
-            raise ValueError(f"expected name=version pairs like 'tagger=3', got {part.strip()!r}")
-        if not re.match(MODEL_NAME_PATTERN, name) or name in (".", ".."):
-            raise ValueError(f"{name!r} is not a model name ({MODEL_NAME_PATTERN})")
+    for name, version in _pairs(text, "name=version", "tagger=3"):
+        if not re.match(VERSION_PATTERN, version):
+            raise ValueError(f"expected name=version pairs like 'tagger=3', got {version!r}")
         if name in pins:
             raise ValueError(f"{name!r} is pinned twice")
         pins[name] = int(version)

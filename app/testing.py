@@ -68,6 +68,9 @@ class FakeTransport:
         if served_id in self.loaded:
             self.loaded.remove(served_id)
 
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        return spec  # a fake computes in no precision: the spec's id stays
+
     async def start(self) -> None:
         self.started = True
 

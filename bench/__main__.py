@@ -39,12 +39,17 @@ from bench.systems import (
     bench_jpegs,
     decode_cpu_ms,
     export_bench_model,
+    has_bf16,
     runtime_variants,
     serve,
 )
 from bench.verdicts import ratios
 
 HOST = "127.0.0.1"
+# This server as a user starts it: MB_RUNTIME and MB_DTYPE at auto (the bench's own runs pin
+# TorchScript fp32 in "ours"), MB_MAX_LATENCY at its default.
+DEFAULTS = {"MB_RUNTIME": "auto", "MB_DTYPE": "auto"}
+DEFAULT_MAX_LATENCY = 0.005
 
 
 def upload_requests(server: RunningServer, jpegs: list[bytes]) -> list[bytes]:
@@ -202,10 +207,16 @@ def run_model(
             systems.append(
                 ("ours", "auto", f"ours-auto-{args.threads}w", args.threads, torchscript, store)
             )
+    # "ours-default": every setting at its default (MB_RUNTIME and MB_DTYPE auto: the runtime
+    # and precision chosen on this host, shown beside each of its points), against a plain
+    # FastAPI app on OpenVINO with OpenVINO's defaults.
     systems += [
+        ("ours", "32", "ours-default", 1, DEFAULTS, store),
+        ("openvino-plain", str(args.batch_size), "openvino-plain", 1, {}, store),
         ("service-streamer", str(args.batch_size), "service-streamer", 1, {}, store),
         ("plain", str(args.batch_size), "plain", 1, {}, store),
     ]
+    report.bf16_cpu = has_bf16()
     for kind, batch_size, label, workers, settings, served_store in systems:
         serve_args = {
             "store": served_store,
@@ -215,17 +226,20 @@ def run_model(
             "workers": workers,
             "settings": settings,
         }
+        if label == "ours-default":
+            serve_args["max_latency"] = DEFAULT_MAX_LATENCY
         with serve(kind, **serve_args) as server:
             warm_up(server, jpegs)
+            serving = server.serving() if kind == "ours" else ""
             for clients in args.clients:
                 point = measure(server, jpegs, clients, args.seconds)
-                point.system = label
+                point.system, point.serving = label, serving
                 report.points.append(point)
                 print(
                     f"  {label:<17} c={clients:<4} {point.images_per_s:7.1f} img/s  "
                     f"p50 {point.p50_ms:8.1f} ms  p99 {point.p99_ms:8.1f} ms  "
                     f"batch {point.mean_batch:5.1f}  CPU {point.server_cpu_ms:5.2f} ms/img  "
-                    f"non-200 {point.errors}",
+                    f"non-200 {point.errors}  {serving}",
                     flush=True,
                 )
             if kind == "ours":
@@ -248,7 +262,29 @@ def run_model(
                 )
             if args.baseline and label in ("ours", "ours+openvino+int8"):
                 against_baseline(report, label, server, args, jpegs, **serve_args)
+    against_plain(report, store, args, jpegs)
     return report
+
+
+def against_plain(
+    report: ModelReport, store: Path, args: argparse.Namespace, jpegs: list[bytes]
+) -> None:
+    """The lone p50 of this server with its defaults and of the plain OpenVINO app, both
+    serving, in turns: a lone request's figure without the drift between minutes."""
+    with (
+        serve("ours", store, batch_size="32", max_latency=DEFAULT_MAX_LATENCY,
+              threads=args.threads, settings=DEFAULTS) as ours,
+        serve("openvino-plain", store, batch_size="1", max_latency=0.0,
+              threads=args.threads) as plain,
+    ):  # fmt: skip
+        warm_up(ours, jpegs)
+        warm_up(plain, jpegs)
+        report.vs_plain_p50 = p50_in_turns(ours, plain, jpegs, 2 * args.seconds)
+    print(
+        f"  lone p50 in turns: ours-default {report.vs_plain_p50[0]:.1f} ms, openvino-plain "
+        f"{report.vs_plain_p50[1]:.1f} ms",
+        flush=True,
+    )
 
 
 def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> dict[str, float]:

@@ -19,6 +19,7 @@ class Point:
     errors: int
     client_cpu_pct: float
     server_cpu_ms: float = 0.0  # CPU per image of the server and its workers: cores per 1,000/s
+    serving: str = ""  # this server: the runtime and precision its workers chose ("openvino+bf16")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ModelReport:
     # label -> p50 ms at 1 client of that configuration and of the same one served by the
     # baseline commit (``--baseline``), measured in turns; its points are "before<suffix>"
     vs_before_p50: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # p50 ms at 1 client of this server with its defaults and of the plain OpenVINO app,
+    # measured in turns (both serving at once)
+    vs_plain_p50: tuple[float, float] | None = None
+    bf16_cpu: bool = False  # the host computes bf16 natively (the targets against it differ)
 
     def best_raw(self, runtime: str = "torchscript") -> float:
         raw = self.raw if runtime == "torchscript" else self.raw_runtimes[runtime]

@@ -275,6 +275,14 @@ class RunningServer:
                 sizes.append(process.memory_info().rss)
         return max(sizes, default=0) / 2**20
 
+    def serving(self) -> str:
+        """This server's runtime and precision, as its first worker chose them (/info):
+        "openvino+bf16"; "" for a peer."""
+        info = httpx.get(f"http://127.0.0.1:{self.port}/info", timeout=10).json()
+        model = info["workers"][0]["models"][0]
+        tag = {"bfloat16": "+bf16", "float16": "+fp16", "int8": "+int8"}.get(model["dtype"], "")
+        return f"{model['runtime']}{tag}"
+
     def batches_and_items(self) -> tuple[int, int] | None:
         if not self.stats_path:
             return None
@@ -310,12 +318,12 @@ def serve(
     front_ends: int = 2,
     source: Path = REPO,
 ) -> Iterator[RunningServer]:
-    """Start ``ours``, ``cluster``, ``service-streamer``, ``plain``, ``noop`` or ``decode`` and
-    wait until it answers. ``ours`` splits the ``threads`` budget evenly over ``workers`` worker
-    processes and takes any other ``settings`` (environment variables); ``cluster`` is the same
-    server in broker mode (``python -m app.broker.cluster``: its own Redis, ``front_ends``
-    gunicorn front ends and ``workers`` model workers). ``source``: the source tree it runs
-    from (another commit's, to compare against)."""
+    """Start ``ours``, ``cluster``, ``service-streamer``, ``plain``, ``openvino-plain``, ``noop``
+    or ``decode`` and wait until it answers. ``ours`` splits the ``threads`` budget evenly over
+    ``workers`` worker processes and takes any other ``settings`` (environment variables);
+    ``cluster`` is the same server in broker mode (``python -m app.broker.cluster``: its own
+    Redis, ``front_ends`` gunicorn front ends and ``workers`` model workers). ``source``: the
+    source tree it runs from (another commit's, to compare against)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats_path = ""
@@ -348,6 +356,7 @@ def serve(
             factory = {
                 "service-streamer": "streamer_app",
                 "plain": "plain_app",
+                "openvino-plain": "openvino_app",
                 "noop": "noop_app",
                 "decode": "decode_app",
             }[kind]

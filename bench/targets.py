@@ -29,6 +29,10 @@ class Metric(StrEnum):
     # Against the baseline commit (--baseline), in the same run:
     VS_BEFORE = "throughput vs before"  # ours@64 / the baseline's@64 (same configuration)
     P50_VS_BEFORE = "lone p50 vs before"  # p50@1 / the baseline's p50@1, in turns
+    # Issue #40: this server with its defaults / the plain FastAPI app on the same runtime
+    # with OpenVINO's defaults (bench.peers.openvino_app), same clients; at 1 client the
+    # ratio of their lone p50s, in turns. Its runtime is "bf16" on a CPU with bf16 units.
+    VS_PLAIN = "throughput vs plain OpenVINO"
     # The CPU an image costs outside the model (machinery step, do-nothing model). The share
     # of the ceiling replaced the ratio to the bare upload endpoint (0.70 until 2026-11-26)
     # when the do-nothing model took the usual 224 input: the bare endpoint decodes nothing.
@@ -49,6 +53,7 @@ _HIGHER_IS_BETTER = frozenset(
         Metric.VS_STREAMER_THROUGHPUT,
         Metric.VS_BEFORE,
         Metric.CEILING_SHARE,
+        Metric.VS_PLAIN,
     }
 )
 
@@ -104,6 +109,8 @@ TARGETS: tuple[Target, ...] = (
     Target(Metric.VS_BEFORE, 1.6, model="passthrough"),
     Target(Metric.VS_BEFORE, 1.15, model="efficientnet_lite0", runtime="openvino+int8"),
     Target(Metric.P50_VS_BEFORE, 1.0),
+    Target(Metric.VS_PLAIN, 1.0),  # without bf16 both compute fp32: never behind
+    Target(Metric.VS_PLAIN, 1.3, runtime="bf16"),
     Target(Metric.CEILING_SHARE, 0.70),
     Target(Metric.DECODE_MS, 1.2),
     Target(Metric.HTTP_MS, 0.25),
@@ -117,9 +124,14 @@ def target(
     runtime: str | None = None,
 ) -> Target:
     """The row of :data:`TARGETS` for ``metric`` that fits ``model`` at ``clients`` (and
-    ``runtime``) best: model and concurrency, then model alone, then concurrency alone, then
-    the default. LookupError where none fits."""
+    ``runtime``) best: the runtime's first, then model and concurrency, then model alone, then
+    concurrency alone, then the default. LookupError where none fits."""
     rows = [row for row in TARGETS if row.matches(metric, model, clients, runtime)]
     if not rows:
         raise LookupError(f"no target for {metric} (model {model}, {clients} clients)")
-    return max(rows, key=lambda row: 2 * (row.model is not None) + (row.clients is not None))
+    return max(
+        rows,
+        key=lambda row: (
+            4 * (row.runtime is not None) + 2 * (row.model is not None) + (row.clients is not None)
+        ),
+    )

@@ -22,7 +22,10 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
         ours64 = [
             p
             for p in report.points
-            if p.system.startswith("ours") and "+" not in p.system and p.clients == 64
+            if p.system.startswith("ours")
+            and "+" not in p.system
+            and p.serving in ("", "torchscript")
+            and p.clients == 64
         ]
         at64 = max(ours64, key=lambda p: p.images_per_s, default=None)
         saturation = target(Metric.SATURATION, m, clients=64)
@@ -81,6 +84,7 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
                     f"(>= {need_tput.bound}), p50 x{lat:.2f} (<= {need_lat.bound})  "
                     f"{_verdict(ok)}"
                 )
+        lines += _vs_plain(report)
         for label, (ours_p50, before_p50) in report.vs_before_p50.items():
             lines.append(_vs_before(report, label, ours_p50, before_p50))
         theirs8 = report.point("service-streamer", 8)
@@ -169,3 +173,27 @@ def _vs_before(report: ModelReport, label: str, ours_p50: float, before_p50: flo
         f"; lone p50 in turns {ours_p50:.1f} / {before_p50:.1f} ms = {r:.2f}  "
         f"(target <= {need.bound:g})  {_verdict(need.met(r))}"
     )
+
+
+def _vs_plain(report: ModelReport) -> list[str]:
+    """This server with its defaults against the plain OpenVINO app, at each concurrency
+    (at 1 client by the lone p50s measured in turns, where they were)."""
+    lines = []
+    need = target(Metric.VS_PLAIN, report.model, runtime="bf16" if report.bf16_cpu else None)
+    for clients in sorted({p.clients for p in report.points}):
+        ours, theirs = (
+            report.point("ours-default", clients),
+            report.point("openvino-plain", clients),
+        )
+        if ours is None or theirs is None:
+            continue
+        r = ours.images_per_s / theirs.images_per_s
+        how = "throughput"
+        if clients == 1 and report.vs_plain_p50 is not None:
+            r, how = report.vs_plain_p50[1] / report.vs_plain_p50[0], "lone p50s in turns"
+        lines.append(
+            f"{report.model}: ours-default ({ours.serving}) vs plain FastAPI + OpenVINO "
+            f"defaults @{clients}: x{r:.2f} ({how})  (target >= x{need.bound:g}"
+            f"{' on a bf16 CPU' if report.bf16_cpu else ''})  {_verdict(need.met(r))}"
+        )
+    return lines

@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny exported models, test photos, and an in-process app runner."""
+"""Shared fixtures: tiny exported models, test photos, and an in-process app runner.
+
+The suite serves in fp32 (``MB_DTYPE=float32``, for every server, worker and setting it
+starts, in this process or another): the answers it expects are fp32's, on every CPU. The
+tests of the precision choice (``MB_DTYPE=auto``) ask for it themselves."""
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +23,8 @@ from app.jobs import ImageJob
 from app.manifest import read_manifest
 from app.settings import Settings
 from tests.models import export_poison, export_slow, export_tiny, tiny_expected_embedding
+
+os.environ.setdefault("MB_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

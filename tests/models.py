@@ -79,6 +79,36 @@ class ConvEmbedding(nn.Module):
         return pooled.flatten(1)
 
 
+class FragileClassifier(nn.Module):
+    """A classifier head whose top-1 class bf16 changes and fp32 keeps: it adds 256 to the
+    embedding (in [0, 1]) before its layer and takes the constant back after. In fp32 the
+    embedding survives; rounded to bf16 (8 significant bits, steps of 2 at 256) it does not,
+    and every image gets class 3, the class with the largest bias. The weights are exact in
+    bf16, so that part of the answer is computed alike in both."""
+
+    offset: torch.Tensor
+    bias: torch.Tensor  # buffers, registered in __init__
+
+    def __init__(self) -> None:
+        super().__init__()
+        weight = torch.round(torch.rand(1000, TINY_DIM, generator=_seeded()) * 40) / 512
+        weight[3] = 0.0
+        self.layer = nn.Linear(TINY_DIM, 1000, bias=False)
+        self.layer.weight.data = weight
+        bias = torch.zeros(1000)
+        bias[3] = 0.25
+        self.register_buffer("offset", weight.sum(dim=1) * 256.0)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.layer(x + 256.0) - self.offset + self.bias
+        return logits
+
+
+def _seeded() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
 class SlowEmbedding(TinyEmbedding):
     """TinyEmbedding plus a fixed amount of matrix work per call (not per image), so a batch
     takes a predictable while regardless of its size; the output is unchanged."""
@@ -128,13 +158,15 @@ def export_test_model(
     arch: str = "tiny-test",
     runtimes: Collection[str] = (),
     precision: PrecisionRequest | None = None,
+    classifier: nn.Module | None = None,
 ) -> Path:
     """A test store: TorchScript only unless ``runtimes`` asks for more (the tests that lean
-    on a test model's timing, the slow one's say, must run it as TorchScript runs it)."""
+    on a test model's timing, the slow one's say, must run it as TorchScript runs it); its
+    classifier a random linear layer unless ``classifier`` is given."""
     torch.manual_seed(0)
     split = SplitModel(
         embedding=embedding.eval(),
-        classifier=nn.Linear(TINY_DIM, 1000).eval(),
+        classifier=(classifier or nn.Linear(TINY_DIM, 1000)).eval(),
         input=TINY_INPUT,
         embedding_dim=TINY_DIM,
         num_classes=1000,

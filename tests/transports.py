@@ -106,6 +106,10 @@ class Watched:
         assert self.inner.models_host is not None
         await self.inner.models_host.unload(served_id)
 
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        assert self.inner.models_host is not None
+        return self.inner.models_host.decided(spec)
+
     @property
     def models_host(self) -> ModelHost | None:
         return self if self.inner.models_host is not None else None

@@ -12,6 +12,7 @@ from app.batching.transport import (
     QueueBacklog,
     StreamCount,
     Transport,
+    Trial,
     VersionControl,
     WorkerStatus,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Streamer",
     "Trace",
     "Transport",
+    "Trial",
     "VersionControl",
     "WorkerStatus",
 ]

@@ -23,6 +23,20 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class Trial:
+    """One runtime and precision a worker tried for a model at load (``MB_RUNTIME``,
+    ``MB_DTYPE=auto``): its agreement with fp32 TorchScript on the self-test images (the
+    least embedding cosine, the share of equal top-1 classes; None for the reference
+    itself or without a classifier), whether it passed its gate, and images/s where timed."""
+
+    label: str  # "openvino", "openvino+bf16", "torchscript+bf16"...
+    passed: bool
+    cosine_min: float | None = None
+    top1: float | None = None
+    images_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class HeldModel:
     """One model version a worker holds, is loading or failed to load: its name, number and
     served id, its state (an ``app.lifecycle.VersionState`` as ``shown``), and once loaded
@@ -40,6 +54,8 @@ class HeldModel:
     version: int = 0
     skipped: tuple[tuple[str, str], ...] = ()  # (runtime, why it was not used)
     slowdown: float | None = None
+    dtype: str | None = None  # the precision that computes it, once loaded
+    trials: tuple[Trial, ...] = ()  # what the choice of runtime and precision saw
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +124,10 @@ class ModelHost(Protocol):
 
     async def unload(self, served_id: str) -> None:
         """Drop the model, giving its memory back; done when it is back."""
+
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` as the workers hold it: in the precision they chose for its export
+        (``MB_DTYPE=auto``), once they did, so under the id its answers carry."""
 
 
 @dataclass(frozen=True)

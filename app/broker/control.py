@@ -1,5 +1,6 @@
-"""What the admin route chose, shared in Redis: for each model name, the version a load by
-the admin route pinned, or that it unloaded the name (``app.lifecycle.AdminPin``).
+"""What the fleet decided, shared in Redis: what the admin route chose (for each model name,
+the version a load by the admin route pinned, or that it unloaded the name:
+``app.lifecycle.AdminPin``), and the precision each export is served in (``Precisions``).
 
 A front end's admin call writes the pin and bumps a sequence number in one transaction;
 every worker reads the number each round (one ``HGET``), and when it moved, reads the pins
@@ -9,6 +10,7 @@ for every worker, a restarted one too, until the admin route says otherwise.
 
     <prefix>:{w}:pins       hash: name -> {"version": N} or {"unloaded": true}
     <prefix>:{w}:pins-seq   hash: "seq" -> a number bumped by every change
+    <prefix>:{w}:precisions hash: export (model id) -> the dtype the fleet serves it in
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import redis.asyncio as aioredis
 from app.broker.keys import Keys
 from app.broker.wire import text
 from app.lifecycle import UNLOADED, AdminPin
+from app.manifest import PRECISION_TAGS
 from app.repository import check_name
 
 SEQ = "seq"
+DTYPE_NAMES = frozenset(PRECISION_TAGS)
 
 
 def encode_pin(pin: AdminPin) -> str:
@@ -102,3 +106,30 @@ class PinReader:
             seq, raw = pipe.execute()
         self._seen = int(seq) if seq is not None else 0
         return decode_pins(raw)
+
+
+class Precisions:
+    """The precision each export is served in, fleet-wide, under ``MB_DTYPE=auto``: the
+    first worker to load an export chooses it by measurement on its host and records it;
+    every later worker loads that one (a host that cannot compute it, bf16 on a CPU without
+    bf16 units, serves fp32 under an id of its own). One id per version across the fleet."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.key = keys.precisions
+
+    def read(self, model_id: str) -> str | None:
+        """The recorded precision of ``model_id``'s export, if any. Raises ``RedisError``
+        or ``OSError``."""
+        raw = self.client.hget(self.key, model_id)
+        value = text(raw) if raw is not None else None
+        return value if value in DTYPE_NAMES else None
+
+    def record(self, model_id: str, dtype: str) -> str:
+        """Record ``dtype`` unless another worker recorded first: the fleet's precision.
+        Raises ``RedisError`` or ``OSError``."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(self.key, model_id, dtype)
+            pipe.hget(self.key, model_id)
+            _, raw = pipe.execute()
+        return text(raw) if raw is not None and text(raw) in DTYPE_NAMES else dtype

@@ -56,6 +56,12 @@ class Keys:
         """Hash: ``seq`` -> a number every change of ``pins`` bumps."""
         return f"{self.prefix}:{{w}}:pins-seq"
 
+    @property
+    def precisions(self) -> str:
+        """Hash: export (model id) -> the precision the fleet serves it in
+        (``app.broker.control.Precisions``)."""
+        return f"{self.prefix}:{{w}}:precisions"
+
     def loading(self, host: str) -> str:
         """The prefix of the slots a host's workers hold while they load a model (at most
         ``app.lifecycle.LOADERS_PER_HOST`` at a time), so its other workers serve meanwhile."""

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.control import PinReader
+from app.broker.control import PinReader, Precisions
 from app.broker.keys import Keys
 from app.broker.live import LiveView
 from app.errors import ModelStoreError
 from app.lifecycle import LOADERS_PER_HOST, ModelSpec, given_up
-from app.manifest import read_manifest
+from app.manifest import read_manifest, served_model_id, split_served_id
 from app.repository import Repository
 from app.workers.loading import Loading
 from app.workers.process import PreparedWorker
@@ -42,6 +42,44 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def fleet_decided(precisions: Precisions, worker: PreparedWorker, spec: ModelSpec) -> ModelSpec:
+    """``spec`` in the precision the fleet serves its export in (``Precisions``), else in
+    the one ``worker`` chose before, else as it is (its load chooses). A host that cannot
+    compute the fleet's precision serves fp32, and says so. Raises ``RedisError`` or
+    ``OSError``."""
+    if spec.dtype != "auto":
+        return spec
+    model_id = split_served_id(spec.served_id)[0]
+    fleet = precisions.read(model_id)
+    if fleet is not None and not worker.computes(fleet):
+        log.warning(
+            "%s is served in %s by the fleet; this host cannot compute it, and serves it in "
+            "float32, under an id of its own (set MB_DTYPE fleet-wide on mixed CPUs)",
+            model_id,
+            fleet,
+        )
+        fleet = "float32"
+    if fleet is not None:
+        return spec.decided(fleet, served_model_id(model_id, fleet))
+    return worker.decided(spec)
+
+
+def record_precision(
+    precisions: Precisions, worker: PreparedWorker, requested: ModelSpec, loaded: ModelSpec
+) -> ModelSpec | None:
+    """After a load that chose its precision (``requested`` was ``auto``): record it for the
+    fleet; if another worker recorded another one first, that one, to load instead (None:
+    keep what loaded). Raises ``RedisError`` or ``OSError``."""
+    if requested.dtype != "auto":
+        return None
+    model_id = split_served_id(loaded.served_id)[0]
+    fleet = precisions.record(model_id, loaded.dtype)
+    if fleet == loaded.dtype or not worker.computes(fleet):
+        return None
+    log.info("%s: the fleet serves it in %s: loading it so", model_id, fleet)
+    return requested.decided(fleet, served_model_id(model_id, fleet))
 
 
 class HostLock:
@@ -102,6 +140,7 @@ class Loader:
         self.min_workers = min_workers
         self._on_error = on_error
         self.pins = PinReader(client, keys)
+        self.precisions = Precisions(client, keys)
         self._lock = HostLock(client, keys, host, timeout_s)
         self._queue: list[ModelSpec] = []
         self._loading: Loading | None = None
@@ -128,7 +167,8 @@ class Loader:
                 if target is None:
                     continue
                 item = self.repository.read(name, target, self.worker.config.dtype, verify=False)
-            except Exception as exc:  # ModelNotFound, ModelStoreError: reported, kept as is
+                spec = self.fleet_decided(item.spec)
+            except Exception as exc:  # ModelNotFound, ModelStoreError, Redis: reported
                 self._on_error(f"reload: {name}: {getattr(exc, 'message', exc)}")
                 targets[name] = UNKNOWN
                 continue
@@ -136,12 +176,16 @@ class Loader:
                 versions.forget_failures(name)
             if versions.has_failed(name, target):
                 continue
-            if not versions.holds(item.spec.served_id):
-                queue.append(item.spec)
-            elif versions.number_of(item.spec.served_id) != target:
-                self._adopt(versions, item.spec)
+            if not versions.holds(spec.served_id):
+                queue.append(spec)
+            elif versions.number_of(spec.served_id) != target:
+                self._adopt(versions, spec)
         versions.aim(targets)
         self._queue = queue
+
+    def fleet_decided(self, spec: ModelSpec) -> ModelSpec:
+        """``fleet_decided`` for this worker. Raises ``RedisError`` or ``OSError``."""
+        return fleet_decided(self.precisions, self.worker, spec)
 
     def _adopt(self, versions: WorkerVersions, spec: ModelSpec) -> None:
         """The export chosen is one this worker holds, published again under another number
@@ -153,6 +197,13 @@ class Loader:
             versions.fail(spec, "verify", str(exc))
             return
         versions.renumber(spec)
+
+    def _record(self, requested: ModelSpec, loaded: ModelSpec) -> ModelSpec | None:
+        try:
+            return record_precision(self.precisions, self.worker, requested, loaded)
+        except (RedisError, OSError) as exc:
+            self._on_error(f"could not record the precision of {loaded.served_id}: {exc}")
+            return None
 
     def start_next(self, versions: WorkerVersions, view: LiveView | None) -> None:
         """Start the next queued load, if none runs and the host's lock is free."""
@@ -193,9 +244,15 @@ class Loader:
             self._lock.release()
             if loading.failure is not None:
                 versions.fail(loading.spec, loading.failure.step, loading.failure.message)
-            else:
-                assert loading.model is not None
-                versions.loaded(loading.model, loading.age_s(now))
+                return
+            assert loading.model is not None
+            fleet = self._record(loading.spec, loading.model.spec)
+            if fleet is not None:  # another worker recorded another precision first
+                loading.drop()
+                versions.forget(loading.spec)
+                self._queue.insert(0, fleet)
+                return
+            versions.loaded(loading.spec, loading.model, loading.age_s(now))
         elif loading.age_s(now) > self.timeout_s:
             self._loading = None
             self._lock.release()

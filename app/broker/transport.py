@@ -41,6 +41,7 @@ from app.batching import (
     HeldModel,
     ModelHost,
     QueueBacklog,
+    Trial,
     VersionControl,
     WorkerStatus,
 )
@@ -169,6 +170,7 @@ class BrokerTransport:
                     HeldModel(
                         m.served_id, m.state.shown, m.runtime, m.batch_size, m.memory_bytes,
                         m.reason, m.name, m.version, tuple(m.skipped.items()), m.slowdown,
+                        m.dtype, tuple(Trial(**t.model_dump()) for t in m.trials),
                     )
                     for m in w.models
                 ),

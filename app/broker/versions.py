@@ -10,14 +10,10 @@ Each round (``turn``, on the worker's main thread, between batches) it
    ``app.broker.control``), reads which version each name should serve
    (``app.lifecycle.chosen_version``) and queues the loads of those it lacks;
 3. asks the lifecycle's rules what to do with each version it holds, given every live
-   worker's heartbeat (``app.lifecycle.fate``): keep it, or drain it. A drained version's
-   streams leave the reads once empty (``SWITCH_GRACE_S`` after it began draining), and it
-   is unloaded ``RETIRE_S`` later if they still are; the last worker to hold a version
-   deletes its streams.
-
-A version newer than the one serving is never retired while it may still serve: only an
-explicit event gives it up (a failure on a worker the rule needs, its load deadline, a newer
-version, an unload), and then the index, a metric and one log line say so.
+   worker's heartbeat (``app.lifecycle.fate``: a version that may still serve is never
+   retired), and drains the others: their streams leave the reads once empty
+   (``SWITCH_GRACE_S`` after it began draining), and it is unloaded ``RETIRE_S`` later if
+   they still are; the last worker to hold a version deletes its streams.
 """
 
 from __future__ import annotations
@@ -208,9 +204,17 @@ class WorkerVersions:
         self.lives[spec.served_id] = life
         log.info("worker %s: loading %s beside what it serves", self.name, life.label)
 
-    def loaded(self, model: PreparedModel, seconds: float) -> None:
-        """The load ended well: the model serves from now on, its streams are read."""
-        life = self.lives[model.spec.served_id]
+    def forget(self, spec: ModelSpec) -> None:
+        """A load whose result is dropped (to load it in another precision)."""
+        self.lives.pop(spec.served_id, None)
+
+    def loaded(self, requested: ModelSpec, model: PreparedModel, seconds: float) -> None:
+        """The load of ``requested`` ended well: the model serves from now on, under its id
+        (in the precision chosen: ``requested`` may have left it to the load), its streams
+        are read."""
+        life = self.lives.pop(requested.served_id)
+        life.served_id = model.spec.served_id
+        self.lives[life.served_id] = life
         self.worker.hold(model)
         life.move(VersionState.READY)
         self._ensure_groups(self.keys.streams(life.served_id))
@@ -256,7 +260,7 @@ class WorkerVersions:
         workers = view.workers
         routed = routes(workers, self.min_workers)
         gave_up = given_up(workers, self.min_workers)
-        ready = {sid for sid, life in self.lives.items() if life.state is VersionState.READY}
+        ready = {(v.name, v.version) for v in self.lives.values() if v.state is VersionState.READY}
         for served_id, life in list(self.lives.items()):
             if life.state is VersionState.LOADING:
                 continue
@@ -270,11 +274,8 @@ class WorkerVersions:
                 life,
                 route=route,
                 target=target,
-                target_ready=any(
-                    self.lives[sid].version == target and self.lives[sid].name == name
-                    for sid in ready
-                ),
-                route_held=route is not None and route.served_id in ready,
+                target_ready=(name, target) in ready,
+                route_held=route is not None and (name, route.version) in ready,
                 gave_up=why is not None,
             )
             if decided is Fate.KEEP:

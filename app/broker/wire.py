@@ -245,6 +245,18 @@ def _arrays(described: object, body: memoryview) -> dict[str, npt.NDArray[Any]]:
     return arrays
 
 
+class AdvertisedTrial(BaseModel):
+    """A runtime and precision a worker tried for a model (``app.batching.Trial``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    label: str = Field(max_length=64)
+    passed: bool
+    cosine_min: float | None = None
+    top1: float | None = Field(None, ge=0, le=1)
+    images_per_s: float | None = Field(None, ge=0)
+
+
 class AdvertisedModel(BaseModel):
     """One model version a worker holds, is loading, draining or failed to load, as its
     heartbeat says (front ends route by it: ``app.lifecycle.routes``): what runs it, the
@@ -264,6 +276,8 @@ class AdvertisedModel(BaseModel):
     reason: str = Field("", max_length=1000)
     skipped: dict[str, str] = Field(default_factory=dict, max_length=8)
     slowdown: float | None = Field(None, gt=0)
+    dtype: str | None = Field(None, max_length=16)
+    trials: list[AdvertisedTrial] = Field(default_factory=list, max_length=16)
 
 
 class WorkerInfo(BaseModel):

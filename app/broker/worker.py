@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import redis
 
     from app.broker.keys import Keys
+    from app.workers.process import PreparedWorker
 
 log = logging.getLogger("app.worker")
 
@@ -100,7 +101,7 @@ def consumer_main(
         spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
     )
     keys = Keys(spec.broker.prefix)
-    repository = repository_of(spec.repository)
+    repository = Repository.of_plan(spec.repository)
     failures: list[tuple[ModelSpec, str, str]] = []
     try:
         # Chosen now, not when the supervisor started: a worker restarted after a rollout
@@ -109,7 +110,7 @@ def consumer_main(
         worker = PreparedWorker(spec.config, spec.device, spec.threads)
         for model in models:
             try:
-                worker.load(model)
+                load_in_fleet_precision(client, keys, worker, model)
             except LoadFailure as exc:
                 failures.append((model, exc.step, exc.message))
         worker.load_delay_s = spec.config.load_delay_for(spec.index)  # rollouts' loads only
@@ -160,6 +161,33 @@ def consumer_main(
     consumer.run(stop)
 
 
+def load_in_fleet_precision(
+    client: redis.Redis, keys: Keys, worker: PreparedWorker, spec: ModelSpec
+) -> None:
+    """Load ``spec`` in the precision the fleet serves it in, or choose and record it
+    (``app.broker.loading.fleet_decided``); without Redis, as this worker chooses."""
+    from redis.exceptions import RedisError
+
+    from app.broker.control import Precisions
+    from app.broker.loading import fleet_decided, record_precision
+
+    precisions = Precisions(client, keys)
+    try:
+        decided = fleet_decided(precisions, worker, spec)
+    except (RedisError, OSError) as exc:
+        log.warning("the fleet's precision of %s is unknown (%s)", spec.served_id, exc)
+        decided = spec
+    model = worker.load(decided)
+    try:
+        fleet = record_precision(precisions, worker, decided, model.spec)
+    except (RedisError, OSError):
+        fleet = None
+    if fleet is not None:  # another worker recorded another precision first
+        worker.unload(model.spec.served_id)
+        del model
+        worker.load(fleet)
+
+
 def starting_versions(
     client: redis.Redis, keys: Keys, repository: Repository, dtype: str, name: str
 ) -> list[ModelSpec]:
@@ -196,13 +224,6 @@ def starting_versions(
             if number == target or spec.served_id == route.served_id:  # type: ignore[union-attr]
                 specs.append(spec)
     return specs
-
-
-def repository_of(plan: RepositoryPlan) -> Repository:
-    """The repository a worker reads: a repository, or a lone store as one."""
-    if plan.single:
-        return Repository.of_store(plan.root, plan.pins)
-    return Repository(plan.root, pins=plan.pins)
 
 
 def consumer_specs(plan: ServingPlan) -> list[ConsumerSpec]:
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         plan = plan_serving(settings, Role.WORKERS)
-        repository = repository_of(plan.repository)
+        repository = Repository.of_plan(plan.repository)
         models = [item.spec for item in repository.read_chosen(plan.worker.dtype)]  # fail here
         specs = consumer_specs(plan)
     except (ModelStoreError, StartupError, ModelNotFound) as exc:

@@ -133,33 +133,43 @@ def routes(
     min_workers: int | None = None,
     sticky: Mapping[str, Route] | None = None,
 ) -> dict[str, Route]:
-    """name -> the version it serves, by the rule above. With ``sticky`` (a front end's
-    current routes), a name the rule says nothing of keeps its route while that version is
-    still ready on a live worker, else takes the version ready on the most workers (a front
-    end must route somewhere); without it (a worker deciding what to retire), such a name is
-    left out.
+    """name -> the version it serves, by the rule above. A version may be held in several
+    precisions (``MB_DTYPE=auto`` on hosts with and without bf16 units): it counts as ready
+    on each worker holding any of them, and routes to the one ready on the most workers (the
+    others' workers take none of its requests meanwhile: a pin must name the routed id).
+    With ``sticky`` (a front end's current routes), a name the rule says
+    nothing of keeps its route while that version is still ready on a live worker, else
+    takes the version ready on the most workers (a front end must route somewhere); without
+    it (a worker deciding what to retire), such a name is left out.
 
     Tested in ``tests/unit/test_rules.py``.
     """
     holding = _holding(workers)
-    ready: dict[str, dict[Route, set[str]]] = {}  # name -> version -> workers it is ready on
+    # name -> version -> served id -> the workers it is ready on
+    ready: dict[str, dict[int, dict[str, set[str]]]] = {}
     for worker in _serving(workers):
         for model in worker.models:
             if model.state is VersionState.READY:
-                on = ready.setdefault(model.name, {}).setdefault(
-                    Route(model.version, model.served_id), set()
-                )
-                on.add(worker.name)
+                variants = ready.setdefault(model.name, {}).setdefault(model.version, {})
+                variants.setdefault(model.served_id, set()).add(worker.name)
+
+    def route(version: int, variants: dict[str, set[str]]) -> Route:
+        return Route(version, max(variants, key=lambda sid: (len(variants[sid]), sid)))
+
+    def ready_on(variants: dict[str, set[str]]) -> int:
+        return len(set().union(*variants.values()))
+
     chosen: dict[str, Route] = {}
     for name, versions in ready.items():
         least = needed(len(holding[name]), min_workers)
-        enough = [route for route, on in versions.items() if len(on) >= least]
+        enough = [version for version, variants in versions.items() if ready_on(variants) >= least]
         if enough:
-            chosen[name] = max(enough)
+            chosen[name] = route(max(enough), versions[max(enough)])
         elif sticky is not None:
             kept = sticky.get(name)
-            if kept is None or kept not in versions:
-                kept = max(versions, key=lambda route: (len(versions[route]), route))
+            if kept is None or kept.served_id not in versions.get(kept.version, {}):
+                most = max(versions, key=lambda v: (ready_on(versions[v]), v))
+                kept = route(most, versions[most])
             chosen[name] = kept
     return chosen
 
@@ -208,7 +218,7 @@ def fate(
     by ``routes`` (without ``sticky``), None if the rule says nothing; ``target``: the
     version this worker's repository chooses for the name (None: unloaded by the operator);
     ``target_ready``: this worker holds the target ready; ``route_held``: it holds the
-    routed version ready; ``gave_up``: ``given_up`` names ``held``.
+    routed version ready (in any precision); ``gave_up``: ``given_up`` names ``held``.
 
     >>> from app.lifecycle.states import VersionLife
     >>> v2 = VersionLife("t", 2, "t@2", VersionState.READY)
@@ -221,8 +231,8 @@ def fate(
         return Fate.DRAIN
     if held.version > target and target_ready:
         return Fate.DRAIN  # withdrawn: the repository went back (a rollback, or a pin)
-    if route is not None and held.served_id == route.served_id:
-        return Fate.KEEP
+    if route is not None and held.version == route.version:
+        return Fate.KEEP  # the version its name serves (in whichever precision held here)
     if held.version == target:
         return Fate.KEEP  # it may still become the one served
     if route is None or not route_held:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -123,14 +123,21 @@ class VersionLife:
 @dataclass(frozen=True)
 class ModelSpec:
     """One version to load, as it travels to the workers (picklable): its name and number,
-    its store's folder, the id its answers carry (``Manifest.served_id``), and the shape of
-    one preprocessed image (height, width, 3) it takes."""
+    its store's folder, the id its answers carry (``Manifest.served_id``), the shape of one
+    preprocessed image (height, width, 3) it takes, and the precision to compute it in
+    (MB_DTYPE: ``auto`` lets the worker choose by measurement; its id then says which, and
+    ``served_id`` here is the fp32 id until a worker decided: ``decided``)."""
 
     name: str
     version: int
     store: str
     served_id: str
     image_shape: tuple[int, int, int] = (224, 224, 3)
+    dtype: str = "float32"  # MB_DTYPE as it applies to this version ("auto": measured)
+
+    def decided(self, dtype: str, served_id: str) -> ModelSpec:
+        """This version in the precision a worker chose (``dtype``), under its id."""
+        return replace(self, dtype=dtype, served_id=served_id)
 
 
 class Route(NamedTuple):

@@ -43,7 +43,8 @@ class WorkerConfig:
 
     max_batch_size: int
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
-    dtype: str = "auto"  # MB_DTYPE; "auto": the store's own precision (Manifest.serving_dtype)
+    dtype: str = "auto"  # MB_DTYPE; "auto": measured (app.workers.runtimes.candidate_dtypes)
+    bf16_units: bool | None = None  # testing only (MB_TEST_CPU_BF16); None: this CPU's
     runtime: RuntimeSetting = "auto"  # MB_RUNTIME: see app.workers.runtimes
     optimize: bool = True
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
@@ -102,6 +103,7 @@ class RepositoryPlan:
     root: Path
     single: bool
     pins: dict[str, int] = field(default_factory=dict)  # MB_MODEL_VERSIONS
+    dtypes: dict[str, str] = field(default_factory=dict)  # MB_MODEL_DTYPES
     default_model: str | None = None  # MB_DEFAULT_MODEL
     poll_s: float | None = None  # MB_REPOSITORY_POLL_S
     switch_min_workers: int | None = None  # broker mode: None is every live worker ("all")
@@ -255,6 +257,7 @@ def plan_serving(
             root=repository_root,
             single=settings.model_repository is None,
             pins=settings.model_pins,
+            dtypes=settings.model_dtypes,
             default_model=settings.mb_default_model,
             poll_s=settings.mb_repository_poll_s,
             switch_min_workers=(
@@ -279,6 +282,7 @@ def plan_serving(
             log_level=settings.log_level,
             log_format=settings.log_format,
             load_delays_s=settings.mb_test_load_delay_s,
+            bf16_units=settings.mb_test_cpu_bf16,
         ),
         limits=Limits(
             max_batch_size=settings.max_batch_size,

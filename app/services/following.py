@@ -29,6 +29,7 @@ from app.errors import (
     ServerError,
 )
 from app.lifecycle import UNLOADED, VersionState, given_up
+from app.manifest import split_served_id
 from app.repository import Repository, VersionOnDisk, check_name
 from app.services.index import index_rows
 from app.services.models import Drains, PredictorFactory, scrub
@@ -108,10 +109,10 @@ class BrokerModels:
             version = self.registry.loading(name, route.version, route.served_id)
             try:
                 item = self.read(name, route.version)
-                if item.spec.served_id != route.served_id:
+                if item.manifest.model_id != split_served_id(route.served_id)[0]:
                     raise ModelStoreError(
                         f"this front end's {name} version {route.version} is "
-                        f"{item.spec.served_id}, the workers serve {route.served_id}"
+                        f"{item.manifest.model_id}, the workers serve {route.served_id}"
                     )
             except (ModelStoreError, ModelNotFound) as exc:
                 said = exc.message if isinstance(exc, ServerError) else str(exc)
@@ -161,19 +162,20 @@ class BrokerModels:
                 ) from None
             await self.control.pin(name, number)
             log.info("broker: asked the workers to serve %s version %d", name, chosen)
-            return await self._until_served(name, chosen, item.spec.served_id)
+            return await self._until_served(name, chosen, item.manifest.model_id)
 
-    async def _until_served(self, name: str, number: int, served_id: str) -> ModelVersion:
+    async def _until_served(self, name: str, number: int, model_id: str) -> ModelVersion:
         deadline = time.monotonic() + self._load_timeout_s + MARGIN_S
         while True:
             await self.control.refresh()
             serving = self.registry.serving(name)
-            if serving is not None and (serving.served_id, serving.version) == (served_id, number):
+            exported = serving is not None and split_served_id(serving.served_id)[0] == model_id
+            if serving is not None and exported and serving.version == number:
                 return serving  # the workers serve it, under this number (verified there)
             workers = self.control.view.workers
             reason = given_up(workers, self._min_workers).get((name, number))
             if reason is not None:
-                label = f"{name} version {number} ({served_id})"
+                label = f"{name} version {number} ({model_id})"
                 steps = {
                     m.step
                     for w in workers
@@ -186,7 +188,7 @@ class BrokerModels:
                 raise ModelLoadFailed(f"{label}: {reason}", step)
             if time.monotonic() > deadline:
                 raise ModelLoadFailed(
-                    f"{name} version {number} ({served_id}) was not served within "
+                    f"{name} version {number} ({model_id}) was not served within "
                     f"{self._load_timeout_s + MARGIN_S:g} s (MB_WORKER_START_TIMEOUT and "
                     "the time to switch): is every worker live, and does each see it on disk?",
                     "timeout",

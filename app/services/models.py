@@ -180,12 +180,15 @@ class ModelManager:
     def serve_started(self, loaded: Sequence[VersionOnDisk]) -> None:
         """The versions the host loaded as it started: ready, and serving their names."""
         for item in loaded:
-            version = self.registry.loading(item.spec.name, item.spec.version, item.spec.served_id)
+            spec = self.host.decided(item.spec)
+            version = self.registry.loading(spec.name, spec.version, spec.served_id)
             self._serve(version, item)
 
     def _serve(self, version: ModelVersion, item: VersionOnDisk) -> None:
-        predictor = self._make_predictor(item.manifest, item.classes, item.spec.served_id)
-        self.registry.ready(version, item.manifest, predictor)
+        """``version`` serves now, under the id its workers' precision gives it."""
+        served_id = self.host.decided(item.spec).served_id
+        predictor = self._make_predictor(item.manifest, item.classes, served_id)
+        self.registry.ready(version, item.manifest, predictor, served_id)
         self._drains.later(self.registry.switch(version))
 
     async def load(
@@ -218,7 +221,7 @@ class ModelManager:
             failed = self.registry.loading(name, number, claimed)
             raise self._failed(failed, "verify", str(exc), started) from None
         current = self.registry.serving(name)
-        held = self.registry.of_export(name, item.spec.served_id)
+        held = self.registry.of_export(name, self.host.decided(item.spec).served_id)
         if held is not None and held.state in (VersionState.SERVING, VersionState.DRAINING):
             # Already this export (published again under another number), or a rollback to
             # a version still draining: it serves, with no load.

@@ -200,9 +200,19 @@ class ModelRegistry:
         entry.move(VersionState.LOADING)
         return entry
 
-    def ready(self, version: ModelVersion, manifest: Manifest, predictor: Predictor) -> None:
-        """LOADING -> READY: loaded everywhere it must be; not serving until ``switch``."""
+    def ready(
+        self,
+        version: ModelVersion,
+        manifest: Manifest,
+        predictor: Predictor,
+        served_id: str | None = None,
+    ) -> None:
+        """LOADING -> READY: loaded everywhere it must be; not serving until ``switch``.
+        ``served_id``: its id once loaded, if the workers chose another precision than the
+        one it was asked in (``MB_DTYPE=auto``)."""
         version.manifest, version.predictor = manifest, predictor
+        if served_id is not None:
+            version.served_id = served_id
         version.move(VersionState.READY)
 
     def failed(self, version: ModelVersion, step: str, reason: str) -> None:

@@ -206,6 +206,7 @@ class WorkerHandle:
             HeldModel(
                 m.served_id, VersionState.READY.value, m.runtime, m.batch_size, m.memory_bytes,
                 name=m.name, version=m.version, skipped=m.skipped, slowdown=m.slowdown,
+                dtype=m.dtype, trials=m.trials,
             )
             for m in self.models.values()
         ]  # fmt: skip

@@ -2,7 +2,9 @@
 models share the cores. A new version loads beside the others on one worker at a time (at
 most ``app.lifecycle.LOADERS_PER_HOST`` per host), each in a thread of the worker's own while
 that worker goes on running batches (``app.workers.serve``); a restarted worker catches up
-on what was loaded and unloaded while it was down. How versions come and go:
+on what was loaded and unloaded while it was down. Under ``MB_DTYPE=auto`` the first worker
+to load an export chooses its precision by measurement, and every other worker of the host
+loads it in that one: one id per export on a host (``decided``). How versions come and go:
 ``docs/models.md``.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from app.errors import ModelLoadFailed, WorkerDied
 from app.lifecycle import LOADERS_PER_HOST, ModelSpec
+from app.manifest import served_model_id, split_served_id
 from app.workers.handle import Reply, WorkerHandle, retrieve
 from app.workers.messages import LoadDone, LoadModel, ModelLoaded, UnloadModel
 
@@ -59,6 +62,21 @@ class PoolModels:
         self.timeout_s = timeout_s
         self.lock = asyncio.Lock()  # one load or unload at a time, and a catch-up
         self._loaders = asyncio.Semaphore(LOADERS_PER_HOST)
+        self.decisions: dict[str, str] = {}  # export (model id) -> the precision chosen
+
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` in the precision a worker of this host chose for its export, if one
+        did (under ``MB_DTYPE=auto``); else as it is."""
+        model_id = split_served_id(spec.served_id)[0]
+        dtype = self.decisions.get(model_id) if spec.dtype == "auto" else None
+        return spec if dtype is None else spec.decided(dtype, served_model_id(model_id, dtype))
+
+    def learn(self, requested: ModelSpec, report: ModelLoaded) -> ModelSpec:
+        """What a worker chose for ``requested`` (its report): the spec every other worker
+        loads from now on."""
+        if requested.dtype == "auto":
+            self.decisions[split_served_id(requested.served_id)[0]] = report.dtype
+        return requested.decided(report.dtype, report.served_id)
 
     async def load(self, spec: ModelSpec) -> list[ModelLoaded]:
         """Load ``spec`` beside the models held, on one worker at a time, each going on

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from app.batching import Trial
 from app.jobs import Task
 from app.lifecycle import ModelSpec
 from app.plan import WorkerConfig
@@ -64,6 +65,8 @@ class ModelLoaded:
     version: int = 0
     skipped: tuple[tuple[str, str], ...] = ()  # runtimes that failed here, and why
     slowdown: float | None = None  # how many times slower than a skipped runtime
+    dtype: str = "float32"  # the precision that computes it (MB_DTYPE=auto: chosen here)
+    trials: tuple[Trial, ...] = ()  # the runtimes and precisions tried, with their figures
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class LoadedModels:
     runtime: Runtime = "torchscript"
     # The embedding model takes the uint8 [n, H, W, 3] pixels and normalises them itself.
     pixels_in: bool = False
+    precision: str = "float32"  # what computes: float32, bfloat16, float16 or int8
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class LoadOptions:
     # The TorchScript module's content digest the manifest records (``Manifest.content``):
     # checked on the module as loaded, before anything rewrites it.
     digest: str | None = None
+    # int8 on OpenVINO: the layers left in float compute in bf16 (else f32).
+    bf16_floats: bool = False
+    # OpenVINO: batch sizes also compiled for that one size, beside the model of any size
+    # (the lone request's 1 and the largest batch: 9 to 17% faster than the dynamic model
+    # at those sizes, measured in docs/performance.md).
+    static_batches: tuple[int, ...] = ()
 
 
 def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) -> Model:
@@ -82,16 +89,18 @@ def _load_torchscript(path: Path, device: torch.device, options: LoadOptions) ->
 
 class _OpenVinoModel:
     """An OpenVINO compiled model as a ``Model``: float32 NCHW in (or, normalising inside,
-    uint8 NHWC pixels), float32 out. One infer request, reused: a worker runs one batch at a
-    time."""
+    uint8 NHWC pixels), float32 out. One infer request per compiled model, reused: a worker
+    runs one batch at a time. A batch of a size compiled on its own (``static``) runs there."""
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, static: dict[int, Any] | None = None) -> None:
         self._request = compiled.create_infer_request()
+        self._static = {size: c.create_infer_request() for size, c in (static or {}).items()}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach() if x.dtype == torch.uint8 else x.detach().float()
-        self._request.infer({0: x.contiguous().numpy()})
-        return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+        request = self._static.get(x.shape[0], self._request)
+        request.infer({0: x.contiguous().numpy()})
+        return torch.from_numpy(request.get_output_tensor(0).data.copy())
 
 
 def _with_normalisation(model: Any, spec: InputSpec) -> Any:
@@ -140,7 +149,7 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
     # Several worker processes share the cores: no pinning, each its own thread count. The
     # precision is pinned, or OpenVINO may compute in bf16 on CPUs that have it (an int8
     # model's layers left unquantized run in f32).
-    precision = "bf16" if options.dtype == torch.bfloat16 else "f32"
+    precision = "bf16" if options.dtype == torch.bfloat16 or options.bf16_floats else "f32"
     config = {
         "INFERENCE_NUM_THREADS": options.threads,
         "ENABLE_CPU_PINNING": False,
@@ -151,7 +160,14 @@ def _load_openvino(path: Path, device: torch.device, options: LoadOptions) -> Mo
     model = core.read_model(str(path))
     if options.normalise is not None:
         model = _with_normalisation(model, options.normalise)
-    return _OpenVinoModel(core.compile_model(model, "CPU", config))
+    static = {}
+    for size in sorted(set(options.static_batches)):
+        one_size = model.clone()
+        shape = one_size.input(0).get_partial_shape()
+        shape[0] = size
+        one_size.reshape({0: shape})
+        static[size] = core.compile_model(one_size, "CPU", config)
+    return _OpenVinoModel(core.compile_model(model, "CPU", config), static)
 
 
 class _AotiModel:
@@ -262,4 +278,5 @@ def load_models(
         dtype=dtype,
         runtime=runtime,
         pixels_in=pixels_in,
+        precision=str(options.dtype).removeprefix("torch."),
     )

@@ -23,6 +23,7 @@ from app.batching import BatchItem, QueueBacklog, WorkerStatus
 from app.errors import InferenceError, ModelVersionUnavailable, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
 from app.lifecycle import ModelSpec
+from app.manifest import split_served_id
 from app.metrics import BatchRun
 from app.plan import ServingPlan, WorkerConfig
 from app.workers.handle import Reply, WorkerHandle, retrieve
@@ -177,13 +178,21 @@ class WorkerPool:
         )
 
     async def start(self) -> None:
-        """Spawn every worker and wait until each has loaded and warmed up its models."""
-        self._workers = [self._spawn(index) for index in range(len(self.placement.devices))]
+        """Spawn every worker and wait until each has loaded and warmed up its models. Under
+        ``MB_DTYPE=auto`` the first worker chooses each export's precision, then the others
+        start in it (one id per export on a host)."""
+        count = len(self.placement.devices)
+        deciding = any(spec.dtype == "auto" for spec in self.hosting.specs.values())
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(self.supervision.wait_ready(w.index) for w in self._workers)),
-                self.start_timeout_s,
-            )
+            async with asyncio.timeout(self.start_timeout_s):
+                if deciding:
+                    self._workers = [self._spawn(0)]
+                    first = await self.supervision.wait_ready(0)
+                    self._adopt(first)
+                self._workers += [self._spawn(i) for i in range(len(self._workers), count)]
+                await asyncio.gather(
+                    *(self.supervision.wait_ready(w.index) for w in self._workers[deciding:])
+                )
         except TimeoutError:
             await self.aclose()
             raise WorkerStartError(
@@ -199,6 +208,20 @@ class WorkerPool:
             len(self._workers),
             ", ".join(f"{w.device} ({w.threads} threads)" for w in self._workers),
         )
+
+    def _adopt(self, first: WorkerHandle) -> None:
+        """The specs as the first worker loaded them: in the precision it chose."""
+        reports = {split_served_id(m.served_id)[0]: m for m in first.models.values()}
+        specs = [
+            self.hosting.learn(spec, reports[split_served_id(spec.served_id)[0]])
+            for spec in self.hosting.specs.values()
+        ]
+        self.hosting.specs = {spec.served_id: spec for spec in specs}
+
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` in the precision this host's workers serve its export in (once one
+        chose it): its id in answers."""
+        return self.hosting.decided(spec)
 
     def serve(self, worker: WorkerHandle) -> None:
         """Route ``worker``'s replies from now on, and put it in the batch rotation."""

@@ -15,15 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from app.batching import Trial
 from app.errors import ContentMismatch, WorkerStartError
 from app.lifecycle import ModelSpec
-from app.manifest import Manifest, read_manifest
+from app.manifest import Manifest, read_manifest, served_model_id, split_served_id
 from app.plan import WorkerConfig
 from app.workers.allocator import (
     ResidentBound,
@@ -37,7 +38,7 @@ from app.workers.messages import (
 )
 from app.workers.models import LoadOptions
 from app.workers.runner import BatchRunner, choose_batch_size
-from app.workers.runtimes import choose_runtime
+from app.workers.runtimes import candidate_dtypes, choose_runtime, cpu_has_bf16
 
 log = logging.getLogger("app.worker")
 
@@ -72,6 +73,7 @@ class PreparedModel:
     memory_bytes: int = 0  # what it costs this worker: measured growth, at least its files
     skipped: dict[str, str] = field(default_factory=dict)
     slowdown: float | None = None
+    trials: tuple[Trial, ...] = ()  # the runtimes and precisions tried, with their figures
 
     @property
     def report(self) -> ModelLoaded:
@@ -85,6 +87,8 @@ class PreparedModel:
             version=self.spec.version,
             skipped=tuple(self.skipped.items()),
             slowdown=self.slowdown,
+            dtype=self.spec.dtype,
+            trials=self.trials,
         )
 
     @property
@@ -96,6 +100,8 @@ class PreparedModel:
             "memory_bytes": self.memory_bytes,
             "skipped": {name: reason[:300] for name, reason in self.skipped.items()},
             "slowdown": self.slowdown,
+            "dtype": self.spec.dtype,
+            "trials": [asdict(trial) for trial in self.trials],
         }
 
     def close(self) -> None:
@@ -145,6 +151,7 @@ class PreparedWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.models: dict[str, PreparedModel] = {}
+        self.decisions: dict[str, str] = {}  # export (model id) -> the precision chosen here
         # Its memory's level once warmed up; serving loops call after_batch() once answered.
         self.memory = ResidentBound()
 
@@ -176,6 +183,7 @@ class PreparedWorker:
         ``hold`` serve it from now on; raises ``LoadFailure`` (saying at which step) and then
         holds nothing of it. Without ``hold`` it may run in a thread of its own while batches
         run: the caller's ``hold`` puts it in service."""
+        spec = self.decided(spec)
         if spec.served_id in self.models:
             return self.models[spec.served_id]
         store = Path(spec.store)
@@ -183,12 +191,12 @@ class PreparedWorker:
             manifest = read_manifest(store, verify=True)  # every sha256, once
         except Exception as exc:
             raise LoadFailure(spec, "verify", str(exc)) from None
-        if manifest.served_id(self.config.dtype) != spec.served_id:
+        if manifest.model_id != split_served_id(spec.served_id)[0]:
             raise LoadFailure(
                 spec,
                 "verify",
-                f"{store} now holds {manifest.served_id(self.config.dtype)}, not "
-                f"{spec.served_id}: a version folder must not change once published",
+                f"{store} now holds {manifest.model_id}, not {spec.served_id}: a version "
+                "folder must not change once published",
             )
         least = model_file_bytes(store, manifest)
         self._check_budget(spec, least, "its model files")
@@ -208,18 +216,32 @@ class PreparedWorker:
             del prepared
             release_freed_memory()
             raise
+        if spec.dtype == "auto":  # this worker's choice, for every later load of the export
+            self.decisions[manifest.model_id] = prepared.spec.dtype
         if hold:
             self.hold(prepared)
         log.info(
             "loaded %s version %d (%s) on %s with %s: %d MB",
             spec.name,
             spec.version,
-            spec.served_id,
+            prepared.spec.served_id,
             self.device,
             prepared.runner.models.runtime,
             prepared.memory_bytes // MB,
         )
         return prepared
+
+    def computes(self, dtype: str) -> bool:
+        """Whether this worker computes ``dtype`` natively (bf16 needs bf16 units on a CPU)."""
+        if dtype != "bfloat16" or self.device.type != "cpu":
+            return True
+        return cpu_has_bf16() if self.config.bf16_units is None else self.config.bf16_units
+
+    def decided(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` in the precision this worker chose for its export before, if it did."""
+        model_id = split_served_id(spec.served_id)[0]
+        dtype = self.decisions.get(model_id) if spec.dtype == "auto" else None
+        return spec if dtype is None else spec.decided(dtype, served_model_id(model_id, dtype))
 
     def _check_budget(self, spec: ModelSpec, needs: int, how: str) -> None:
         budget = self.config.memory_budget_bytes
@@ -234,30 +256,40 @@ class PreparedWorker:
 
     def _prepare(self, spec: ModelSpec, store: Path, manifest: Manifest) -> PreparedModel:
         config, device = self.config, self.device
-        dtype = manifest.serving_dtype(config.dtype)
+        bf16 = self.computes("bfloat16")
+        dtypes = candidate_dtypes(manifest, spec.dtype, device, bf16)
         options = LoadOptions(
-            dtype=getattr(torch, dtype), optimize=config.optimize, threads=self.threads
+            dtype=getattr(torch, dtypes[0]),
+            optimize=config.optimize,
+            threads=self.threads,
+            # The lone request's size, and the full batch's (under auto, the size it
+            # chooses is not known until measured: the lone one only).
+            static_batches=(1,) if config.auto_batch else (1, config.max_batch_size),
         )
         try:
             if self.load_delay_s:  # testing only: a slow load, on purpose
                 time.sleep(self.load_delay_s)
-            choice = choose_runtime(store, device, options, config.runtime, manifest)
+            choice = choose_runtime(
+                store, device, options, config.runtime, manifest,
+                [getattr(torch, dtype) for dtype in dtypes], bf16,
+            )  # fmt: skip
         except WorkerStartError as exc:  # a runtime refused by its self-test, or absent
             raise LoadFailure(spec, "self-test", str(exc)) from None
         except ContentMismatch as exc:
             raise LoadFailure(spec, "verify", str(exc)) from None
         except Exception as exc:
             raise LoadFailure(spec, "load", f"{type(exc).__name__}: {exc}") from None
+        dtype = str(choice.dtype).removeprefix("torch.")
+        spec = spec.decided(dtype, manifest.served_id(dtype))
         if choice.images_per_s:
-            measured = ", ".join(
-                f"{name}: {rate:.1f}" for name, rate in choice.images_per_s.items()
-            )
             log.info(
-                "%s on %s: %s serves (images/s by runtime: %s)",
+                "%s on %s: %s in %s serves, as %s (%s)",
                 spec.name,
                 device,
                 choice.models.runtime,
-                measured,
+                dtype,
+                spec.served_id,
+                choice.describe(),
             )
         runner = BatchRunner(choice.models, device)
         decoder: Decoder | DeviceDecoder | None = None
@@ -268,6 +300,7 @@ class PreparedWorker:
             config.max_batch_size,
             skipped=dict(choice.skipped),
             slowdown=choice.slowdown,
+            trials=tuple(choice.trials.values()),
         )
         try:
             if config.decode_threads:

@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.batching import Trial
 from app.errors import WorkerStartError
-from app.manifest import DTYPES, Agreement, Manifest, read_manifest
+from app.manifest import DTYPES, PRECISION_TAGS, Agreement, Manifest, read_manifest
 from app.plan.serving import RuntimeSetting
 from app.workers.agreement import measure
 from app.workers.models import LoadedModels, LoadOptions, Runtime, load_models
@@ -49,15 +50,36 @@ TIMING_MIN_S = 0.1
 
 @dataclass
 class RuntimeChoice:
-    """The models a worker serves with, and what the choice saw: images/s by runtime at
-    ``TIMING_BATCH`` (those timed), why others were skipped, and how many times slower than
-    the fastest skipped runtime the export measured the one serving is (None: not slower,
-    or no figures to say)."""
+    """The models a worker serves with, and what the choice saw: each candidate's agreement
+    with the reference and images/s at ``TIMING_BATCH`` (those timed), why others were
+    skipped, and how many times slower than the fastest skipped runtime the export measured
+    the one serving is (None: not slower, or no figures to say)."""
 
     models: LoadedModels
-    images_per_s: dict[str, float] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # what computes: the precision chosen
+    trials: dict[str, Trial] = field(default_factory=dict)  # by label: what each showed
     skipped: dict[str, str] = field(default_factory=dict)
     slowdown: float | None = None
+
+    @property
+    def images_per_s(self) -> dict[str, float]:
+        """The candidates timed, by label."""
+        return {k: t.images_per_s for k, t in self.trials.items() if t.images_per_s is not None}
+
+    def describe(self) -> str:
+        """The trials in one line: "openvino+bf16: 212.0 images/s, cosine 0.9991, top-1 1.00;
+        ..." (what a worker logs when it chose by timing)."""
+        parts = []
+        for label, trial in self.trials.items():
+            figures = [f"{trial.images_per_s:.1f} images/s"] if trial.images_per_s else []
+            if trial.cosine_min is not None:
+                figures.append(f"cosine {trial.cosine_min:.4f}")
+            if trial.top1 is not None:
+                figures.append(f"top-1 {trial.top1:.2f}")
+            if not trial.passed:
+                figures.append("refused")
+            parts.append(f"{label}: {', '.join(figures) or 'the reference'}")
+        return "; ".join(parts)
 
     def judge(self, manifest: Manifest) -> RuntimeChoice:
         """Set ``slowdown`` from the speeds the export measured (``Manifest.speeds``), and
@@ -171,78 +193,138 @@ def images_per_s(
     return best
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): where it does not,
+    OpenVINO and torch emulate bf16, slower than fp32, so a worker never tries it there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def candidate_dtypes(
+    manifest: Manifest, setting: str, device: torch.device, bf16_units: bool | None = None
+) -> list[str]:
+    """The precisions a worker may serve ``manifest``'s store in under ``MB_DTYPE=setting``,
+    the first being the one it falls back to: ``auto`` on an fp32 export, on a CPU with bf16
+    units (``bf16_units``; None: this CPU's), fp32 and bf16, the faster that passes its gate
+    serving; an export made for a precision, that one; any other setting, itself."""
+    if setting != "auto":
+        return [setting]
+    exported = manifest.serving_dtype("auto")
+    if exported != "float32" or device.type != "cpu":
+        return [exported]
+    has_bf16 = cpu_has_bf16() if bf16_units is None else bf16_units
+    return ["float32", "bfloat16"] if has_bf16 else ["float32"]
+
+
+def _label(runtime: str, dtype: torch.dtype, home: torch.dtype) -> str:
+    """A candidate's name: its runtime, and its precision unless it is the home one."""
+    if dtype == home:
+        return runtime
+    return f"{runtime}+{PRECISION_TAGS[str(dtype).removeprefix('torch.')].lstrip('+')}"
+
+
 def choose_runtime(
     store: Path,
     device: torch.device,
     options: LoadOptions,
     setting: RuntimeSetting,
     manifest: Manifest | None = None,
+    dtypes: Sequence[torch.dtype] = (),
+    bf16_units: bool = False,
 ) -> RuntimeChoice:
-    """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``, in
-    ``options.dtype``. ``manifest``: the store's, already read and verified by the caller."""
-    int8 = options.dtype == torch.int8
+    """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``: in
+    ``options.dtype``, or, given ``dtypes`` (``candidate_dtypes``: MB_DTYPE=auto), in the
+    fastest of them that passes its gate (the first being the one to fall back to). With
+    ``bf16_units``, an int8 model's layers left in float are tried in bf16 too.
+    ``manifest``: the store's, already read and verified by the caller."""
+    dtypes = list(dtypes) or [options.dtype]
+    home = dtypes[0]
     manifest = manifest or read_manifest(store)  # every file verified once, for every load
-    # TorchScript has every model but int8 ones; it is the reference, and the fallback.
-    reference = None if int8 else load_models(store, device, options, manifest=manifest)
-    if setting == "torchscript":
-        if reference is None:
-            raise WorkerStartError("MB_RUNTIME=torchscript cannot serve int8: set MB_RUNTIME=auto")
-        return RuntimeChoice(reference)
+    if setting == "torchscript" and torch.int8 in dtypes:
+        raise WorkerStartError("MB_RUNTIME=torchscript cannot serve int8: set MB_RUNTIME=auto")
     held: Sequence[Runtime] = list(manifest.runtimes)
-    if int8:
-        held = ["openvino"] if manifest.int8_files else []
-    elif options.dtype != torch.float32:  # AOTInductor packages compute in float32 only
-        held = [name for name in held if name != "aoti"]
-    if setting != "auto" and setting not in held:
+    if setting != "auto" and setting != "torchscript" and setting not in held:
+        int8 = " in int8" if torch.int8 in dtypes else ""
         raise WorkerStartError(
-            f"MB_RUNTIME={setting}, but {store} holds no {setting} models"
-            f"{' in int8' if int8 else ''}: re-export it with `python -m app.export` (with "
-            "openvino installed), or set MB_RUNTIME=auto"
+            f"MB_RUNTIME={setting}, but {store} holds no {setting} models{int8}: re-export "
+            "it with `python -m app.export` (with openvino installed), or set MB_RUNTIME=auto"
         )
-    candidates = held if setting == "auto" else [setting]
-    if int8 and not candidates:
+    candidates: list[tuple[Runtime, torch.dtype, bool]] = []  # and: int8's floats in bf16
+    for dtype in dtypes:
+        if dtype == torch.int8:
+            runtimes: list[Runtime] = ["openvino"] if manifest.int8_files else []
+        else:
+            runtimes = ["torchscript", *held]
+            if dtype != torch.float32:  # AOTInductor packages compute in float32 only
+                runtimes = [name for name in runtimes if name != "aoti"]
+        for name in runtimes:
+            if setting in ("auto", name):
+                candidates.append((name, dtype, False))
+                if dtype == torch.int8 and bf16_units:
+                    candidates.append((name, dtype, True))
+    if torch.int8 in dtypes and not candidates:
         raise WorkerStartError(
             f"MB_DTYPE=int8, but {store} holds no int8 models: export it with `python -m "
             "app.export --precision int8 --calibrate DIR`, or set MB_DTYPE=float32"
         )
     if device.type != "cpu":
-        if setting != "auto" or reference is None:
+        derived = [name for name, _, _ in candidates if name != "torchscript"]
+        if setting not in ("auto", "torchscript") or torch.int8 in dtypes:
             raise WorkerStartError(
-                f"MB_RUNTIME={candidates[0]}{' (int8)' if int8 else ''} runs on the CPU only, "
+                f"MB_RUNTIME={derived[0] if derived else setting} runs on the CPU only, "
                 f"not on {device}"
             )
-        return RuntimeChoice(reference, skipped={name: f"not on {device}" for name in held})
-    # The agreement is checked against the fp32 reference, whatever MB_DTYPE asks.
-    fp32 = reference
-    if options.dtype != torch.float32 or fp32 is None:
-        fp32 = load_models(store, device, LoadOptions(threads=options.threads), manifest=manifest)
-    test = SelfTest.for_store(store, manifest, options.dtype)
-    passing: list[LoadedModels] = []
+        on_device = load_models(store, device, replace(options, dtype=home), manifest=manifest)
+        return RuntimeChoice(on_device, dtype=home, skipped={n: f"not on {device}" for n in held})
+    # TorchScript fp32 is the reference every candidate is gated against, and the fallback
+    # (int8 aside: TorchScript has no int8 models, and an int8 store serves int8 or nothing).
+    fp32 = load_models(store, device, replace(options, dtype=torch.float32), manifest=manifest)
+    passing: list[tuple[str, LoadedModels, torch.dtype]] = []
     skipped: dict[str, str] = {}
-    for name in candidates:
+    trials: dict[str, Trial] = {}
+    for name, dtype, bf16_floats in candidates:
+        label = _label(name, dtype, home) + ("+bf16" if bf16_floats else "")
+        if name == "torchscript" and dtype == torch.float32:
+            passing.append((label, fp32, dtype))  # the reference itself
+            trials[label] = Trial(label, passed=True)
+            continue
+        test = SelfTest.for_store(store, manifest, dtype)
         try:
-            models = load_models(store, device, options, runtime=name, manifest=manifest)
-            reason = test.failure(measure(fp32, models, test.images))
+            candidate = replace(options, dtype=dtype, bf16_floats=bf16_floats)
+            models = load_models(store, device, candidate, runtime=name, manifest=manifest)
+            measured = measure(fp32, models, test.images)
+            reason = test.failure(measured)
+            trials[label] = Trial(label, reason is None, measured.cosine_min, measured.top1)
         except Exception as exc:  # a crash in a runtime must not stop a worker that has another
             reason = f"{type(exc).__name__}: {exc}"
-        if reason is not None:
-            if setting != "auto" or reference is None:
-                raise WorkerStartError(
-                    f"MB_RUNTIME={name}{' (int8)' if int8 else ''} failed its self-test here: "
-                    f"{reason}{'; serve this store in fp32 with MB_DTYPE=float32' if int8 else ''}"
-                )
-            log.warning("runtime %s skipped on this host: %s", name, reason[:300])
-            skipped[name] = reason
+            trials[label] = Trial(label, passed=False)
+        if reason is None:
+            passing.append((label, models, dtype))
             continue
-        passing.append(models)
-    if reference is None or setting != "auto":
-        return RuntimeChoice(passing[0])
-    choice = RuntimeChoice(reference, skipped=skipped)
+        if ((setting != "auto" and dtype == home) or dtype == torch.int8) and not bf16_floats:
+            in_int8 = torch.int8 in dtypes
+            raise WorkerStartError(
+                f"MB_RUNTIME={name}{' (int8)' if in_int8 else ''} failed its self-test here: "
+                f"{reason}{'; serve this store in fp32 with MB_DTYPE=float32' if in_int8 else ''}"
+            )
+        log.warning("%s skipped on this host: %s", label, reason[:300])
+        skipped[label] = reason
     if not passing:
-        return choice.judge(manifest)
-    timing = np.concatenate([test.images] * (TIMING_BATCH // len(test.images) + 1))
-    for models in [reference, *passing]:
-        choice.images_per_s[models.runtime] = images_per_s(models, device, timing[:TIMING_BATCH])
-    fastest = max(choice.images_per_s, key=lambda name: choice.images_per_s[name])
-    choice.models = next(m for m in [reference, *passing] if m.runtime == fastest)
+        raise WorkerStartError(
+            f"no runtime passes its self-test in {str(home).removeprefix('torch.')} here: "
+            f"{'; '.join(f'{label}: {why[:200]}' for label, why in skipped.items())}; serve "
+            "this store in fp32 with MB_DTYPE=float32"
+        )
+    if len(passing) == 1 or (setting != "auto" and len(dtypes) == 1):
+        label, models, dtype = passing[0]
+        return RuntimeChoice(models, dtype, trials, skipped).judge(manifest)
+    timing = self_test_images(manifest.input.image_shape, TIMING_BATCH)
+    for label, models, _ in passing:
+        trials[label] = replace(trials[label], images_per_s=images_per_s(models, device, timing))
+    choice = RuntimeChoice(fp32, torch.float32, trials, skipped)
+    fastest = max(choice.images_per_s, key=lambda label: choice.images_per_s[label])
+    _, choice.models, choice.dtype = next(c for c in passing if c[0] == fastest)
     return choice.judge(manifest)

@@ -96,6 +96,19 @@ def test_int8_serves_by_default_close_to_fp32_and_says_so(int8_store: Path) -> N
         choose_runtime(int8_store, CPU, LoadOptions(dtype=torch.int8, threads=1), "torchscript")
 
 
+def test_int8_tries_its_float_layers_in_bf16_where_the_cpu_has_bf16_units(
+    int8_store: Path,
+) -> None:
+    options = LoadOptions(dtype=torch.int8, threads=1)
+    choice = choose_runtime(int8_store, CPU, options, "auto", dtypes=[torch.int8], bf16_units=True)
+    assert set(choice.trials) == {"openvino", "openvino+bf16"}
+    for trial in choice.trials.values():  # each gated, on the export's golden images
+        assert trial.cosine_min is not None and trial.cosine_min > 0.9
+    assert choice.dtype == torch.int8 and choice.models.runtime == "openvino"
+    plain = choose_runtime(int8_store, CPU, options, "auto", dtypes=[torch.int8], bf16_units=False)
+    assert set(plain.trials) == {"openvino"}
+
+
 def test_int8_that_fails_its_self_test_on_a_host_stops_the_start(
     int8_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -176,7 +189,9 @@ def test_a_store_from_before_precisions_serves_fp32(int8_store: Path, tmp_path: 
 
 
 async def test_the_app_serves_the_int8_store_and_says_so(int8_store: Path) -> None:
-    async with running_app(model_store=int8_store, cuda_devices="cpu", mb_worker_num=1) as (
+    async with running_app(
+        model_store=int8_store, cuda_devices="cpu", mb_worker_num=1, mb_dtype="auto"
+    ) as (
         _,
         client,
     ):

@@ -170,3 +170,25 @@ def test_another_runtime_is_judged_against_its_own_raw_loop_not_torchscripts() -
         "efficientnet_lite0: ours+openvino+int8@64 / its own raw best = 0.45  (target >= 0.90)"
         "  MISS; vs ours (TorchScript fp32)@64 = x2.37  (target >= x2.5)  MISS"
     )
+
+
+def test_the_default_server_is_judged_against_the_plain_openvino_app_by_the_cpu() -> None:
+    report = ModelReport("efficientnet_lite0", raw={1: (100.0, 10.0)})
+    for clients, ours, theirs in ((1, 180.0, 140.0), (8, 230.0, 130.0)):
+        report.points += [_point("ours-default", clients, ours, 5.0)]
+        report.points += [_point("openvino-plain", clients, theirs, 7.0)]
+    for point in report.points:
+        point.serving = "openvino+bf16" if point.system == "ours-default" else ""
+    report.vs_plain_p50 = (5.0, 7.0)  # at 1 client: the p50s in turns, not the rates
+    report.bf16_cpu = True
+    lines = [line for line in ratios([report], {}) if "plain FastAPI" in line]
+    assert lines == [
+        "efficientnet_lite0: ours-default (openvino+bf16) vs plain FastAPI + OpenVINO defaults "
+        "@1: x1.40 (lone p50s in turns)  (target >= x1.3 on a bf16 CPU)  PASS",
+        "efficientnet_lite0: ours-default (openvino+bf16) vs plain FastAPI + OpenVINO defaults "
+        "@8: x1.77 (throughput)  (target >= x1.3 on a bf16 CPU)  PASS",
+    ]
+    report.bf16_cpu = False  # both compute fp32 there: never behind is the bar
+    assert "(target >= x1)  PASS" in next(
+        line for line in ratios([report], {}) if "@8: x1.77" in line
+    )

@@ -13,7 +13,7 @@ from app.errors import InvalidRequest, ModelNotFound, ModelStoreError
 from app.manifest import MANIFEST_NAME
 from app.repository import Repository, check_name, name_of_export, publish, staging_folder
 from app.settings import Settings, load_settings
-from app.settings_values import parse_pins
+from app.settings_values import parse_model_dtypes, parse_pins
 
 
 def _store(folder: Path, arch: str = "tiny") -> Path:
@@ -124,3 +124,18 @@ def test_the_version_pins_setting_is_checked_at_start() -> None:
     for bad in ("tagger", "tagger=0", "tagger=x", "../x=1", "a=1,a=2"):
         with pytest.raises(Exception, match="MB_MODEL_VERSIONS"):
             load_settings(mb_model_versions=bad)
+
+
+def test_a_model_may_have_its_own_precision_setting(tmp_path: Path) -> None:
+    assert parse_model_dtypes("a=float32, b.c=auto") == {"a": "float32", "b.c": "auto"}
+    assert Settings(mb_model_dtypes="tagger=float32").model_dtypes == {"tagger": "float32"}
+    for bad in ("tagger", "tagger=int4", "../x=auto", "a=auto,a=float32"):
+        with pytest.raises(Exception, match="MB_MODEL_DTYPES"):
+            load_settings(mb_model_dtypes=bad)
+    _store(tmp_path / "tagger" / "1")
+    _store(tmp_path / "other" / "1")
+    repository = Repository(tmp_path, dtypes={"tagger": "float32"})
+    assert repository.read("tagger", 1, "bfloat16", verify=False).spec.dtype == "float32"
+    other = repository.read("other", 1, "bfloat16", verify=False).spec
+    assert other.dtype == "bfloat16" and other.served_id.endswith("+bf16")
+    assert not repository.claimed_id("tagger", 1, "bfloat16").endswith("+bf16")
