@@ -20,14 +20,19 @@ HELM   := $(TOOLS)/bin/helm
 HELM_ENV := PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" HELM_CACHE_HOME="$(CURDIR)/$(TOOLS)/helm/cache" \
 	HELM_CONFIG_HOME="$(CURDIR)/$(TOOLS)/helm/config" HELM_DATA_HOME="$(CURDIR)/$(TOOLS)/helm/data"
 
-.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model install install-dev redis-server jemalloc helm check-k8s clean
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model grpc-code install install-dev redis-server jemalloc helm check-k8s clean
 
-run: install $(MODEL_STORE)/manifest.json  ## serve on $(HOST):$(PORT)
-	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app
+# What the server reads: MODEL_REPOSITORY=DIR when given (several models), else MODEL_STORE
+# (exported by `make model` when missing).
+SERVED := $(if $(MODEL_REPOSITORY),MODEL_REPOSITORY=$(MODEL_REPOSITORY),MODEL_STORE=$(MODEL_STORE))
+SERVED_MODEL := $(if $(MODEL_REPOSITORY),,$(MODEL_STORE)/manifest.json)
+
+run: install $(SERVED_MODEL)  ## serve on $(HOST):$(PORT)
+	HOST=$(HOST) PORT=$(PORT) $(SERVED) $(PY) -m app
 
 # MODEL_REPOSITORY=DIR serves several models (kill -HUP the cluster process to roll in new versions).
-run-cluster: install redis-server $(MODEL_STORE)/manifest.json  ## broker mode on one machine: redis + front ends + workers
-	HOST=$(HOST) PORT=$(PORT) MODEL_STORE=$(MODEL_STORE) $(PY) -m app.broker.cluster \
+run-cluster: install redis-server $(SERVED_MODEL)  ## broker mode on one machine: redis + front ends + workers
+	HOST=$(HOST) PORT=$(PORT) $(SERVED) $(PY) -m app.broker.cluster \
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
 
 test: install-dev redis-server  ## whole test suite (CPU only) plus lint
@@ -87,6 +92,22 @@ model: $(MODEL_STORE)/manifest.json  ## export the default model if it is missin
 
 $(MODEL_STORE)/manifest.json: | install
 	$(PY) -m app.export --arch $(ARCH) --weights $(WEIGHTS) --out $(MODEL_STORE)
+
+# The gRPC code generated from app/v2/proto/inference.proto is committed: the runtime image has
+# no protoc or grpcio-tools, and generating at install would add a build step and a dev tool to
+# it. tests/unit/test_grpc_proto.py runs this recipe into a scratch GRPC_OUT and fails when the
+# committed files differ. The sed gives inference_pb2 a descriptor pool of its own: tritonclient
+# defines the same inference.* names in the default pool, and one process may import both.
+GRPC_OUT ?= .
+GRPC_PB2 := $(GRPC_OUT)/app/v2/proto/inference_pb2.py
+
+grpc-code: install-dev  ## regenerate app/v2/proto/inference_pb2*.py after editing inference.proto
+	$(PY) -m grpc_tools.protoc -I . --python_out=$(GRPC_OUT) --pyi_out=$(GRPC_OUT) \
+		--grpc_python_out=$(GRPC_OUT) app/v2/proto/inference.proto
+	sed -e 's/^DESCRIPTOR = _descriptor_pool\.Default()\./DESCRIPTOR = _descriptor_pool.DescriptorPool()./' \
+		$(GRPC_PB2) > $(GRPC_PB2).tmp && mv $(GRPC_PB2).tmp $(GRPC_PB2)
+	@grep -q '^DESCRIPTOR = _descriptor_pool\.DescriptorPool()\.' $(GRPC_PB2) || { \
+	  echo "error: $(GRPC_PB2) no longer matches the sed above (a new protoc?)" >&2; exit 1; }
 
 # Broker mode and its tests need a real Redis: Debian's package, installed when it is missing
 # and this machine can (root with apt-get); without it the broker tests skip (CI requires it).

@@ -10,7 +10,6 @@ and the OpenAPI docs show them."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,6 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 from starlette.requests import HTTPConnection
 
+from app.auth import bearer_allows, bearer_token
 from app.errors import NotReady, Unauthorized
 from app.services.registry import ModelVersion
 from app.settings import Settings
@@ -85,11 +85,7 @@ async def admitted(
     if name is None:
         name = query_param(request, MODEL_PARAMETER)
     pinned = (header(request, MODEL_ID_HEADER) or "").strip() or None  # empty: no pin
-    try:
-        engine.registry.resolve(name, pinned, number)
-    except NotReady:
-        await engine.refresh_routes()
-    with engine.registry.admit(name, pinned, number) as version:
+    async with engine.admitted(name, pinned, number) as version:
         state = request.state
         state.model_id, state.model, state.model_version = (
             version.served_id,
@@ -103,12 +99,7 @@ def is_ready(request: Request) -> bool:
     """Whether this server takes requests: a model worker is ready, a model version serves,
     and it is not stopping."""
     engine = running_engine(request)
-    return (
-        engine is not None
-        and engine.transport.ready
-        and bool(engine.registry.names())
-        and not request.app.state.closing
-    )
+    return engine is not None and engine.serves() and not request.app.state.closing
 
 
 def readiness_response(body: dict[str, Any], ready: bool) -> JSONResponse:
@@ -138,12 +129,10 @@ class ApiKey(HTTPBearer):
             if self.required:
                 raise Unauthorized(f"{self.setting.upper()} is not set: this route is shut")
             return None
-        scheme, _, token = (header(request, "authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), expected.get_secret_value().encode()
-        ):
+        sent = header(request, "authorization")
+        if not bearer_allows(sent, expected):
             raise Unauthorized(f"send 'Authorization: Bearer <{self.setting.upper()}>'")
-        return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip())
+        return HTTPAuthorizationCredentials(scheme="Bearer", credentials=bearer_token(sent) or "")
 
 
 REQUIRES_API_KEY = [Security(ApiKey())]

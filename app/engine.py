@@ -6,8 +6,9 @@ serving version; and stop it all again. The only module that wires those pieces 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from types import TracebackType
 
 from app.batching import ClusterView, QueueBacklog, Streamer, Transport
@@ -21,7 +22,7 @@ from app.repository import Repository, VersionOnDisk
 from app.services.following import BrokerModels
 from app.services.models import ModelManager, Models
 from app.services.predictor import Predictor
-from app.services.registry import ModelRegistry
+from app.services.registry import ModelRegistry, ModelVersion
 
 log = logging.getLogger("app")
 
@@ -126,6 +127,10 @@ class Engine:
             raise NotReady("no default model is serving")
         return version.predictor
 
+    def serves(self) -> bool:
+        """Whether a model worker is ready and a model version serves."""
+        return self.transport.ready and bool(self.registry.names())
+
     @property
     def queue_depth(self) -> int:
         """Requests waiting: in this process's queue, and (broker mode) in the shared one."""
@@ -144,6 +149,22 @@ class Engine:
         """Broker mode: look at the workers now (which versions serve), rather than wait for
         the front end's next look; a no-op for a transport that routes nothing."""
         await self.transport.refresh()
+
+    @asynccontextmanager
+    async def admitted(
+        self, name: str | None, pinned: str | None = None, number: str | None = None
+    ) -> AsyncIterator[ModelVersion]:
+        """The model version a request gets, resolved once, now (``ModelRegistry.admit``:
+        ``name`` or the default, an exact served id ``pinned``, or a version ``number``),
+        held until the block ends so it is not unloaded under the request. A broker front
+        end that knows the model but has seen no worker serve it looks at the workers again
+        first (they may have come since its last look)."""
+        try:
+            self.registry.resolve(name, pinned, number)
+        except NotReady:
+            await self.refresh_routes()
+        with self.registry.admit(name, pinned, number) as version:
+            yield version
 
     def labels(self, served_id: str) -> tuple[str, str]:
         """The ``model`` and ``version`` metric labels of a served id."""

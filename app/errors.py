@@ -1,8 +1,8 @@
 """Domain errors and the one table that turns them into HTTP answers.
 
-Lower layers raise these; only the HTTP edge (``app.main``) translates them, through
-``HTTP_STATUS``. Nothing here imports a web framework, so ``app.batching`` and
-``app.workers`` can raise them freely.
+Lower layers raise these; only the edges translate them: HTTP (``app.main``) through
+``HTTP_STATUS``, gRPC (``app.v2.grpc_server``) through ``GRPC_STATUS``. Nothing here
+imports a web framework, so ``app.batching`` and ``app.workers`` can raise them freely.
 
     ServerError                      every error this project raises on purpose
     ├── ClientError                  the request is at fault (4xx)
@@ -63,7 +63,8 @@ Startup problems are not request errors and have their own branch:
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 
 class ServerError(Exception):
@@ -220,6 +221,24 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
 )
 
 
+# The same for gRPC (``app.v2.grpc_server``): the name of the ``grpc.StatusCode`` that ends
+# the call, by the same first-match rule.
+GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
+    (Unauthorized, "UNAUTHENTICATED"),
+    (NoClassifier, "NOT_FOUND"),
+    (ModelNotFound, "NOT_FOUND"),
+    (ModelVersionUnavailable, "FAILED_PRECONDITION"),
+    (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
+    (ClientDisconnected, "CANCELLED"),
+    (ClientError, "INVALID_ARGUMENT"),
+    (Unavailable, "UNAVAILABLE"),
+    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (ModelMemoryBudget, "RESOURCE_EXHAUSTED"),
+    (ModelLoadFailed, "FAILED_PRECONDITION"),
+    (ServerError, "INTERNAL"),
+)
+
+
 # The errors one image can meet while it is decoded, by class name: what a worker may report
 # back for an upload (it crosses a pipe or the broker by name; nothing else is rebuilt).
 IMAGE_ERRORS: dict[str, type[ServerError]] = {
@@ -233,6 +252,29 @@ def http_status(error: ServerError) -> int:
         if isinstance(error, kind):
             return status
     return 500  # pragma: no cover - ServerError is the last row
+
+
+def validation_message(problems: Sequence[Mapping[str, Any]], shown: int = 3) -> str:
+    """One line for pydantic's validation ``problems`` (``ValidationError.errors()``): the
+    first ``shown`` of them, and how many more, never a line per element of a long list.
+
+    >>> validation_message([{"loc": ("data", 0), "msg": "bad"}] * 5)
+    'data.0: bad; data.0: bad; data.0: bad (and 2 more)'
+    """
+    lines = [
+        f"{'.'.join(str(part) for part in problem['loc']) or 'body'}: {problem['msg']}"
+        for problem in problems[:shown]
+    ]
+    more = f" (and {len(problems) - shown} more)" if len(problems) > shown else ""
+    return "; ".join(lines) + more
+
+
+def grpc_status(error: ServerError) -> str:
+    """The name of the gRPC status code that answers ``error``."""
+    for kind, code in GRPC_STATUS:
+        if isinstance(error, kind):
+            return code
+    return "INTERNAL"  # pragma: no cover - ServerError is the last row
 
 
 class StartupError(Exception):

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.batching import Transport
-from app.engine import Engine
+from app.engine import Engine, repository_of
 from app.errors import SettingsError, StartupError
 from app.jobs import ImageJob
 from app.logs import configure_logging
@@ -172,6 +172,13 @@ def create_app(
     configure_logging(settings.log_level, settings.log_format)
     try:
         plan = plan_serving(settings)
+        if transport is None:  # no model to serve: one line now, not a traceback later
+            repository_of(plan).read_chosen(
+                plan.worker.dtype,
+                default=plan.repository.default_model,
+                verify=False,
+                roles=("classes",),
+            )
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -196,11 +203,23 @@ def create_app(
             models = engine.models
             if plan.repository.poll_s is not None and isinstance(models, ModelManager):
                 poll = asyncio.create_task(models.poll(plan.repository.poll_s))
+            grpc_server = None
+            if settings.mb_grpc_port is not None:  # imported only when asked for
+                from app.v2 import grpc_server as v2_grpc
+
+                ready = lambda: engine.serves() and not app.state.closing  # noqa: E731
+                grpc_server, port = await v2_grpc.start(
+                    engine, settings, ready, settings.host, settings.mb_grpc_port
+                )
+                state.grpc_port = port
+                log.info("gRPC (Open Inference Protocol) on %s:%d", settings.host, port)
             unfreeze = _freeze_startup_objects()
             try:
                 yield
             finally:
                 unfreeze()
+                if grpc_server is not None:  # calls in flight get the drain time HTTP gets
+                    await grpc_server.stop(grace=drain_s)
                 if poll is not None:
                     poll.cancel()
                 stop_hangup()
@@ -228,6 +247,7 @@ def create_app(
     app.include_router(predict.router)
     app.include_router(meta.router)
     app.include_router(v2.router)
+    app.include_router(v2.infer_router)
     app.include_router(repository.router)
     if settings.admin_api_key is not None:  # without it, the routes are not there at all
         app.include_router(repository.admin)
@@ -235,5 +255,5 @@ def create_app(
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     # The prediction routes, straight from the server, inside the middleware above.
-    app.route_directly(predict.router.routes)
+    app.route_directly([*predict.router.routes, *v2.infer_router.routes])
     return app

@@ -62,7 +62,10 @@ class RequestLog:
             seconds = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             model, version = state.get("model", ""), state.get("model_version", "")
-            self.metrics.on_request(route, status, seconds, model, str(version))
+            inference = "batch_size" in state  # set by the routes that run a model
+            self.metrics.on_request(
+                route, status, seconds, model, str(version), inference=inference
+            )
             batch_size = state.get("batch_size")
             served = state.get("model_id")
             log.info(

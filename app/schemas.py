@@ -19,6 +19,13 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class ProtocolErrorResponse(BaseModel):
+    """An error on the Open Inference Protocol's routes (``/v2``), in the protocol's shape."""
+
+    error: str = Field(description="what went wrong, for humans (what v2 clients print)")
+    type: str = Field(description="stable machine-readable error name, e.g. 'queue_full'")
+
+
 class Health(BaseModel):
     status: str
 

@@ -40,6 +40,16 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind (python -m app / make run).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
+    mb_grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=(
+            "Also serve the Open Inference Protocol over gRPC (Triton's and KServe's "
+            "inference.GRPCInferenceService, and grpc.health.v1) on this port of HOST; "
+            "unset: no gRPC. Triton uses 8001."
+        ),
+    )
     mb_batch_size: int | Literal["auto"] = Field(
         32,
         description=(

@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
@@ -49,7 +50,7 @@ from app.broker.wire import (
     entry_time_ms,
     text,
 )
-from app.errors import InferenceError
+from app.errors import InferenceError, InvalidImage
 from app.jobs import Task
 from app.repository import Repository
 from app.workers.compute import run_batch
@@ -311,13 +312,12 @@ class Consumer:
         size = len(runnable)
         requests = [request for _, request in runnable]
         try:
-            top_ks = [request.top_k for request in requests]
-            done = run_batch(
-                self.worker, model.spec.served_id, task, [r.image for r in requests], max(top_ks)
-            )
-            positions = range(size)
-            answered = results(task, top_ks, positions, done.outputs, done.errors)
-            answers: list[object] = [answered[position] for position in positions]
+            answered: dict[int, object] = {}
+            for positions, images in _by_kind(requests, model.runner.image_shape, answered):
+                top_ks = [requests[position].top_k for position in positions]
+                done = run_batch(self.worker, model.spec.served_id, task, images, max(top_ks))
+                answered |= results(task, top_ks, positions, done.outputs, done.errors)
+            answers: list[object] = [answered[position] for position in range(size)]
         except Exception:
             if size > 1:
                 log.warning("worker %s: a batch of %d failed; running each alone", self.name, size)
@@ -364,3 +364,26 @@ class Consumer:
             "rss_bytes": rss_bytes(os.getpid()),
             **vars(self.stats),
         }
+
+
+def _by_kind(
+    requests: Sequence[Request], image_shape: tuple[int, ...], refused: dict[int, object]
+) -> list[tuple[list[int], Any]]:
+    """A batch's requests as model calls: the encoded uploads (decoded here) in one, the
+    preprocessed pixels (a v2 client's FP32 input, rare) in another. Pixels not of the
+    model's input size get ``InvalidImage`` in ``refused`` (a front end checks them first)."""
+    encoded = [p for p, request in enumerate(requests) if request.pixels is None]
+    pixels = []
+    for position, request in enumerate(requests):
+        if request.pixels is None:
+            continue
+        if (*request.pixels, 3) != tuple(image_shape):
+            refused[position] = InvalidImage(f"pixels of {request.pixels}, not {image_shape[:2]}")
+        else:
+            pixels.append(position)
+    calls: list[tuple[list[int], Any]] = []
+    if encoded:
+        calls.append((encoded, [requests[p].image for p in encoded]))
+    if pixels:
+        calls.append((pixels, np.stack([requests[p].as_input() for p in pixels])))
+    return calls

@@ -238,7 +238,7 @@ class BrokerTransport:
     ) -> Mapping[int, Any]:
         """Add each item to its task's stream and wait for its reply (or its deadline).
         The Streamer passes one item at a time: batches form in the workers."""
-        assert isinstance(key, BatchKey) and key.encoded, "broker mode sends uploads encoded"
+        assert isinstance(key, BatchKey)
         if not self.monitor.connected or self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         if not self.monitor.served(key.model):
@@ -287,8 +287,7 @@ class BrokerTransport:
         ttl_ms = NO_DEADLINE_MS
         if item.deadline is not None:
             ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
-        image = item.payload.image
-        assert isinstance(image, bytes)
+        image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
         fields = encode_request(request_id, self.frontend, task, item.payload.top_k, ttl_ms, image)
         stream = self.keys.stream(served_id, task)
         counted = self._queue_streams(served_id)

@@ -34,6 +34,7 @@ WIRE_VERSION = 1
 REPLY_MAGIC = b"R1"
 MAX_HEADER_BYTES = 4096  # a request's or reply's JSON header; ours are under 200 bytes
 MAX_K = 100_000
+MAX_SIDE = 8192  # the largest preprocessed image (pixels) an entry may carry, per side
 MAX_TTL_MS = 2 * 3600 * 1000  # entries older than this are trimmed unread
 _TOKEN = re.compile(r"^[A-Za-z0-9:._-]{1,128}$")
 # The only arrays a reply may carry, and their only dtypes (little-endian on the wire).
@@ -59,13 +60,28 @@ class Request:
     top_k: int
     ttl_ms: int  # deadline: the entry's id time (Redis's clock) plus this
     image: bytes
+    # (height, width): ``image`` holds that many uint8 RGB pixels, preprocessed (a v2
+    # client's FP32 input), rather than an encoded upload.
+    pixels: tuple[int, int] | None = None
+
+    def as_input(self) -> bytes | npt.NDArray[np.uint8]:
+        """What a worker runs: the encoded upload, or the pixels as ``[H, W, 3]``."""
+        if self.pixels is None:
+            return self.image
+        return np.frombuffer(self.image, dtype=np.uint8).reshape(*self.pixels, 3)
 
 
 def encode_request(
-    request_id: str, frontend: str, task: Task, top_k: int, ttl_ms: int, image: bytes
+    request_id: str,
+    frontend: str,
+    task: Task,
+    top_k: int,
+    ttl_ms: int,
+    image: bytes | npt.NDArray[np.uint8],
 ) -> dict[str, bytes]:
-    """The stream entry's fields for one request."""
-    header = {
+    """The stream entry's fields for one request: an encoded upload, or ``[H, W, 3]`` uint8
+    pixels (their size in the header's ``px``)."""
+    header: dict[str, Any] = {
         "v": WIRE_VERSION,
         "id": request_id,
         "fe": frontend,
@@ -73,6 +89,11 @@ def encode_request(
         "k": top_k,
         "ttl_ms": ttl_ms,
     }
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"pixels are uint8 [H, W, 3], not {image.dtype} {image.shape}")
+        header["px"] = list(image.shape[:2])
+        image = np.ascontiguousarray(image).tobytes()
     return {"h": json.dumps(header, separators=(",", ":")).encode(), "img": image}
 
 
@@ -115,6 +136,14 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
     if not isinstance(image, bytes) or len(image) > max_image_bytes:
         raise MalformedMessage(f"the image is missing or over {max_image_bytes} bytes")
     low_k = 0 if task is Task.EMBEDDING else 1  # a task with top-k needs k
+    pixels = None
+    if "px" in header:
+        size = header["px"]
+        if not isinstance(size, list) or len(size) != 2:
+            raise MalformedMessage("px is not [height, width]")
+        pixels = (_int(size[0], "the height", 1, MAX_SIDE), _int(size[1], "the width", 1, MAX_SIDE))
+        if len(image) != pixels[0] * pixels[1] * 3:
+            raise MalformedMessage(f"{len(image)} bytes are not {pixels} RGB pixels")
     return Request(
         id=_token(header.get("id"), "the id"),
         frontend=_token(header.get("fe"), "the front end"),
@@ -122,6 +151,7 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
         top_k=_int(header.get("k"), "k", low_k, MAX_K),
         ttl_ms=_int(header.get("ttl_ms"), "ttl_ms", 1, MAX_TTL_MS),
         image=image,
+        pixels=pixels,
     )
 
 

@@ -44,6 +44,7 @@ from app.metrics.labels import (
 )
 from app.metrics.live import LiveGauges, LiveState, VersionState
 from app.metrics.reported import WorkerReport, WorkerReported
+from app.metrics.statistics import Statistics
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -69,6 +70,8 @@ class Metrics:
         self._live: list[Collector] = [ProcessCollector(registry=None)]
         self._workers: Sequence[WorkerReport] = ()
         self.labels: Labels = lambda served_id: (served_id, "")
+        # The same events, per model version, in Triton's form (v2 statistics extension).
+        self.statistics = Statistics()
         r = self.registry
         self.requests = Counter(
             "microbatch_http_requests",
@@ -136,12 +139,14 @@ class Metrics:
         self, task: str, size: int, waits: Sequence[float], model: str = "", version: str = ""
     ) -> None:
         self.batch_size.labels(task, model, version).observe(size)
+        self.statistics.on_batch(model, version, size, waits)
         histogram = self.queue_wait.labels(task, model, version)
         for wait in waits:
             histogram.observe(wait)
 
     def on_run(self, run: BatchRun, model: str = "", version: str = "") -> None:
         self.model_time.labels(run.task, model, version).observe(run.compute_s)
+        self.statistics.on_run(model, version, run.size, run.compute_s)
 
     def on_load(self, model: str, version: int, seconds: float, failed_step: str | None) -> None:
         """A load of ``model``'s ``version`` ended (``app.services.models.LoadObserver``)."""
@@ -158,10 +163,20 @@ class Metrics:
             self.rejected.labels(reason).inc()
 
     def on_request(
-        self, route: str, status: int, seconds: float, model: str = "", version: str = ""
+        self,
+        route: str,
+        status: int,
+        seconds: float,
+        model: str = "",
+        version: str = "",
+        *,
+        inference: bool = False,
     ) -> None:
+        """A request answered; ``inference``: one that ran (or tried to run) a model."""
         self.requests.labels(route, str(status), model, version).inc()
         self.latency.labels(route, model, version).observe(seconds)
+        if inference and model:
+            self.statistics.on_request(model, version, ok=status < 400, seconds=seconds)
 
     def render(self) -> bytes:
         registry = self.registry

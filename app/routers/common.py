@@ -1,52 +1,31 @@
 """Helpers shared by the prediction routes (``/predict`` and ``/v2``): deadlines, batch
-traces, client disconnects, ``k`` and the error answers they document."""
+traces, client disconnects and the error answers they document."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import Request
 
 from app.batching import Trace
 from app.dependencies import header as read_header
-from app.errors import ClientDisconnected, InvalidParameter, InvalidRequest
-from app.schemas import ErrorResponse
+from app.errors import ClientDisconnected, InvalidParameter
+from app.schemas import ErrorResponse, ProtocolErrorResponse
 
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
-MAX_K = 1000  # the most labels a request may ask for (the Predictor refuses more than classes)
+ERROR_STATUSES = (400, 401, 404, 409, 413, 415, 422, 503, 504)
 ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 422, 503, 504)
+    status: {"model": ErrorResponse} for status in ERROR_STATUSES
 }
-
-
-def parse_k(value: object, where: str = "k") -> int | None:
-    """``k`` as the request gave it (a form field, a query parameter or a JSON value), checked
-    against the API's fixed bounds; None when absent (the Predictor picks the default).
-
-    >>> parse_k("3"), parse_k(None), parse_k(7, "parameters.k")
-    (3, None, 7)
-    >>> parse_k("x")
-    Traceback (most recent call last):
-    app.errors.InvalidRequest: k must be an integer from 1 to 1000, got 'x'
-    """
-    if value is None:
-        return None
-    k: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        k = value
-    elif isinstance(value, str):
-        with suppress(ValueError):
-            k = int(value)
-    if k is None or not 1 <= k <= MAX_K:
-        shown = value[:20] if isinstance(value, str) else value
-        raise InvalidRequest(f"{where} must be an integer from 1 to {MAX_K}, got {shown!r}")
-    return k
+V2_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ProtocolErrorResponse} for status in ERROR_STATUSES
+}
 
 
 def request_deadline(request: Request, default_timeout_s: float) -> float:

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.dependencies.utils import get_dependant
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 
@@ -94,8 +95,8 @@ def _is_guard(path: str, call: Callable[..., Any]) -> bool:
 
 
 class DirectApp(FastAPI):
-    """A FastAPI app whose ``DirectRoute``s (those with a fixed path, given to
-    ``route_directly``) are called straight from the ASGI server: past Starlette's router,
+    """A FastAPI app whose ``DirectRoute``s (given to ``route_directly``) are called
+    straight from the ASGI server: past Starlette's router,
     which tries every route in turn, and FastAPI's own middleware stack (error, telemetry,
     body-size and exception middlewares, the exit stack, the included-router copy), inside
     the app's own middleware only (``add_middleware``: here the log line and the body limit),
@@ -110,32 +111,46 @@ class DirectApp(FastAPI):
         super().__init__(**kwargs)
         self._direct_routes: list[DirectRoute] = []
         self._direct: dict[tuple[str, str], ASGIApp] | None = None  # built at the first request
+        self._matched: list[tuple[DirectRoute, ASGIApp]] = []  # those with path parameters
 
     def route_directly(self, routes: Iterable[Any]) -> None:
-        """Serve each ``DirectRoute`` of ``routes`` directly."""
-        self._direct_routes += [
-            route
-            for route in routes
-            if isinstance(route, DirectRoute) and not route.param_convertors
-        ]
+        """Serve each ``DirectRoute`` of ``routes`` directly. One with path parameters is
+        matched before every other route, so its path must overlap none of theirs."""
+        self._direct_routes += [route for route in routes if isinstance(route, DirectRoute)]
 
     def _build_direct(self) -> dict[tuple[str, str], ASGIApp]:
         """Each direct route's endpoint wrapped in the app's own middleware, outermost first
-        as ``add_middleware`` left it (which Starlette forbids once requests come)."""
+        as ``add_middleware`` left it (which Starlette forbids once requests come): by
+        method and path, or (with path parameters) in ``_matched``."""
         direct: dict[tuple[str, str], ASGIApp] = {}
         for route in self._direct_routes:
             endpoint: ASGIApp = _DirectEndpoint(self, route)
             for cls, args, kwargs in reversed(self.user_middleware):
                 endpoint = cls(endpoint, *args, **kwargs)
+            if route.param_convertors:
+                self._matched.append((route, endpoint))
+                continue
             for method in route.methods or ():
                 direct[(method, route.path)] = endpoint
         return direct
+
+    def _endpoint(self, scope: Scope) -> ASGIApp | None:
+        assert self._direct is not None
+        endpoint = self._direct.get((scope["method"], _route_path(scope)))
+        if endpoint is not None or not self._matched:
+            return endpoint
+        for route, matched in self._matched:
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                scope["path_params"] = child["path_params"]
+                return matched
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if self._direct is None:
                 self._direct = self._build_direct()
-            endpoint = self._direct.get((scope["method"], _route_path(scope)))
+            endpoint = self._endpoint(scope)
             if endpoint is not None:
                 scope["app"] = self
                 await endpoint(scope, receive, send)
@@ -165,7 +180,7 @@ class _DirectEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["route"] = self.route
         scope["endpoint"] = self.route.endpoint
-        scope["path_params"] = {}
+        scope.setdefault("path_params", {})
         request = Request(scope, receive, send)
         try:
             response = await self.handler(request)

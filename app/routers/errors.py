@@ -1,6 +1,10 @@
 """The HTTP edge of the error hierarchy: one JSON shape for every error, every refusal
 answered by ``refusal`` (status from ``app.errors.HTTP_STATUS``, ``Retry-After`` on a 503,
-counted in ``microbatch_rejected_total``), and the body limit."""
+counted in ``microbatch_rejected_total``), and the body limit.
+
+The shape: ``{"error": {"type": ..., "message": ...}}``; on the Open Inference Protocol's
+routes (``/v2``) the protocol's own, ``{"error": "<message>", "type": ...}``, which its
+clients (tritonclient, KServe's) print."""
 
 from __future__ import annotations
 
@@ -21,27 +25,41 @@ from app.errors import (
     ServerError,
     Unavailable,
     http_status,
+    validation_message,
 )
 from app.metrics import Metrics
 
 log = logging.getLogger("app")
 
 
+V2_PREFIX = "/v2"
+
+
 def error_response(
-    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """An error answer, in the shape of the route at ``path``."""
+    if path == V2_PREFIX or path.startswith(V2_PREFIX + "/"):
+        return JSONResponse({"error": message, "type": code}, status, headers=headers)
     return JSONResponse({"error": {"type": code, "message": message}}, status, headers=headers)
 
 
 def refusal(
-    error: ServerError, metrics: Metrics, headers: Mapping[str, str] | None = None
+    error: ServerError,
+    metrics: Metrics,
+    headers: Mapping[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
     """The answer to a domain error, counted under its reason: the one way a refusal leaves."""
     metrics.on_error(error)
     extra = dict(headers or {})
     if isinstance(error, Unavailable):
         extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
-    return error_response(http_status(error), error.code, error.message, extra or None)
+    return error_response(http_status(error), error.code, error.message, extra or None, path)
 
 
 # Refusals Starlette makes itself (a malformed body, the body limit) answer and count as the
@@ -62,7 +80,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        return refusal(exc, metrics)
+        return refusal(exc, metrics, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -75,20 +93,19 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         headers = exc.headers
         if exc.status_code == 405:  # every method of the path, not the first route's alone
             headers = {**(headers or {}), "Allow": ", ".join(_allowed(request))}
-        return error_response(exc.status_code, code, str(exc.detail), headers)
+        return error_response(exc.status_code, code, str(exc.detail), headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.on_error(InvalidRequest)
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        return error_response(422, InvalidRequest.code, problems)
+        problems = validation_message(exc.errors())
+        return error_response(422, InvalidRequest.code, problems, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", "internal server error")
+        path = request.url.path
+        return error_response(500, "internal_error", "internal server error", path=path)
 
 
 def _allowed(request: Request) -> list[str]:
@@ -120,7 +137,8 @@ class BodySizeLimit:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 too_large = PayloadTooLarge(message)
-                response = refusal(too_large, self.metrics, {"Connection": "close"})
+                closing = {"Connection": "close"}
+                response = refusal(too_large, self.metrics, closing, scope.get("path", ""))
                 await response(scope, receive, send)
                 return
         received = 0

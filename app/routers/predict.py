@@ -8,18 +8,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from app.dependencies import REQUIRES_API_KEY, admitted, app_settings, header, query_param
-from app.routers.common import (
-    ERRORS,
-    MAX_K,
-    batch_trace,
-    parse_k,
-    request_deadline,
-    unless_disconnected,
-)
+from app.errors import InvalidRequest
+from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
-from app.services.predictor import DEFAULT_K, Predictor
+from app.services.predictor import DEFAULT_K, MAX_K, Predictor, parse_k
 from app.settings_values import MODEL_NAME_PATTERN
 
 router = APIRouter(
@@ -79,7 +73,7 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
         "name": "k",
         "in": "query",
         "required": False,
-        "description": f"{K_HELP} (a form field k wins)",
+        "description": f"{K_HELP} (or the form field k, with the same value)",
         "schema": k_schema,
     }
     return {
@@ -152,6 +146,17 @@ async def embedding(request: Request) -> Response:
     return JSONResponse(vectors.tolist() if upload.several else vectors[0].tolist())
 
 
+def _one_k(form: str | None, query: str | None) -> int | None:
+    """``k`` from the form field or the query parameter, each checked; both may be given
+    only with the same value."""
+    form_k, query_k = parse_k(form), parse_k(query)
+    if form_k is not None and query_k is not None and form_k != query_k:
+        raise InvalidRequest(
+            f"k is given twice, {form_k} in the form and {query_k} in the query: give it once"
+        )
+    return form_k if form_k is not None else query_k
+
+
 @router.post(
     "/tag",
     response_model=list[TagOut] | list[list[TagOut]],
@@ -164,8 +169,7 @@ async def tag(request: Request) -> JSONResponse:
     ``X-Model-Id`` pins the exact export."""
     async with admitted(request) as version:
         upload, deadline = await _upload(request)
-        form_k = upload.fields.get("k")
-        top_k = parse_k(form_k if form_k is not None else query_param(request, "k"))
+        top_k = _one_k(upload.fields.get("k"), query_param(request, "k"))
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)
             answers = await unless_disconnected(

@@ -16,15 +16,17 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
-from app.routers.common import ERRORS
+from app.errors import InvalidRequest
+from app.routers.common import V2_ERRORS
 from app.settings_values import VERSION_PATTERN
+from app.v2.http_body import JSON_TYPE, inlined_schema, read_json, validated
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 admin = APIRouter(
     prefix="/v2/repository", tags=["model repository"], dependencies=REQUIRES_ADMIN_KEY
 )
 ADMIN_ERRORS = {
-    **ERRORS,
+    **V2_ERRORS,
     422: {"description": "the load failed (model_load_failed); the version before serves on"},
     507: {"description": "over MB_MODEL_MEMORY (model_memory_budget)"},
 }
@@ -71,6 +73,41 @@ class LoadRequest(BaseModel):
     parameters: LoadParameters = Field(default_factory=LoadParameters)
 
 
+def _refuse_config(parameters: object) -> None:
+    """Triton's load may carry a model configuration (``config``) or model files
+    (``file:...``); this server loads versions as exported, from its repository."""
+    if not isinstance(parameters, dict):
+        return
+    given = [key for key in parameters if key == "config" or str(key).startswith("file:")]
+    if given:
+        raise InvalidRequest(
+            f"parameters {', '.join(given)}: this server takes no model configuration or files "
+            "at load; it serves each version as exported (python -m app.export) into its "
+            "repository, with the MB_* settings. Load a version: parameters.version"
+        )
+
+
+async def _load_request(request: Request) -> LoadRequest:
+    """The body as sent (JSON whatever its Content-Type, as tritonclient sends none; empty:
+    the defaults)."""
+    raw = await request.body()
+    if not raw.strip():
+        return LoadRequest()
+    document = read_json(raw)
+    if isinstance(document, dict):
+        _refuse_config(document.get("parameters"))
+    loaded: LoadRequest = validated(LoadRequest, document)
+    return loaded
+
+
+LOAD_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {JSON_TYPE: {"schema": inlined_schema(LoadRequest)}},
+    }
+}
+
+
 class Loaded(BaseModel):
     name: str
     version: str
@@ -91,13 +128,15 @@ async def index(request: Request) -> list[dict[str, Any]]:
 router.post("/index", response_model=list[IndexEntry], operation_id="repository_index_post")(index)
 
 
-@admin.post("/models/{name}/load", response_model=Loaded, responses=ADMIN_ERRORS)
-async def load(name: str, request: Request, body: LoadRequest | None = None) -> Loaded:
+@admin.post(
+    "/models/{name}/load", response_model=Loaded, responses=ADMIN_ERRORS, openapi_extra=LOAD_BODY
+)
+async def load(name: str, request: Request) -> Loaded:
     """Load a version of ``name`` (the newest on disk, or ``parameters.version``) beside
     the one serving, and switch to it once verified, self-tested and warmed up; answers once
     it serves. If it fails, the version before serves on and the answer says why."""
     engine = serving_engine(request)
-    parameters = (body or LoadRequest()).parameters
+    parameters = (await _load_request(request)).parameters
     number = int(parameters.version) if parameters.version is not None else None
     version = await engine.models.load(name, number, replace=parameters.replace)
     return Loaded(
@@ -108,7 +147,7 @@ async def load(name: str, request: Request, body: LoadRequest | None = None) -> 
     )
 
 
-@admin.post("/models/{name}/unload", response_model=Loaded, responses=ERRORS)
+@admin.post("/models/{name}/unload", response_model=Loaded, responses=V2_ERRORS)
 async def unload(name: str, request: Request) -> Loaded:
     """Stop serving ``name``: requests already admitted finish, then its models are
     unloaded; answers once their memory is given back."""

@@ -1,51 +1,40 @@
-"""The Open Inference Protocol (KServe v2) where it fits: health, model metadata and
-readiness for KServe, Seldon and Triton-style probes and clients, and a small ``infer``.
+"""The Open Inference Protocol (KServe v2) over HTTP, as Triton's and KServe's clients speak
+it: health, server and model metadata, readiness, ``infer`` (JSON, or with the binary tensor
+data extension), and the classification, model configuration and statistics extensions. The
+model repository extension is in ``app.routers.repository``; what an ``infer`` takes and
+answers is in ``app.v2.inference``, the same for gRPC (``app.v2.grpc``).
 
-Covered: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}``,
-``/v2/models/{name}/ready`` and ``POST /v2/models/{name}/infer`` (each also under
-``/v2/models/{name}/versions/{version}``: the version's number, or its served id's version
-part; 409 ``model_version_unavailable`` if it is not the one serving) over JSON, with one input
-``image`` of datatype ``BYTES`` (each element an encoded image as base64: JSON has no
-bytes) and the outputs ``embedding`` (FP32 ``[n, dim]``) and, for models with a classifier,
-``top_k_probs`` (FP32 ``[n, k]``) and ``top_k_indices`` (INT64 ``[n, k]``; ``k`` from the
-request's ``parameters``: 5 by default, or every class of a model with fewer). The model
-repository extension is in ``app.routers.repository``. Not covered: the binary-data and
-statistics extensions, and the gRPC protocol. Errors keep this server's own JSON shape.
+Every model route is also under ``/v2/models/{name}/versions/{version}`` (the version's
+number, or its served id's version part; 409 ``model_version_unavailable`` if it is not the
+one serving). Errors answer ``{"error": "<message>", "type": "<this server's type>"}``, the
+protocol's shape (``app.routers.errors``).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from app.dependencies import (
     REQUIRES_API_KEY,
-    SettingsDep,
     admitted,
+    app_settings,
+    header,
     is_ready,
     readiness_response,
+    serving_engine,
 )
-from app.errors import InvalidRequest, PayloadTooLarge
-from app.routers.common import (
-    ERRORS,
-    batch_trace,
-    parse_k,
-    request_deadline,
-    unless_disconnected,
-)
-from app.services.registry import ModelVersion
+from app.routers.common import V2_ERRORS, batch_trace, request_deadline, unless_disconnected
+from app.routers.direct import DirectRoute
+from app.v2 import http_body, inference
+from app.v2.http_body import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, InferBody, inlined_schema
+from app.v2.server import EXTENSIONS, SERVER, config_of, statistics_of
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
 VERSIONED = "/models/{name}/versions/{version}"
-
-INPUT = "image"
 
 
 class TensorSpec(BaseModel):
@@ -62,29 +51,9 @@ class ModelMetadata(BaseModel):
     outputs: list[TensorSpec]
 
 
-class InferInput(BaseModel):
-    name: Literal["image"]
-    datatype: Literal["BYTES"]
-    shape: list[int] = Field(min_length=1, max_length=1)
-    data: list[str] = Field(min_length=1, description="each an encoded image, base64")
-
-
-class RequestedOutput(BaseModel):
-    name: Literal["embedding", "top_k_probs", "top_k_indices"]
-
-
-class InferRequest(BaseModel):
-    id: str | None = Field(None, max_length=128)
-    inputs: list[InferInput] = Field(min_length=1, max_length=1)
-    outputs: list[RequestedOutput] | None = None
+class InferOutput(TensorSpec):
+    data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
-
-
-class InferOutput(BaseModel):
-    name: str
-    datatype: str
-    shape: list[int]
-    data: list[float] | list[int]
 
 
 class InferResponse(BaseModel):
@@ -94,10 +63,19 @@ class InferResponse(BaseModel):
     outputs: list[InferOutput]
 
 
+# The body is read by hand whatever its Content-Type, so OpenAPI learns its shape from here.
+INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {JSON_TYPE: {"schema": inlined_schema(InferBody)}},
+    }
+}
+
+
 @router.get("")
 async def server_metadata() -> dict[str, Any]:
-    """Server metadata: name, version and the protocol extensions supported (none)."""
-    return {"name": "microbatch-server", "version": "0.1.0", "extensions": []}
+    """Server metadata: name, version and the protocol extensions implemented."""
+    return {**SERVER, "extensions": EXTENSIONS}
 
 
 @router.get("/health/live")
@@ -113,34 +91,38 @@ async def ready(request: Request) -> JSONResponse:
     return readiness_response({"ready": ready}, ready)
 
 
-def _metadata(version: ModelVersion) -> ModelMetadata:
-    manifest = version.manifest
-    assert manifest is not None, "a serving version has its manifest"
-    outputs = [TensorSpec(name="embedding", datatype="FP32", shape=[-1, manifest.embedding_dim])]
-    if manifest.has_classifier:
-        outputs += [
-            TensorSpec(name="top_k_probs", datatype="FP32", shape=[-1, -1]),
-            TensorSpec(name="top_k_indices", datatype="INT64", shape=[-1, -1]),
-        ]
-    return ModelMetadata(
-        name=version.name,
-        versions=[str(version.version)],
-        platform="pytorch_torchscript",
-        inputs=[TensorSpec(name=INPUT, datatype="BYTES", shape=[-1])],
-        outputs=outputs,
-    )
+@router.get("/models/stats", responses=V2_ERRORS)
+async def all_statistics(request: Request) -> dict[str, Any]:
+    """Cumulative statistics of every model version (Triton's statistics extension)."""
+    return {"model_stats": statistics_of(serving_engine(request), None, None)}
 
 
-@router.get("/models/{name}", response_model=ModelMetadata, responses=ERRORS)
-@router.get(VERSIONED, response_model=ModelMetadata, responses=ERRORS)
-async def model_metadata(name: str, request: Request, version: str | None = None) -> ModelMetadata:
-    """A served model: the version serving (its number), its input and outputs."""
+@router.get("/models/{name}/stats", responses=V2_ERRORS)
+@router.get(VERSIONED + "/stats", responses=V2_ERRORS)
+async def statistics(name: str, request: Request, version: str | None = None) -> dict[str, Any]:
+    """Cumulative statistics of a model's versions, or of one (``app.metrics.statistics``)."""
+    return {"model_stats": statistics_of(serving_engine(request), name, version)}
+
+
+@router.get("/models/{name}", response_model=ModelMetadata, responses=V2_ERRORS)
+@router.get(VERSIONED, response_model=ModelMetadata, responses=V2_ERRORS)
+async def model_metadata(name: str, request: Request, version: str | None = None) -> Any:
+    """A served model: the version serving (its number), its inputs and outputs."""
     async with admitted(request, name, version) as served:
-        return _metadata(served)
+        return inference.metadata(served)
 
 
-@router.get("/models/{name}/ready", responses={**ERRORS, 503: {"description": "not ready"}})
-@router.get(VERSIONED + "/ready", responses={**ERRORS, 503: {"description": "not ready"}})
+@router.get("/models/{name}/config", responses=V2_ERRORS)
+@router.get(VERSIONED + "/config", responses=V2_ERRORS)
+async def config(name: str, request: Request, version: str | None = None) -> dict[str, Any]:
+    """The serving version's configuration in Triton's form: batch cap and wait, inputs,
+    outputs and instance groups (Triton's model configuration extension)."""
+    async with admitted(request, name, version) as served:
+        return config_of(serving_engine(request), served)
+
+
+@router.get("/models/{name}/ready", responses={**V2_ERRORS, 503: {"description": "not ready"}})
+@router.get(VERSIONED + "/ready", responses={**V2_ERRORS, 503: {"description": "not ready"}})
 async def model_ready(name: str, request: Request, version: str | None = None) -> JSONResponse:
     """The model's readiness (or that version's): 200 while it serves and a worker is ready,
     503 while not; 409 ``model_version_unavailable`` for a version that is not the one
@@ -151,69 +133,58 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
     return readiness_response(body, body["ready"])
 
 
-@router.post(
+# infer resolves nothing per request (a DirectRoute: its FastAPI dependency resolution cost
+# about what the multipart parse /predict avoids), so OpenAPI learns its path from here too.
+def _path(*names: str) -> list[dict[str, Any]]:
+    return [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in names
+    ]
+
+
+infer_router = APIRouter(
+    prefix="/v2",
+    tags=["open inference protocol (v2)"],
+    route_class=DirectRoute,
+    dependencies=REQUIRES_API_KEY,
+)
+
+
+@infer_router.post(
     "/models/{name}/infer",
     response_model=InferResponse,
-    responses=ERRORS,
-    dependencies=REQUIRES_API_KEY,
+    responses=V2_ERRORS,
+    openapi_extra={**INFER_BODY, "parameters": _path("name")},
 )
-@router.post(
+@infer_router.post(
     VERSIONED + "/infer",
     response_model=InferResponse,
-    responses=ERRORS,
-    dependencies=REQUIRES_API_KEY,
+    responses=V2_ERRORS,
+    openapi_extra={**INFER_BODY, "parameters": _path("name", "version")},
 )
-async def infer(
-    name: str,
-    body: InferRequest,
-    request: Request,
-    settings: SettingsDep,
-    version: str | None = None,
-) -> InferResponse:
-    """Embed and/or tag base64-encoded images, as the Open Inference Protocol asks; each
-    image runs through the model once, whichever outputs are asked."""
-    (given,) = body.inputs
-    if given.shape != [len(given.data)]:
-        raise InvalidRequest(
-            f"input shape {given.shape} does not match its {len(given.data)} elements"
-        )
-    if len(given.data) > settings.max_images_per_request:
-        raise PayloadTooLarge(f"at most {settings.max_images_per_request} images per request")
-    images = [_image(index, text) for index, text in enumerate(given.data)]
-    wanted = [output.name for output in body.outputs] if body.outputs else ["embedding"]
-    top_k = bool({"top_k_probs", "top_k_indices"} & set(wanted))
-    k = parse_k((body.parameters or {}).get("k"), "parameters.k") if top_k else None
-    deadline = request_deadline(request, settings.mb_request_timeout)
-    outputs: list[InferOutput] = []
+async def infer(request: Request) -> Response:
+    """Embed and/or tag images (encoded, or preprocessed FP32), as the Open Inference
+    Protocol asks; each image runs through the model once, whichever outputs are asked."""
+    settings = app_settings(request)
+    name, version = request.path_params["name"], request.path_params.get("version")
+    body, call = http_body.parse(await request.body(), header(request, HEADER_LENGTH))
+    deadline = inference.shortened(
+        request_deadline(request, settings.mb_request_timeout), call.parameters
+    )
     async with admitted(request, name, version) as served:
-        assert served.predictor is not None
         with batch_trace(request) as trace:
-            inferred = await unless_disconnected(
-                request,
-                served.predictor.infer(
-                    images, k, deadline, trace, embedding="embedding" in wanted, top_k=top_k
-                ),
+            outputs = await inference.infer(
+                served,
+                call,
+                deadline,
+                trace,
+                max_images=settings.max_images_per_request,
+                wait=lambda work: unless_disconnected(request, work),
             )
-    if inferred.embeddings is not None:
-        outputs.append(_output("embedding", "FP32", inferred.embeddings))
-    top = inferred.top_k
-    if top is not None and "top_k_probs" in wanted:
-        outputs.append(_output("top_k_probs", "FP32", np.stack([t.probs for t in top])))
-    if top is not None and "top_k_indices" in wanted:
-        outputs.append(_output("top_k_indices", "INT64", np.stack([t.indices for t in top])))
-    return InferResponse(
-        model_name=served.name, model_version=str(served.version), id=body.id, outputs=outputs
-    )
-
-
-def _image(index: int, text: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"input element {index} is not base64") from None
-
-
-def _output(name: str, datatype: str, array: npt.NDArray[Any]) -> InferOutput:
-    return InferOutput(
-        name=name, datatype=datatype, shape=list(array.shape), data=array.reshape(-1).tolist()
-    )
+    head = {"model_name": served.name, "model_version": str(served.version)}
+    if body.id is not None:
+        head["id"] = body.id
+    content, json_length = http_body.answer(body, outputs, head)
+    if json_length is None:
+        return Response(content, media_type=JSON_TYPE)
+    return Response(content, media_type=BINARY_TYPE, headers={HEADER_LENGTH: str(json_length)})

@@ -7,19 +7,55 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from app.batching import Streamer, Trace
-from app.errors import ClientError, DeadlineExceeded, InvalidParameter, NoClassifier
+from app.errors import (
+    ClientError,
+    DeadlineExceeded,
+    InvalidParameter,
+    InvalidRequest,
+    NoClassifier,
+)
 from app.images import preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.plan import DecodePlan
 
+# An image as the services take it: encoded (an upload), or uint8 pixels at the model's
+# input size, ``[crop, crop, 3]`` RGB (preprocessed by the client: v2's FP32 input).
+Image = bytes | npt.NDArray[np.uint8]
+
 DEFAULT_K = 5  # labels a tag request gets unless it asks, or every class of a smaller model
+MAX_K = 1000  # the most labels a request may ask for (the Predictor refuses more than classes)
+
+
+def parse_k(value: object, where: str = "k") -> int | None:
+    """``k`` as the request gave it (a form field, a query parameter or a JSON value), checked
+    against the API's fixed bounds; None when absent (the Predictor picks the default).
+
+    >>> parse_k("3"), parse_k(None), parse_k(7, "parameters.k")
+    (3, None, 7)
+    >>> parse_k("x")
+    Traceback (most recent call last):
+    app.errors.InvalidRequest: k must be an integer from 1 to 1000, got 'x'
+    """
+    if value is None:
+        return None
+    k: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        k = value
+    elif isinstance(value, str):
+        with suppress(ValueError):
+            k = int(value)
+    if k is None or not 1 <= k <= MAX_K:
+        shown = value[:20] if isinstance(value, str) else value
+        raise InvalidRequest(f"{where} must be an integer from 1 to {MAX_K}, got {shown!r}")
+    return k
 
 
 @dataclass(frozen=True)
@@ -73,13 +109,13 @@ class Predictor:
         self._max_pixels = max_pixels
 
     async def _run(
-        self, task: Task, data: bytes, top_k: int, deadline: float, trace: Trace | None
+        self, task: Task, data: Image, top_k: int, deadline: float, trace: Trace | None
     ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission()
-        image: npt.NDArray[np.uint8] | bytes = data
-        encoded = not self._plan.server_decodes
-        if not encoded:
+        image: Image = data
+        encoded = not self._plan.server_decodes and isinstance(data, bytes)
+        if isinstance(data, bytes) and not encoded:
             image = await asyncio.get_running_loop().run_in_executor(
                 self._decode_pool,
                 lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
@@ -105,7 +141,7 @@ class Predictor:
     async def _many(
         self,
         task: Task,
-        images: Sequence[bytes],
+        images: Sequence[Image],
         top_k: int,
         deadline: float,
         trace: Trace | None,
@@ -143,7 +179,7 @@ class Predictor:
 
     async def embeddings(
         self,
-        images: Sequence[bytes],
+        images: Sequence[Image],
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
@@ -172,7 +208,7 @@ class Predictor:
 
     async def top_k(
         self,
-        images: Sequence[bytes],
+        images: Sequence[Image],
         k: int | None,
         deadline: float,
         trace: Trace | None = None,
@@ -187,7 +223,7 @@ class Predictor:
 
     async def infer(
         self,
-        images: Sequence[bytes],
+        images: Sequence[Image],
         k: int | None,
         deadline: float,
         trace: Trace | None = None,
@@ -213,7 +249,7 @@ class Predictor:
 
     async def tags(
         self,
-        images: Sequence[bytes],
+        images: Sequence[Image],
         k: int | None,
         deadline: float,
         trace: Trace | None = None,

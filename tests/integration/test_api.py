@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
+from tests.answers import error_of
 from tests.conftest import distinct_images, embed, expected_for, running_app
 from tests.models import TINY_DIM
 from tests.transports import Watched, wait_queued
@@ -127,9 +128,13 @@ async def test_raw_image_body_is_accepted_with_k_in_the_query(
         "/predict/tag?k=3", content=data, headers={"Content-Type": "application/octet-stream"}
     )
     assert tags.status_code == 200 and tags.json() == form[:3]
-    # A form field k wins over the query parameter.
+    # k given both ways: with one value, that value; with two, a 422 (both are checked).
+    same = await client.post("/predict/tag?k=2", files={"image": ("x", data)}, data={"k": "2"})
+    assert same.status_code == 200 and len(same.json()) == 2
     both = await client.post("/predict/tag?k=3", files={"image": ("x", data)}, data={"k": "2"})
-    assert len(both.json()) == 2
+    assert both.status_code == 422 and "k is given twice" in error_of(both)["message"]
+    bad = await client.post("/predict/tag?k=1001", files={"image": ("x", data)}, data={"k": "3"})
+    assert bad.status_code == 422 and "k must be" in error_of(bad)["message"]
 
 
 @pytest.mark.parametrize("query", ["k=0", "k=1001", "k=many", "k="])
@@ -140,8 +145,8 @@ async def test_a_bad_k_in_the_query_is_a_typed_422(served: tuple[Any, Any], quer
         f"/predict/tag?{query}", content=data, headers={"Content-Type": "image/png"}
     )
     assert response.status_code == 422, response.text
-    assert response.json()["error"]["type"] == "invalid_request"
-    assert "k must be" in response.json()["error"]["message"]
+    assert error_of(response)["type"] == "invalid_request"
+    assert "k must be" in error_of(response)["message"]
 
 
 @pytest.mark.parametrize(
@@ -181,7 +186,7 @@ async def test_malformed_bodies_get_a_typed_json_4xx(
     headers = {"Content-Type": content_type} if content_type else {}
     response = await client.post("/predict/tag", content=content, headers=headers)
     assert response.status_code == status, response.text
-    assert response.json()["error"]["type"] == code
+    assert error_of(response)["type"] == code
 
 
 async def test_openapi_documents_both_upload_shapes(served: tuple[Any, Any]) -> None:
@@ -201,7 +206,7 @@ async def test_unsupported_format_is_415(served: tuple[Any, Any]) -> None:
         "/predict/embedding", files={"image": ("a.tif", buffer.getvalue())}
     )
     assert response.status_code == 415
-    assert "TIFF" in response.json()["error"]["message"]
+    assert "TIFF" in error_of(response)["message"]
 
 
 async def test_concurrent_requests_each_get_their_own_result(
@@ -288,6 +293,6 @@ async def test_a_bad_image_in_a_batch_fails_alone(
     await first
     answers = await asyncio.gather(*rest)
     assert [a.status_code for a in answers] == [200, 400, 200]
-    assert answers[1].json()["error"]["type"] == "invalid_image"
+    assert error_of(answers[1])["type"] == "invalid_image"
     for answer, data in ((answers[0], good[1]), (answers[2], good[2])):
         np.testing.assert_allclose(answer.json(), expected_for(data, tiny_store), atol=1e-5)

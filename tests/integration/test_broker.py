@@ -25,13 +25,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.manifest import read_manifest
+from app.images import preprocess
+from app.manifest import InputSpec, read_manifest
 from app.workers.allocator import jemalloc_library
 from bench.loadgen import Response, closed_loop, multipart_request
+from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, stream_state
 from tests.checks import Expectation, mixed_jobs
 from tests.conftest import distinct_images
-from tests.models import POISON_RGB, export_slow
+from tests.models import POISON_RGB, TINY_DIM, export_slow
 from tests.server import ServerProcess, on_jemalloc
 
 pytestmark = pytest.mark.slow
@@ -345,7 +347,7 @@ async def test_a_corrupt_image_fails_alone_in_its_batch(tiny_store: Path, tmp_pa
                 blocker, *(post(front.base_url, "/predict/embedding", data) for data in uploads)
             )
     assert [a.status_code for a in answers] == [200, 200, 400, 200, 200]
-    assert answers[2].json()["error"]["type"] == "invalid_image"
+    assert error_of(answers[2])["type"] == "invalid_image"
     for answer, data in zip(answers[1:], uploads, strict=True):
         if answer.status_code == 200:
             assert expect.check("embedding", data, answer.json())
@@ -417,7 +419,7 @@ async def test_a_poison_input_that_kills_its_worker_fails_alone_after_max_delive
                 )
     print(f"\nbroker poison: answered in {took:.1f} s, statuses {[a.status_code for a in answers]}")
     assert answers[0].status_code == 500
-    assert answers[0].json()["error"]["type"] == "inference_error"
+    assert error_of(answers[0])["type"] == "inference_error"
     assert [a.status_code for a in answers[1:]] == [200, 200, 200]
     for answer, data in zip(answers[1:], goods, strict=True):
         assert expect.check("embedding", data, answer.json())
@@ -437,7 +439,7 @@ async def test_redis_stopped_under_load_gives_fast_503s_then_recovers_by_itself(
                 for _ in range(20):
                     began = time.monotonic()
                     response = await client.post("/predict/tag", files={"image": ("x", image)})
-                    kind = response.json()["error"]["type"] if response.status_code != 200 else ""
+                    kind = error_of(response)["type"] if response.status_code != 200 else ""
                     outage.append((response.status_code, time.monotonic() - began, kind))
                     await asyncio.sleep(0.05)
                 ready = await client.get("/readyz")
@@ -473,7 +475,7 @@ async def test_no_worker_alive_gives_fast_503s_and_readiness_503(tiny_store: Pat
             response = await post(front.base_url, "/predict/embedding", distinct_images(1)[0])
             assert time.monotonic() - began < 0.5
     assert response.status_code == 503
-    assert response.json()["error"]["type"] == "worker_died"
+    assert error_of(response)["type"] == "worker_died"
     assert "Retry-After" in response.headers
 
 
@@ -598,7 +600,7 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
 
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     commands = {
         "uvicorn": ["-m", "uvicorn", "--factory", "app.main:create_app", "--workers", "2"],
         "gunicorn": ["-m", "gunicorn", "-k", "app.gunicorn_worker.Worker", "-w", "2"],
@@ -609,7 +611,12 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
     with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
         env = {
             **os.environ,
-            **broker_env(redis_server.url, tiny_store, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
+            **broker_env(
+                redis_server.url,
+                tiny_store,
+                PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+                MB_GRPC_PORT=str(grpc_port),  # every process serves it, on one port
+            ),
         }
         import subprocess
 
@@ -641,10 +648,18 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
             while len(_pids(metrics_dir)) < 2 and time.monotonic() < deadline:
                 result = await closed_loop("127.0.0.1", port, requests, clients=16, total=50)
                 statuses += result.statuses
+            grpc_answers = [await _grpc_infer(grpc_port, data) for data in distinct_images(8)]
             metrics = httpx.get(f"{base}/metrics", timeout=10).text
         finally:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=30)
+    assert [list(a.outputs[0].shape) for a in grpc_answers] == [[1, TINY_DIM]] * 8
+    by_grpc = [
+        line for line in metrics.splitlines()
+        if line.startswith("microbatch_http_requests_total{")
+        and 'route="grpc ModelInfer",status="200"' in line
+    ]  # fmt: skip
+    assert by_grpc and float(by_grpc[0].split()[-1]) == 8
     served = [
         line for line in metrics.splitlines()
         if line.startswith("microbatch_http_requests_total{")
@@ -653,6 +668,22 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
     assert len(_pids(metrics_dir)) == 2, "one process served every request"
     assert set(statuses) == {200}
     assert served and float(served[0].split()[-1]) == statuses[200]  # summed over both
+
+
+async def _grpc_infer(port: int, data: bytes) -> Any:
+    """One v2 ModelInfer over gRPC, on a channel of its own (a new connection each time)."""
+    import grpc
+
+    from app.v2.proto import inference_pb2 as pb
+    from app.v2.proto import inference_pb2_grpc as pb_grpc
+    from app.v2.tensors import pack_bytes
+
+    request = pb.ModelInferRequest(model_name="tiny-test")
+    request.inputs.add(name="image", datatype="BYTES", shape=[1])
+    request.outputs.add(name="embedding")
+    request.raw_input_contents.append(pack_bytes([data]))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
 
 
 def _pids(metrics_dir: Path) -> set[str]:
@@ -768,7 +799,7 @@ async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) 
                 os.kill(worker["pid"], signal.SIGCONT)
             answered = await asyncio.gather(*requests)
     assert [r.status_code for r in refused] == [503] * 6
-    assert {r.json()["error"]["type"] for r in refused} == {"queue_full"}
+    assert {error_of(r)["type"] for r in refused} == {"queue_full"}
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert took < 2.0
     assert [r.status_code for r in answered] == [200] * 4
@@ -797,4 +828,39 @@ async def test_front_ends_never_reach_workers_of_another_export(
             front.stop()
     held = [m["served_id"] for worker in body["workers"] for m in worker["models"]]
     assert status == 503 and held == [read_manifest(other).served_id("auto")]
-    assert answer.status_code == 503 and answer.json()["error"]["type"] == "not_ready"
+    assert answer.status_code == 503 and error_of(answer)["type"] == "not_ready"
+
+
+async def test_preprocessed_pixels_travel_the_broker_and_answer_as_their_images(
+    cluster: tuple[RedisServer, Workers, list[ServerProcess]], tiny_store: Path
+) -> None:
+    """A v2 client's FP32 input crosses Redis as uint8 pixels, beside encoded uploads, and
+    answers what the same images answer as uploads."""
+    redis_server, _, fronts = cluster
+    images = distinct_images(3, size=40)
+    manifest = json.loads((tiny_store / "manifest.json").read_text())["input"]
+    pixels = np.stack([preprocess(image, InputSpec(**manifest)) for image in images])
+    mean = np.array(manifest["mean"], np.float32).reshape(1, 3, 1, 1)
+    std = np.array(manifest["std"], np.float32).reshape(1, 3, 1, 1)
+    tensor = ((pixels.transpose(0, 3, 1, 2) / 255 - mean) / std).astype(np.float32)
+    body = {
+        "inputs": [
+            {
+                "name": "pixels",
+                "datatype": "FP32",
+                "shape": list(tensor.shape),
+                "data": tensor.ravel().tolist(),
+            }
+        ],
+        "outputs": [{"name": "embedding"}],
+    }
+    async with httpx.AsyncClient(base_url=fronts[0].base_url, timeout=60) as client:
+        uploads = [post(fronts[1].base_url, "/predict/embedding", image) for image in images]
+        answered, *vectors = await asyncio.gather(
+            client.post("/v2/models/tiny-test/infer", json=body), *uploads
+        )
+    assert answered.status_code == 200, answered.text
+    rows = np.array(answered.json()["outputs"][0]["data"], np.float32).reshape(3, -1)
+    for row, vector in zip(rows, vectors, strict=True):
+        np.testing.assert_allclose(row, vector.json(), rtol=1e-5, atol=1e-5)
+    assert redis_server.client().xlen(stream_key(tiny_store, "embedding")) == 0

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.answers import error_of
 from tests.broker import RedisServer, Workers, broker_env
 from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id, until
 from tests.integration.test_repository import add_version
@@ -141,7 +142,7 @@ def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
         assert unloaded.status_code == 200, unloaded.text
         assert unloaded.json()["model_id"] == served_id(v1)
         gone = client.post("/predict/embedding", files=IMAGE)
-        assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
+        assert gone.status_code == 404 and error_of(gone)["type"] == "model_not_found"
         assert all(not beat["models"] for beat in workers.own().values())
         os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]  # after an unload
         time.sleep(2)
@@ -172,7 +173,7 @@ def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Pat
         rows = index(front)
         beats = list(workers.own().values())
     assert failed.status_code == 422, failed.text
-    error = failed.json()["error"]
+    error = error_of(failed)
     assert error["type"] == "model_load_failed" and "verify" in error["message"]
     assert (rows["2"]["state"], rows["2"]["serving"]) == ("failed", False)
     assert "verify" in str(rows["2"]["reason"]) and "sha256" in str(rows["2"]["reason"])
@@ -212,7 +213,7 @@ async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
                 while not stop.is_set():
                     sent = time.monotonic()
                     answer = await client.post("/predict/embedding", files=IMAGE)
-                    kind = answer.json()["error"]["type"] if answer.status_code != 200 else ""
+                    kind = error_of(answer)["type"] if answer.status_code != 200 else ""
                     answers.append((sent, time.monotonic() - sent, answer.status_code, kind))
 
             callers = [asyncio.create_task(caller()) for _ in range(8)]

@@ -21,6 +21,7 @@ from app.broker.probes import client_for as probes_client
 from app.broker.transport import BrokerTransport
 from app.jobs import Task
 from app.lifecycle import Route
+from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import distinct_images
 from tests.integration.test_broker import front_end, post, wait_for
@@ -169,7 +170,7 @@ async def test_requests_for_a_version_gone_while_at_zero_are_refused_and_leave_n
                 await wait_for(lambda: _backlog(front.base_url)["backlog"] == 0, what="0")
                 left = redis_server.client().xlen(stream_key(v1, "embedding"))
     assert [a.status_code for a in answers] == [503] * 3
-    assert {a.json()["error"]["type"] for a in answers} == {"worker_died"}
+    assert {error_of(a)["type"] for a in answers} == {"worker_died"}
     assert left == 0
 
 

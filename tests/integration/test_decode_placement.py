@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.answers import error_of
 from tests.conftest import distinct_images, embed, expected_for, running_app
 from tests.transports import Watched, wait_queued
 
@@ -45,7 +46,7 @@ async def test_uploads_are_decoded_where_the_plan_says(
     assert [key.encoded for key, _ in watched.batches] == [encoded] * len(watched.batches)
     assert [size for _, size in watched.batches] == [1, 1, 3 if encoded else 2]
     assert [answer.status_code for answer in answers] == [200, 400, 200]
-    assert answers[1].json()["error"]["type"] == "invalid_image"
+    assert error_of(answers[1])["type"] == "invalid_image"
     vectors += [answers[0].json(), answers[2].json()]
     for vector, data in zip(vectors, (images[0], images[1], images[2], images[3]), strict=True):
         np.testing.assert_allclose(vector, expected_for(data, tiny_store), atol=1e-5)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.answers import error_of
 from tests.conftest import distinct_images, running_app
 from tests.corpus import corpus
 from tests.transports import Watched
@@ -74,7 +75,7 @@ async def test_api_key_guards_prediction_routes_only(served: tuple[Any, Any]) ->
     basic = await client.post("/predict/tag", files=image, headers={"Authorization": "Basic eDp5"})
     right = await client.post("/predict/tag", files=image, headers=AUTH)
     assert [r.status_code for r in (missing, wrong, basic)] == [401, 401, 401]
-    assert missing.json()["error"]["type"] == "unauthorized"
+    assert error_of(missing)["type"] == "unauthorized"
     assert right.status_code == 200
     assert (await client.get("/healthz")).status_code == 200
     assert (await client.get("/readyz")).status_code == 200
@@ -87,7 +88,7 @@ async def test_upload_over_the_limit_is_413_without_reading_it_whole(
     big = b"\xff" * (MAX_UPLOAD + 100_000)
     response = await client.post("/predict/tag", files={"image": ("big.jpg", big)}, headers=AUTH)
     assert response.status_code == 413
-    assert response.json()["error"]["type"] == "payload_too_large"
+    assert error_of(response)["type"] == "payload_too_large"
 
     consumed = 0
 
@@ -108,7 +109,7 @@ async def test_upload_over_the_limit_is_413_without_reading_it_whole(
         headers={**AUTH, "Content-Type": "multipart/form-data; boundary=xYz"},
     )
     assert streamed.status_code == 413
-    assert streamed.json()["error"]["type"] == "payload_too_large"
+    assert error_of(streamed)["type"] == "payload_too_large"
     assert consumed < 100 * 65536, "the server read the whole oversized body"
 
 
@@ -127,8 +128,8 @@ async def test_a_file_in_another_field_is_rejected(served: tuple[Any, Any]) -> N
     extra = await client.post(
         "/predict/tag", files=[("image", ("a.png", one)), ("photo", ("b.png", two))], headers=AUTH
     )
-    assert wrong.status_code == 422 and "'image' is missing" in wrong.json()["error"]["message"]
-    assert extra.status_code == 422 and "'photo'" in extra.json()["error"]["message"]
+    assert wrong.status_code == 422 and "'image' is missing" in error_of(wrong)["message"]
+    assert extra.status_code == 422 and "'photo'" in error_of(extra)["message"]
 
 
 async def test_client_timeout_header_can_shorten_but_not_extend(served: tuple[Any, Any]) -> None:
@@ -144,7 +145,7 @@ async def test_client_timeout_header_can_shorten_but_not_extend(served: tuple[An
         elapsed = time.monotonic() - started
     finally:
         WATCHED.release()
-    assert response.status_code == 504 and response.json()["error"]["type"] == "deadline_exceeded"
+    assert response.status_code == 504 and error_of(response)["type"] == "deadline_exceeded"
     assert elapsed < 1.5
     for bad in ("soon", "-1", "0"):
         rejected = await client.post(

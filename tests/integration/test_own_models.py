@@ -12,6 +12,7 @@ import pytest
 
 from app.export import main as export_main
 from app.manifest import read_manifest
+from tests.answers import error_of
 from tests.conftest import distinct_images, expected_for, images_run, running_app
 from tests.models import export_embedding_only, export_slow, export_tiny
 
@@ -71,13 +72,13 @@ async def test_an_export_with_three_labels_tags_with_them(tmp_path: Path) -> Non
         ran_after = await images_run(client)
         info = (await client.get("/info")).json()
     assert both_too_many.status_code == 422, both_too_many.text
-    assert both_too_many.json()["error"]["type"] == "invalid_parameter"
+    assert error_of(both_too_many)["type"] == "invalid_parameter"
     assert ran_after == ran
     assert answer.status_code == 200
     assert sorted(tag["name"] for tag in answer.json()) == ["persian", "siamese", "tabby"]
     assert sum(tag["prob"] for tag in answer.json()) == pytest.approx(1.0, abs=1e-5)
-    assert too_many.status_code == 422 and too_many.json()["error"]["type"] == "invalid_parameter"
-    assert "between 1 and 3, got 4" in too_many.json()["error"]["message"]
+    assert too_many.status_code == 422 and error_of(too_many)["type"] == "invalid_parameter"
+    assert "between 1 and 3, got 4" in error_of(too_many)["message"]
     assert default.status_code == 200, default.text
     assert sorted(tag["name"] for tag in default.json()) == ["persian", "siamese", "tabby"]
     assert infer.status_code == 200, infer.text
@@ -102,8 +103,8 @@ async def test_an_embedding_only_model_embeds_and_says_it_cannot_tag(tmp_path: P
     np.testing.assert_allclose(embedding.json(), expected_for(image, store), atol=1e-5)
     for refused in (tag, tags):
         assert refused.status_code == 404
-        assert refused.json()["error"]["type"] == "no_classifier"
-        assert "no classifier" in refused.json()["error"]["message"]
+        assert error_of(refused)["type"] == "no_classifier"
+        assert "no classifier" in error_of(refused)["message"]
     assert [output["name"] for output in metadata["outputs"]] == ["embedding"]
 
 

@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from bench.loadgen import Response, closed_loop, multipart_request
+from tests.answers import error_of
 from tests.checks import Expectation, httpx_closed_loop, mixed_jobs
 from tests.conftest import distinct_images, running_app
 from tests.models import POISON_RGB
@@ -148,7 +149,7 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
         watched.release()
         admitted = await asyncio.gather(first, *queued)
     assert [r.status_code for r, _ in rejected] == [503] * extra
-    assert all(r.json()["error"]["type"] == "queue_full" for r, _ in rejected)
+    assert all(error_of(r)["type"] == "queue_full" for r, _ in rejected)
     assert all(int(r.headers["Retry-After"]) >= 1 for r, _ in rejected)
     assert max(seconds for _, seconds in rejected) < 0.5
     assert [r.status_code for r, _ in admitted] == [200] * (1 + bound)
@@ -222,7 +223,7 @@ async def test_only_worker_dying_gives_fast_503s_and_readiness_503_until_restart
             again = await client.post(
                 "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
             )
-    assert died.status_code == 503 and died.json()["error"]["type"] == "worker_died"
+    assert died.status_code == 503 and error_of(died)["type"] == "worker_died"
     assert status_after_kill == 503
     assert fresh.status_code == 503 and "Retry-After" in fresh.headers
     assert again.status_code == 200
@@ -246,7 +247,7 @@ async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.stop() == 0
-    assert response.status_code == 503 and response.json()["error"]["type"] == "worker_died"
+    assert response.status_code == 503 and error_of(response)["type"] == "worker_died"
     assert elapsed < 2.0
     assert not alive(pid)
 
@@ -363,7 +364,7 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
         pool_ready = app.state.engine.transport.ready
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 200, 200, 500, 200, 200, 200]
-    assert responses[3].json()["error"] == {
+    assert error_of(responses[3]) == {
         "type": "inference_error",
         "message": "model call failed",
     }
@@ -399,7 +400,7 @@ async def test_stop_signal_turns_readiness_and_new_requests_to_503(tiny_store: P
     finally:
         signals.signal(signals.SIGINT, outer)
     assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
-    assert refused.status_code == 503 and refused.json()["error"]["type"] == "not_ready"
+    assert refused.status_code == 503 and error_of(refused)["type"] == "not_ready"
     assert "Retry-After" in refused.headers
 
 

@@ -24,6 +24,7 @@ from app.export import main as export_main
 from app.manifest import read_manifest, sha256_file
 from app.repository import publish, staging_folder
 from app.testing import FakeTransport
+from tests.answers import error_of
 from tests.conftest import distinct_images, expected_for, running_app
 from tests.models import (
     HeavyEmbedding,
@@ -91,12 +92,12 @@ async def test_a_repository_of_two_models_serves_both(tmp_path: Path) -> None:
             assert answer.status_code == 200 and answer.headers["X-Model-Id"] == ids[name]
             np.testing.assert_allclose(answer.json(), expected, atol=1e-5)
         several = await embed(client)  # no MB_DEFAULT_MODEL, and two models
-        assert several.status_code == 422 and "?model=NAME" in several.json()["error"]["message"]
+        assert several.status_code == 422 and "?model=NAME" in error_of(several)["message"]
         assert len((await client.get("/tags", params={"model": "tiny"})).json()) == 1000
         no_head = await client.post("/predict/tag", params={"model": "backbone"}, files=FILES)
-        assert no_head.status_code == 404 and no_head.json()["error"]["type"] == "no_classifier"
+        assert no_head.status_code == 404 and error_of(no_head)["type"] == "no_classifier"
         unknown = await embed(client, model="nope")
-        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+        assert unknown.status_code == 404 and error_of(unknown)["type"] == "model_not_found"
         for escape in ("..", "../tiny", "tiny/../backbone", "a" * 65):
             refused = await embed(client, model=escape)
             assert refused.status_code == 422, escape
@@ -106,7 +107,7 @@ async def test_a_repository_of_two_models_serves_both(tmp_path: Path) -> None:
         wrong = await embed(client, model="tiny", **{"X-Model-Id": ids["backbone"]})
         assert wrong.status_code == 409
         gone = await embed(client, **{"X-Model-Id": "tiny-test@000000000000"})
-        body = gone.json()["error"]
+        body = error_of(gone)
         assert gone.status_code == 409 and body["type"] == "model_version_unavailable"
         assert ids["tiny"] in body["message"] and ids["backbone"] in body["message"]
         # The Open Inference Protocol: by name, by version.
@@ -278,7 +279,7 @@ async def test_a_load_that_fails_leaves_the_old_version_serving(tmp_path: Path, 
         async with probing(client) as answers:
             failed = await client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         assert failed.status_code == status, failed.text
-        error = failed.json()["error"]
+        error = error_of(failed)
         assert error["type"] == kind and step in error["message"]
         assert str(tmp_path) not in error["message"]  # no paths in answers
         assert answers and all(a.status_code == 200 for a in answers)
@@ -326,7 +327,7 @@ async def test_a_worker_that_dies_while_loading_leaves_the_old_version_serving(
             os.kill(pid, signal.SIGKILL)
             failed = await load
         assert failed.status_code == 422, failed.text
-        assert "died while loading" in failed.json()["error"]["message"]
+        assert "died while loading" in error_of(failed)["message"]
         assert answers and all(a.status_code == 200 for a in answers)
         assert {a.headers["X-Model-Id"] for a in answers} == {served_id(v1)}
 
@@ -442,7 +443,7 @@ async def test_unload_gives_the_memory_back_and_replace_trades_a_gap_for_it(
         assert unloaded.status_code == 200 and unloaded.json()["state"] == "unloaded"
         assert set(watched.inner.models) == {served_id(v1)}  # type: ignore[attr-defined]
         gone = await embed(client, model="backbone")
-        assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
+        assert gone.status_code == 404 and error_of(gone)["type"] == "model_not_found"
         again = await client.post("/v2/repository/models/backbone/unload", headers=ADMIN)
         assert again.status_code == 404
         v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
@@ -459,7 +460,7 @@ async def test_unload_gives_the_memory_back_and_replace_trades_a_gap_for_it(
 
         await until(draining, "version 1 draining")
         gap = await embed(client)
-        assert gap.status_code == 503 and gap.json()["error"]["type"] == "not_ready"
+        assert gap.status_code == 503 and error_of(gap)["type"] == "not_ready"
         assert gap.headers["Retry-After"].isdigit()
         watched.release()
         assert (await first).headers["X-Model-Id"] == served_id(v1)
@@ -504,8 +505,8 @@ async def test_a_slow_load_runs_beside_the_batches_of_the_version_serving(
     if outcome == "serves":
         assert loaded.status_code == 200 and after.headers["X-Model-Id"] == served_id(v2)
     else:
-        assert loaded.status_code == 422 and loaded.json()["error"]["type"] == "model_load_failed"
-        assert "does not compute what its manifest's id says" in loaded.json()["error"]["message"]
+        assert loaded.status_code == 422 and error_of(loaded)["type"] == "model_load_failed"
+        assert "does not compute what its manifest's id says" in error_of(loaded)["message"]
         assert after.headers["X-Model-Id"] == served_id(v1)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from tests.answers import error_of
 from tests.conftest import distinct_images, embed, expected_for, running_app
 from tests.models import TINY_DIM
 from tests.transports import Watched, wait_queued
@@ -94,7 +95,7 @@ async def test_one_bad_image_fails_the_request_naming_it(served: tuple[Any, Any]
         files=_form([good[0], good[1][:60], good[1]], ["a.png", "broken.png", "c.png"]),
     )
     assert response.status_code == 400
-    error = response.json()["error"]
+    error = error_of(response)
     assert error["type"] == "invalid_image"
     assert error["message"].startswith("image 1 ('broken.png'): ")
 
@@ -103,8 +104,8 @@ async def test_more_images_than_the_cap_is_413(served: tuple[Any, Any]) -> None:
     _, client = served
     response = await client.post("/predict/embedding", files=_form(distinct_images(CAP + 1)))
     assert response.status_code == 413
-    assert response.json()["error"]["type"] == "payload_too_large"
-    assert f"at most {CAP} images" in response.json()["error"]["message"]
+    assert error_of(response)["type"] == "payload_too_large"
+    assert f"at most {CAP} images" in error_of(response)["message"]
 
 
 async def test_binary_embeddings_equal_the_json_ones(served: tuple[Any, Any]) -> None:

@@ -106,3 +106,31 @@ def test_the_api_docs_show_the_bearer_scheme_when_an_api_key_is_set() -> None:
     assert "security" not in with_key["paths"]["/readyz"]["get"]
     without = create_app(Settings()).openapi()
     assert "securitySchemes" not in without.get("components", {})
+
+
+@pytest.mark.parametrize("setting", ["MODEL_STORE", "MODEL_REPOSITORY"])
+def test_no_model_to_serve_is_one_line_not_a_traceback(setting: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", setting: str(tmp_path / "nothing"), "PORT": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"error: no model in {tmp_path / 'nothing'}")
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_the_old_batch_job_name_still_runs_and_says_the_new_one() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.batch", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "python -m app.bulk" in out.stderr
+    assert "usage:" in out.stdout

@@ -13,6 +13,7 @@ from app import errors
 from app.jobs import Task
 from app.metrics import Metrics
 from app.routers.errors import install_error_handlers
+from tests.answers import error_of
 
 REFUSALS = [
     (errors.QueueFull, "queue_full"),
@@ -98,7 +99,7 @@ async def test_a_body_refused_from_its_content_length_is_counted() -> None:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         answer = await client.post("/upload", content=b"x" * 11)
-    assert answer.status_code == 413 and answer.json()["error"]["type"] == "payload_too_large"
+    assert answer.status_code == 413 and error_of(answer)["type"] == "payload_too_large"
     assert _rejected_lines(metrics) == ['microbatch_rejected_total{reason="bad_input"} 1.0']
 
 

@@ -44,6 +44,16 @@ def test_a_request_comes_back_as_it_was_sent() -> None:
     assert len(fields["h"]) < 100  # the header stays small
 
 
+def test_preprocessed_pixels_come_back_as_they_were_sent() -> None:
+    pixels = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    fields = encode_request("fe1-8", "fe1", Task.EMBEDDING, 0, 3000, pixels)
+    request = decode_request({k.encode(): v for k, v in fields.items()}, max_image_bytes=100)
+    assert request.pixels == (2, 3)
+    np.testing.assert_array_equal(request.as_input(), pixels)
+    with pytest.raises(ValueError, match="uint8"):
+        encode_request("fe1-9", "fe1", Task.EMBEDDING, 0, 3000, pixels.astype(np.float32))
+
+
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [
@@ -61,6 +71,9 @@ def test_a_request_comes_back_as_it_was_sent() -> None:
         ({b"h": b"[1, 2]", b"img": b"x"}, "not a JSON object"),
         ({b"h": b"{" * 5000, b"img": b"x"}, "over 4096 bytes"),
         ({**_fields(), b"img": b"x" * 101}, "over 100 bytes"),
+        (_fields(px=[2, 2]), "are not \\(2, 2\\) RGB pixels"),
+        (_fields(px=[0, 2]), "the height"),
+        (_fields(px="2x2"), "px is not"),
     ],
 )
 def test_a_malformed_request_is_refused_with_its_reason(
