@@ -119,7 +119,9 @@ class BrokerModels:
                 self.registry.failed(version, "verify", said)
                 self._log_once(name, route.served_id, said)
                 continue
-            predictor = self._make_predictor(item.manifest, item.classes, item.spec.served_id)
+            # The id the workers serve: it names the precision they chose (``+bf16``), which
+            # this front end's own reading of the store cannot know.
+            predictor = self._make_predictor(item.manifest, item.classes, route.served_id)
             self.registry.ready(version, item.manifest, predictor)
             self._drains.later(self.registry.switch(version))
             log.info("broker: %s serves now", version.label)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from app.manifest import read_manifest
+from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import expected_for
 from tests.integration.test_broker_rollout import IMAGES, holds, until
@@ -98,8 +99,8 @@ async def test_a_fleet_of_mixed_cpus_serves_a_version_in_two_precisions_knowingl
             assert check(answer(front, 0, f"{model_id}+bf16"), v1, 0) == f"{model_id}+bf16"
             refused = answer(front, 0, model_id)
             assert refused.status_code == 409, refused.text
-            assert refused.json()["error"]["type"] == "model_version_unavailable"
-            assert f"{model_id}+bf16" in refused.json()["error"]["message"]
+            assert error_of(refused)["type"] == "model_version_unavailable"
+            assert f"{model_id}+bf16" in error_of(refused)["message"]
             backlog = httpx.get(f"{front.base_url}/backlog", timeout=10).json()
             assert backlog["backlog"] == 0 and backlog["streams"]
             # A rollout counts both variants as the version: version 2 loads on both hosts
@@ -132,3 +133,26 @@ async def test_capable_workers_adopt_the_precision_the_first_one_recorded(
                 ids = {m["served_id"] for m in held(a) + held(b)}
     tag = "+bf16" if recorded == b"bfloat16" else ""
     assert ids == {model_id + tag}
+
+
+async def test_a_front_end_up_before_the_workers_serves_the_precision_they_chose(
+    tmp_path: Path,
+) -> None:
+    """The usual order on Kubernetes: the front end reads its store (an fp32 id) before any
+    worker is up; the workers come with bf16. It routes the id they serve (a front end that
+    kept its own reading answered 503 "no live model worker holds" here)."""
+    repository, v1, model_id = first_version(tmp_path)
+    with RedisServer() as redis_server:
+        redis_server.client().hset(PRECISIONS, model_id, "bfloat16")
+        front = ServerProcess(**broker_env(redis_server.url, v1, MODEL_REPOSITORY=str(repository)))
+        starting = asyncio.create_task(asyncio.to_thread(front.start))  # ready once workers are
+        try:
+            await asyncio.sleep(3)  # the front end is up, and sees no worker
+            with host(redis_server, repository, "a", bf16=True) as a:
+                assert [m["served_id"] for m in held(a)] == [f"{model_id}+bf16"]
+                await starting
+                for i in range(4):
+                    assert check(answer(front, i), v1, i) == f"{model_id}+bf16"
+        finally:
+            await asyncio.gather(starting, return_exceptions=True)
+            front.stop()
