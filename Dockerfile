@@ -32,7 +32,8 @@ RUN python -m app.export --arch efficientnet_lite0 --weights pretrained --out "$
     && chown -R app:app "$MODEL_STORE"
 
 USER app
-EXPOSE 8000
+# HTTP on PORT; gRPC on 8001 once MB_GRPC_PORT=8001 is set (the compose file and the chart do).
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ[\"PORT\"]}/readyz', timeout=2)"
 CMD ["python", "-m", "app"]

@@ -15,7 +15,8 @@ same pip command as the Dockerfile), then, with that environment's Python only:
    the cat photo, and has the cat tagged through ``python -m app`` serving it.
 
 There is no Docker engine here, so the container-only parts are substituted, and each
-substitution is printed: services listen on 127.0.0.1 at free ports instead of 0.0.0.0:8000,
+substitution is printed: services listen on 127.0.0.1 at free ports instead of 0.0.0.0:8000
+(and gRPC's 8001, where the compose file sets MB_GRPC_PORT, then also tags the cat over it),
 the host name ``redis`` becomes a local ``redis-server``, container paths become scratch
 folders, and the model store is exported with the Dockerfile's own ``python -m app.export``
 line. This script runs with the dev environment (it reads YAML and speaks HTTP with httpx);
@@ -93,6 +94,28 @@ def tag_one_image(url: str) -> None:
     print(f"   {url}/predict/tag -> {names}", flush=True)
     if not any("cat" in name for name in names):
         raise SystemExit(f"FAIL: the cat photo came back as {names}")
+
+
+def grpc_tag_one_image(port: int) -> None:
+    """The same over gRPC (MB_GRPC_PORT): the v2 ModelInfer of the cat photo's own bytes."""
+    import grpc
+
+    from app.v2.proto import inference_pb2 as pb
+    from app.v2.proto import inference_pb2_grpc as pb_grpc
+    from app.v2.tensors import pack_bytes, unpack_bytes
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        (model,) = [m.name for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models]
+        request = pb.ModelInferRequest(model_name=model)
+        request.inputs.add(name="image", datatype="BYTES", shape=[1])
+        request.outputs.add(name="top_k_probs").parameters["classification"].int64_param = 3
+        request.raw_input_contents.append(pack_bytes([IMAGE.read_bytes()]))
+        answer = stub.ModelInfer(request, timeout=60)
+    top = [cell.decode() for cell in unpack_bytes(answer.raw_output_contents[0], "top_k_probs")]
+    print(f"   grpc 127.0.0.1:{port} ModelInfer -> {top}", flush=True)
+    if not any("cat" in cell.rsplit(":", 1)[-1] for cell in top):
+        raise SystemExit(f"FAIL: the cat photo came back over gRPC as {top}")
 
 
 @contextmanager
@@ -175,6 +198,7 @@ def compose_services(store: Path) -> None:
     assert f"CMD {str(image_cmd).replace(chr(39), chr(34))}" in (REPO / "Dockerfile").read_text()
     scratch = Path(tempfile.mkdtemp(prefix="runtime-check-"))
     redis_port, server_port, frontend_port = free_port(), free_port(), free_port()
+    grpc_ports = {"server": free_port(), "frontend": free_port()}
     image_env = dockerfile_env()
 
     def service_env(name: str, port: int | None = None, **container: str) -> dict[str, str]:
@@ -185,6 +209,8 @@ def compose_services(store: Path) -> None:
             env["MB_BROKER"] = env["MB_BROKER"].replace("redis:6379", f"127.0.0.1:{redis_port}")
         if port is not None:
             env.update(HOST="127.0.0.1", PORT=str(port))
+        if "MB_GRPC_PORT" in env:
+            env["MB_GRPC_PORT"] = str(grpc_ports[name])
         if "PROMETHEUS_MULTIPROC_DIR" in env:
             env["PROMETHEUS_MULTIPROC_DIR"] = str(scratch / "metrics")
         env.update(container)
@@ -210,6 +236,8 @@ def compose_services(store: Path) -> None:
         url = f"http://127.0.0.1:{server_port}"
         wait_ready(url, [server])
         tag_one_image(url)
+        if "MB_GRPC_PORT" in services["server"]["environment"]:
+            grpc_tag_one_image(grpc_ports["server"])
 
     step("compose services `redis`, `model-worker` x replicas, `frontend` (profile cluster)")
     print(f"   substitutions: redis:6379 -> 127.0.0.1:{redis_port}; 0.0.0.0:8000 -> "
@@ -235,6 +263,8 @@ def compose_services(store: Path) -> None:
         url = f"http://127.0.0.1:{frontend_port}"
         wait_ready(url, running)
         tag_one_image(url)
+        if "MB_GRPC_PORT" in services["frontend"]["environment"]:
+            grpc_tag_one_image(grpc_ports["frontend"])
 
 
 def int8_store(scratch: Path) -> None:

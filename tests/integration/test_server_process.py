@@ -83,5 +83,7 @@ def test_the_compose_files_defaults_start_the_server(tiny_store: Path) -> None:
             match = re.fullmatch(r"\$\{(\w+):-(.*)\}", str(expression))
             env[key] = match.group(2) if match else str(expression)
         env["CUDA_DEVICES"] = "cpu"  # no GPU here; "auto" would also fall back to the CPU
+        if "MB_GRPC_PORT" in env:  # the container's port; here, any free one
+            env["MB_GRPC_PORT"] = str(free_port())
         with ServerProcess(**env, MODEL_STORE=str(tiny_store)) as server:
             assert server.readiness()[0] == 200, service

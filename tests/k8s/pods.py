@@ -3,8 +3,9 @@ them, with no cluster and no container engine (``make check-k8s``).
 
 What is taken from the manifests, as rendered: each container's command and args, its env
 (values, ``$(VAR)`` references to earlier variables, Secrets and the downward API resolved
-as the kubelet resolves them), its ports, probes, ``lifecycle.preStop`` and the pod's
-``terminationGracePeriodSeconds``; init containers run first, to completion. What a
+as the kubelet resolves them), its ports, probes (HTTP, exec, TCP, and gRPC as the kubelet
+asks it: ``grpc.health.v1.Health/Check``, SERVING or it fails), ``lifecycle.preStop`` and the
+pod's ``terminationGracePeriodSeconds``; init containers run first, to completion. What a
 container engine would give, and this machine substitutes (each substitution is printed):
 
 - the image: this checkout is ``/srv/app`` (the Dockerfile's ``WORKDIR``), with the
@@ -38,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_WORKDIR = "/srv/app"
@@ -50,6 +53,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def grpc_serving(port: int, service: str, timeout: float) -> bool:
+    """The kubelet's gRPC probe: ``grpc.health.v1.Health/Check`` for ``service`` on
+    127.0.0.1:``port`` answers SERVING within ``timeout``; anything else (NOT_SERVING, an
+    error status, no answer) fails it."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health: Any = health_pb2_grpc.HealthStub(channel)  # its stubs carry no types
+        try:
+            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def note(message: str) -> None:
@@ -379,7 +395,7 @@ class Kubelet:
 
     def probe(self, container: Container, kind: str) -> bool:
         """One probe of ``kind`` (startupProbe, readinessProbe, livenessProbe), read as the
-        kubelet reads it: HTTP 200-399, exit status 0, or a TCP connection."""
+        kubelet reads it: HTTP 200-399, exit status 0, a TCP connection, or gRPC SERVING."""
         probe = container.spec[kind]
         timeout = float(probe.get("timeoutSeconds", 1))
         if "httpGet" in probe:
@@ -407,6 +423,9 @@ class Kubelet:
             except OSError:
                 return False
             return True
+        if "grpc" in probe:
+            local = container.local_port(probe["grpc"]["port"])
+            return grpc_serving(local, str(probe["grpc"].get("service", "")), timeout)
         raise AssertionError(f"probe kind not run here: {probe}")
 
     def wait_started(self, pod: Pod, speed_up: float = 1.0) -> float:

@@ -113,6 +113,7 @@ def chart_values() -> dict[str, Any]:
         "workers.bogusKey=1",
         "workers.autoscaling.bogusKey=1",
         "redis.bogusKey=1",
+        "grpc.bogusKey=1",
     ],
 )
 def test_the_values_schema_rejects_unknown_keys(chart: Path, setting: str) -> None:
@@ -501,11 +502,136 @@ def test_the_kserve_runtime_matches_the_server() -> None:
     assert {"name": "microbatch", "version": "1", "autoSelect": True} in spec[
         "supportedModelFormats"
     ]
-    assert spec["protocolVersions"] == ["v2"]
+    assert spec["protocolVersions"] == ["v2", "grpc-v2"]
     assert spec["multiModel"] is False
     container = spec["containers"][0]
     assert container["name"] == "kserve-container"
+    # One declared port: Knative (KServe's Serverless mode) refuses a second one.
     assert [p["containerPort"] for p in container["ports"]] == [8080]
     assert m.env_value(container, "PORT") == "8080"
+    assert m.env_value(container, "MB_GRPC_PORT") == str(DEFAULT_GRPC_PORT)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert probe in container, probe
+        assert "httpGet" in container[probe], probe  # Knative probes the serving port
+
+
+# -- gRPC (the Open Inference Protocol, grpc.port) -------------------------------------------
+
+DEFAULT_GRPC_PORT = 8001
+GRPC_OFF = ("grpc.port=null", "grpc.port=0")
+
+
+def grpc_port_of(profile: str) -> int | None:
+    """The gRPC port a profile asks for (the chart's default unless it sets one); None: off."""
+    values = yaml.safe_load(profile_path(profile).read_text()) or {}
+    port = (values.get("grpc") or {}).get("port", chart_values()["grpc"]["port"])
+    return int(port) if port else None
+
+
+def serving_component(docs: list[m.Doc]) -> str:
+    return "server" if mode_of(docs) == "single" else "frontend"
+
+
+def the_service(docs: list[m.Doc]) -> m.Doc:
+    serving = m.the_workload(docs, serving_component(docs))
+    found = [s for s in m.of_kind(docs, "Service") if m.service_selects(s, serving)]
+    assert len(found) == 1, [m.ident(s) for s in found]
+    return found[0]
+
+
+def service_port(service: m.Doc, port_name: str) -> dict[str, Any] | None:
+    ports = [p for p in service["spec"]["ports"] if p.get("name") == port_name]
+    return ports[0] if ports else None
+
+
+def without_handler(probe: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in probe.items() if k not in {"httpGet", "grpc", "tcpSocket", "exec"}}
+
+
+def test_the_chart_serves_grpc_by_default_on_8001() -> None:
+    assert chart_values()["grpc"]["port"] == DEFAULT_GRPC_PORT
+
+
+def test_the_profiles_render_grpc_both_on_and_off() -> None:
+    ports = {p: grpc_port_of(p) for p in PROFILES}
+    assert None in ports.values() and DEFAULT_GRPC_PORT in ports.values(), ports
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if grpc_port_of(p)])
+def test_grpc_is_served_by_the_serving_pods_only(profile: str) -> None:
+    """The server or every front end: MB_GRPC_PORT, a containerPort and a Service port named
+    grpc (cleartext HTTP/2), readiness asked over gRPC; the workers and Redis: none of it."""
+    port = grpc_port_of(profile)
+    docs = render(profile)
+    serving = serving_component(docs)
+    for workload in m.workloads(docs):
+        for container in m.containers(workload):
+            names, numbers = m.container_ports(container)
+            if m.component(workload) == serving:
+                assert m.env_value(container, "MB_GRPC_PORT") == str(port)
+                assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in container[
+                    "ports"
+                ]
+            else:
+                assert "MB_GRPC_PORT" not in m.env_names(container), m.ident(workload)
+                assert "grpc" not in names and port not in numbers, m.ident(workload)
+                assert "grpc" not in container.get("readinessProbe", {}), m.ident(workload)
+    assert service_port(the_service(docs), "grpc") == {
+        "name": "grpc",
+        "port": port,
+        "targetPort": "grpc",
+        "protocol": "TCP",
+        "appProtocol": "kubernetes.io/h2c",
+    }
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if grpc_port_of(p)])
+def test_readiness_is_a_grpc_probe_and_the_rest_stay_http(profile: str) -> None:
+    """Readiness is Kubernetes' gRPC probe on the port (grpc.health.v1 for the server as a
+    whole: no service named), with the timing the HTTP probe had; startup and liveness stay
+    HTTP, so a gRPC hiccup never restarts a pod."""
+    docs, docs_off = render(profile), render(profile, sets=(GRPC_OFF[0],))
+    on = m.containers(m.the_workload(docs, serving_component(docs)))[0]
+    off = m.containers(m.the_workload(docs_off, serving_component(docs)))[0]
+    assert on["readinessProbe"]["grpc"] == {"port": grpc_port_of(profile)}
+    assert "httpGet" not in on["readinessProbe"]
+    assert without_handler(on["readinessProbe"]) == without_handler(off["readinessProbe"])
+    for kind in ("startupProbe", "livenessProbe"):
+        assert on[kind] == off[kind], kind
+        assert on[kind]["httpGet"]["port"] == "http", kind
+
+
+@pytest.mark.parametrize("setting", GRPC_OFF)
+@pytest.mark.parametrize("profile", ["cpu-single", "keda", "kserve"])
+def test_grpc_off_removes_all_of_it(profile: str, setting: str) -> None:
+    """grpc.port null or 0: no MB_GRPC_PORT, no grpc port on any container or Service, no
+    grpc-v2 in the KServe runtime, and readiness is GET /readyz on http again."""
+    docs = render(profile, sets=(setting,))
+    text = yaml.safe_dump_all(docs)
+    assert "MB_GRPC_PORT" not in text and "grpc:" not in text and "h2c" not in text
+    for workload in m.workloads(docs):
+        for container in m.containers(workload):
+            assert "grpc" not in m.container_ports(container)[0], m.ident(workload)
+    assert service_port(the_service(docs), "grpc") is None
+    serving = m.containers(m.the_workload(docs, serving_component(docs)))[0]
+    assert serving["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    for runtime in m.of_kind(docs, "ServingRuntime"):
+        assert runtime["spec"]["protocolVersions"] == ["v2"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("grpc.port=8000",), "grpc.port 8000 is the HTTP port"),
+        (("kserve.enabled=true", "grpc.port=8080"), "grpc.port 8080 is the KServe container's"),
+        (("grpc.port=-1",), "/grpc/port"),
+        (("grpc.port=70000",), "/grpc/port"),
+    ],
+)
+def test_a_grpc_port_that_cannot_work_is_refused(
+    chart: Path, sets: tuple[str, ...], message: str
+) -> None:
+    # helm template, not lint: lint reports the chart's own `fail` as INFO and passes.
+    result = run_helm("template", RELEASE, str(chart), *(a for s in sets for a in ("--set", s)))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, f"{sets} was accepted:\n{output}"
+    assert message in output, output

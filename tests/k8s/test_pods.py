@@ -1,7 +1,8 @@
 """The chart's pods, run for real (``tests/k8s/pods.py`` says how, and what is substituted):
-every probe answers as the kubelet reads it, a request through the front-end Service's port
-is answered, a worker pod terminated under load loses nothing, and the autoscaler's trigger
-follows the real lag of the queue, across a model update too."""
+every probe answers as the kubelet reads it (readiness over gRPC), a request through the
+Service's http port and one through its grpc port (Triton's own client) are answered, a
+worker pod terminated under load loses nothing, and the autoscaler's trigger follows the real
+lag of the queue, across a model update too."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
 from app.manifest import read_manifest
 from tests.k8s.conftest import NAMESPACE, RELEASE, render
@@ -26,6 +30,7 @@ REDIS_PASSWORD = "check-k8s-redis-password"
 CLAIM = "models"
 PHOTO = Path(__file__).resolve().parents[2] / "docs" / "cat.jpg"
 QUEUED = 8  # requests queued while there are no workers
+MODEL = "tiny-test"  # the name the test model serves under
 # Each test starts real processes; the first also pays for the module's pods.
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,6 +45,30 @@ def post(base: str, image: bytes = b"", key: str | None = API_KEY) -> httpx.Resp
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     files = {"image": ("cat.jpg", image or PHOTO.read_bytes())}
     return httpx.post(f"{base}/predict/embedding", files=files, headers=headers, timeout=90)
+
+
+def grpc_embedding(kubelet: Kubelet, key: str | None = API_KEY) -> np.ndarray:
+    """The embedding of the photo, asked through the Service's grpc port with Triton's gRPC
+    client (``ModelInfer``, the JPEG's bytes as a BYTES tensor)."""
+    client = triton.InferenceServerClient(f"127.0.0.1:{kubelet.services[GRPC_SERVICE]}")
+    try:
+        assert client.is_server_ready()
+        image = triton.InferInput("image", [1, 1], "BYTES")
+        image.set_data_from_numpy(np.array([[PHOTO.read_bytes()]], dtype=np.object_))
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        outputs = [triton.InferRequestedOutput("embedding")]
+        result = client.infer(MODEL, [image], outputs=outputs, headers=headers)
+        embedding: np.ndarray = result.as_numpy("embedding")[0]
+        return embedding
+    finally:
+        client.close()
+
+
+def assert_grpc_answers_as_http(kubelet: Kubelet, base: str) -> None:
+    """gRPC through the Service gives HTTP's answer, and wants the API key as HTTP does."""
+    np.testing.assert_allclose(grpc_embedding(kubelet), post(base).json(), atol=1e-5)
+    with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
+        grpc_embedding(kubelet, key=None)
 
 
 def assert_probes_pass(kubelet: Kubelet, pod: Pod) -> None:
@@ -81,6 +110,7 @@ def test_the_single_server_pod_passes_its_probes_and_serves(
         base = f"http://127.0.0.1:{kubelet.services[f'{RELEASE}-microbatch-server:8000']}"
         assert post(base).status_code == 200
         assert post(base, key=None).status_code == 401
+        assert_grpc_answers_as_http(kubelet, base)
         assert_terminated_cleanly(kubelet, pod)
     finally:
         kubelet.close()
@@ -110,6 +140,7 @@ def broker(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 SERVICE = f"{RELEASE}-microbatch-server:8000"  # the front ends' (or the server's) Service
+GRPC_SERVICE = f"{RELEASE}-microbatch-server:8001"  # the same Service's grpc port
 
 
 def front(kubelet: Kubelet) -> str:
@@ -127,6 +158,12 @@ def test_a_request_through_the_front_end_service_is_answered(broker: Kubelet) ->
     assert answer.status_code == 200, answer.text
     assert len(answer.json()) == 48
     assert post(front(broker), key=None).status_code == 401  # API_KEY came from the Secret
+
+
+def test_a_grpc_request_through_the_front_end_service_is_answered(broker: Kubelet) -> None:
+    """The front end serves the Open Inference Protocol over gRPC too (MB_GRPC_PORT), on the
+    port its readiness probe asks and the Service's grpc port reaches."""
+    assert_grpc_answers_as_http(broker, front(broker))
 
 
 def test_the_redis_password_from_the_secret_is_required(broker: Kubelet) -> None:

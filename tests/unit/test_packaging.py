@@ -22,7 +22,11 @@ def test_compose_services_use_settings_the_app_reads() -> None:
             continue
         for key in service.get("environment", {}):
             assert key in SETTING_NAMES, f"{name} sets {key}, which the app does not read"
-    assert services["server"]["ports"] == ["127.0.0.1:${PORT:-8000}:8000"]
+    assert services["server"]["ports"] == [
+        "127.0.0.1:${PORT:-8000}:8000",
+        "127.0.0.1:${GRPC_PORT:-8011}:8001",  # MB_GRPC_PORT in the container
+    ]
+    assert services["server"]["environment"]["MB_GRPC_PORT"] == "8001"
     gpu = services["server-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
 

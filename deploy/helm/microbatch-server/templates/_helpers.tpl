@@ -88,6 +88,29 @@ SIGTERM: the request timeout, plus 5 s for the answer to go out. */}}
 {{- end }}
 
 {{/*
+The gRPC port (grpc.port, MB_GRPC_PORT) of the containers that serve, or "" when gRPC is off
+(null or 0). Every template asks this, so "off" means the same everywhere.
+*/}}
+{{- define "microbatch-server.grpcPort" -}}
+{{- with (.Values.grpc | default dict).port }}{{ int . }}{{ end }}
+{{- end }}
+
+{{/*
+The ports of a container that serves the API (single server, front ends): http 8000, and
+grpc when gRPC is on. The Service targets them by name.
+*/}}
+{{- define "microbatch-server.servingPorts" -}}
+- name: http
+  containerPort: 8000
+  protocol: TCP
+{{- with include "microbatch-server.grpcPort" . }}
+- name: grpc
+  containerPort: {{ . }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/*
 The user a container runs as: the image's "app" (uid 10001) unless "uid"/"gid" say otherwise
 (Redis: 999/1000). (dict) or (dict "uid" 999 "gid" 1000)
 */}}
@@ -257,7 +280,11 @@ initContainers:
 {{/*
 The three probes. The startup probe gives the models time to load (failureThreshold x 5 s);
 after it, readiness takes the pod out of the Service and liveness restarts a hung one.
-(dict "port" "http" "startupPath" "/readyz" "startupFailureThreshold" 60)
+With "grpcPort", readiness is Kubernetes' gRPC probe (grpc.health.v1, service "": the
+server's overall health) on that port instead of GET /readyz: the same readiness function
+answers both, and a pod that does not serve gRPC leaves the Service. Startup and liveness
+stay on HTTP. A gRPC probe takes a port number, never a name.
+(dict "port" "http" "startupPath" "/readyz" "startupFailureThreshold" 60 ["grpcPort" 8001])
 */}}
 {{- define "microbatch-server.probes" -}}
 startupProbe:
@@ -268,9 +295,14 @@ startupProbe:
   timeoutSeconds: 3
   failureThreshold: {{ .startupFailureThreshold }}
 readinessProbe:
+  {{- with get . "grpcPort" }}
+  grpc:
+    port: {{ int . }}
+  {{- else }}
   httpGet:
     path: /readyz
     port: {{ .port }}
+  {{- end }}
   periodSeconds: 5
   timeoutSeconds: 3
   failureThreshold: 3
@@ -358,11 +390,15 @@ Order matters once: REDIS_PASSWORD precedes MB_BROKER, which refers to it as $(R
 {{- end }}
 {{- end }}
 {{- if has $c (list "server" "frontend" "kserve") }}
-{{- /* Processes that admit HTTP requests. */}}
+{{- /* Processes that admit requests (HTTP, and gRPC when on). */}}
 - name: MB_MAX_QUEUE
   value: {{ int $v.config.maxQueue | quote }}
 - name: MB_REQUEST_TIMEOUT
   value: {{ int $v.config.requestTimeoutSeconds | quote }}
+{{- with include "microbatch-server.grpcPort" $root }}
+- name: MB_GRPC_PORT
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- if eq $c "frontend" }}
 - name: FRONTEND_PROCESSES
@@ -431,6 +467,14 @@ Included once, from validate.yaml.
 {{- end }}
 {{- if and (eq $v.models.source "copy") (not $v.models.copy.volume) }}
 {{- fail "models.source copy needs models.copy.volume (a volume source to copy from, e.g. {persistentVolumeClaim: {claimName: models}})" }}
+{{- end }}
+{{- with include "microbatch-server.grpcPort" . }}
+{{- if eq (int .) 8000 }}
+{{- fail "grpc.port 8000 is the HTTP port of the server and the front ends: pick another, e.g. 8001" }}
+{{- end }}
+{{- if and $v.kserve.enabled (eq (int .) 8080) }}
+{{- fail "grpc.port 8080 is the KServe container's HTTP port: pick another, e.g. 8001" }}
+{{- end }}
 {{- end }}
 {{- if and $v.auth.existingSecret (or $v.auth.apiKey $v.auth.adminApiKey) }}
 {{- fail "auth.existingSecret and auth.apiKey/adminApiKey are exclusive: put the keys in the existing Secret (keys api-key, admin-api-key), or leave existingSecret empty" }}
