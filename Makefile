@@ -57,7 +57,7 @@ check-install: install-dev redis-server  ## the runtime-only install, end to end
 # from this clone's history in the same run.
 BENCH_BASELINE ?= c375317
 
-bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI, and BENCH_BASELINE (about 14 min)
+bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI, BENCH_BASELINE, and the v2 protocols (about 18 min)
 	$(PY) -m bench --baseline $(BENCH_BASELINE) --plot docs/performance.png --json docs/bench.json
 
 bench-quick: install-dev  ## the same, default model only, under 3 minutes

@@ -12,7 +12,8 @@ multipart JPEG uploads): images/s, p50, p99 and the mean batch the model saw; th
 ratios the project's targets are stated in, against the table in ``bench/targets.py``.
 With ``--baseline``, the same configurations served from an earlier commit's source tree
 (``make bench`` gives the commit before issue #28) run in the same run, and the before/after
-ratios are among the verdicts.
+ratios are among the verdicts. The full run (not ``--quick``) ends with ``bench.protocols``:
+the v2 protocol over HTTP and gRPC against /predict/tag, one server, in turns.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import time
 from pathlib import Path
 
 from app.manifest import read_manifest
+from bench import protocols
 from bench.baseline import source_tree
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
 from bench.report import write_json
-from bench.results import MACHINERY_SYSTEMS, ModelReport, Point
+from bench.results import MACHINERY_SYSTEMS, ModelReport, Point, ProtocolReport
 from bench.systems import (
     REPO,
     RawPipeline,
@@ -369,6 +371,28 @@ def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> di
     return out
 
 
+def three_ways(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> ProtocolReport:
+    """``bench.protocols`` on the default model, this run's export of it where there is one,
+    in its own rounds and turns (not ``--seconds``). Not in ``--quick``: its own server start
+    (about 30 s with the runtime self-tests) and 72 turns of 2 s would double that run."""
+    print(
+        f"{protocols.MODEL}, one server with its defaults, in turns: /predict/tag against the "
+        "v2 protocol over HTTP (binary tensors) and gRPC:",
+        flush=True,
+    )
+    store = scratch / protocols.MODEL
+    if not (store / "manifest.json").exists():
+        export_bench_model(protocols.MODEL, store)
+    return protocols.measure(
+        store,
+        jpegs,
+        clients=list(protocols.CLIENTS),
+        seconds=protocols.SECONDS,
+        rounds=protocols.ROUNDS,
+        threads=args.threads,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -438,14 +462,15 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             print(f"{model}:", flush=True)
             reports.append(run_model(model, args, jpegs, scratch))
+        protocol_report = None if args.quick else three_ways(args, jpegs, scratch)
     print(f"\nratios (one run, same machine, {time.monotonic() - started:.0f} s):")
-    for line in ratios(reports, mach):
+    for line in ratios(reports, mach, protocol_report):
         print("  " + line)
     if args.plot:
         write_plot(reports, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
-        write_json(reports, mach, args.json)
+        write_json(reports, mach, args.json, protocol_report)
     return 0
 
 

@@ -3,7 +3,8 @@
 Generic clients cost more CPU per request than this server spends answering one (httpx's
 AsyncClient tops out at a few hundred requests/s on two cores), which would measure the
 client instead of the server. This one sends prebuilt requests and parses only the status
-line, the headers it needs and a Content-Length body.
+line, the headers it needs and a Content-Length body. Another protocol plugs in as a
+:class:`Sender` (``closed_loop(..., connect=...)``): ``bench.protocols`` sends gRPC that way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 def multipart_request(
@@ -60,6 +62,16 @@ class Response:
     status: int
     headers: dict[str, str]
     body: bytes
+
+
+class Sender(Protocol):
+    """What one closed-loop client sends through: :class:`Connection` for HTTP/1.1. ``send``
+    raises ``OSError`` (or ``TimeoutError``) where no answer came; ``close`` drops the
+    connection, and the next ``send`` opens a new one."""
+
+    async def send(self, request: bytes) -> Response: ...
+
+    async def close(self) -> None: ...
 
 
 class Connection:
@@ -136,10 +148,13 @@ async def closed_loop(
     total: int | None = None,
     check: Callable[[int, Response], None] | None = None,
     timeout_s: float = 60.0,
+    connect: Callable[[], Sender] | None = None,
 ) -> LoadResult:
     """``clients`` connections each send the next request as soon as the last one answered,
     for ``duration_s`` seconds or until ``total`` requests were sent (request i is
-    ``requests[i % len(requests)]``). ``check(i, response)`` sees every answer."""
+    ``requests[i % len(requests)]``). ``check(i, response)`` sees every answer. ``connect``
+    makes each client's :class:`Sender` (default: an HTTP/1.1 ``Connection`` to
+    ``host:port``)."""
     if (duration_s is None) == (total is None):
         raise ValueError("give exactly one of duration_s and total")
     counter = iter(range(total if total is not None else 1 << 62))
@@ -150,7 +165,7 @@ async def closed_loop(
 
     async def client() -> None:
         nonlocal errors
-        connection = Connection(host, port)
+        connection: Sender = connect() if connect is not None else Connection(host, port)
         try:
             for index in counter:
                 if time.monotonic() >= stop_at:

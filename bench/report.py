@@ -6,12 +6,17 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.results import ModelReport
+from bench.results import ModelReport, ProtocolReport
 
 
-def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -> None:
-    """Write the machinery step and, per model, the raw pipeline, every point and the idle
-    latencies to ``path``."""
+def write_json(
+    reports: list[ModelReport],
+    mach: dict[str, float],
+    path: Path,
+    protocols: ProtocolReport | None = None,
+) -> None:
+    """Write the machinery step, per model the raw pipeline, every point and the idle
+    latencies, and the protocols step where it ran, to ``path``."""
     path.write_text(
         json.dumps(
             {
@@ -34,6 +39,7 @@ def write_json(reports: list[ModelReport], mach: dict[str, float], path: Path) -
                     }
                     for r in reports
                 ],
+                **({"protocols": asdict(protocols)} if protocols is not None else {}),
             },
             indent=2,
         )

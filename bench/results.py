@@ -3,6 +3,7 @@ its writers."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,46 @@ class ModelReport:
 
     def point(self, system: str, clients: int) -> Point | None:
         return next((p for p in self.points if p.system == system and p.clients == clients), None)
+
+
+# Issue #36: the ways one server answers the same photo, in the order a round first takes them.
+PREDICT, V2_HTTP, V2_GRPC = "/predict/tag", "v2 http", "v2 grpc"
+PROTOCOLS = (PREDICT, V2_HTTP, V2_GRPC)
+
+
+@dataclass
+class ProtocolReport:
+    """One server with its defaults answering the same photos three ways, in turns
+    (``bench.protocols``): /predict/tag with a multipart upload, the v2 ``infer`` over HTTP
+    with the binary tensor extension, and over gRPC.
+
+        >>> r = ProtocolReport("efficientnet_lite0", rounds={
+        ...     PREDICT: {8: [100.0, 80.0, 90.0]}, V2_HTTP: {8: [104.0, 76.0, 99.0]}})
+        >>> round(r.ratio(V2_HTTP, 8), 2)
+        1.04
+    """
+
+    model: str
+    serving: str = ""  # the runtime and precision its worker chose ("openvino+bf16")
+    # system: the way; images/s: the median of the rounds; p50 and p99: of all the rounds'
+    # requests together
+    points: list[Point] = field(default_factory=list)
+    # way -> clients -> images/s of each round, round i of every way measured side by side
+    rounds: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    # way -> clients -> CPU ms per request of the HTTP process alone (where gRPC is served
+    # too): the part of server_cpu_ms a protocol's parsing and answering can change
+    http_cpu_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def point(self, way: str, clients: int) -> Point | None:
+        return next((p for p in self.points if p.system == way and p.clients == clients), None)
+
+    def ratio(self, way: str, clients: int) -> float | None:
+        """``way``'s images/s over /predict/tag's at ``clients``: the median of the rounds'
+        ratios, each of two turns a few seconds apart (drift between rounds cancels)."""
+        ours, base = self.rounds.get(way, {}).get(clients), self.rounds[PREDICT].get(clients)
+        if not ours or not base:
+            return None
+        return statistics.median(a / b for a, b in zip(ours, base, strict=True) if b > 0)
 
 
 # The machinery step's systems: label, kind, workers, settings. The bare endpoint; the same

@@ -3,7 +3,7 @@ target from :mod:`bench.targets` and PASS or MISS, one printable line each."""
 
 from __future__ import annotations
 
-from bench.results import MACHINERY_SYSTEMS, ModelReport
+from bench.results import MACHINERY_SYSTEMS, PREDICT, V2_GRPC, V2_HTTP, ModelReport, ProtocolReport
 from bench.targets import Metric, target
 
 
@@ -11,9 +11,13 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
-    """One line per ratio, for every model in ``reports`` and the machinery step ``mach``
-    (either may be empty)."""
+def ratios(
+    reports: list[ModelReport],
+    mach: dict[str, float],
+    protocols: ProtocolReport | None = None,
+) -> list[str]:
+    """One line per ratio, for every model in ``reports``, the machinery step ``mach``
+    (either may be empty) and the protocols step, where it ran."""
     lines = []
     for report in reports:
         m = report.model
@@ -99,6 +103,29 @@ def ratios(reports: list[ModelReport], mach: dict[str, float]) -> list[str]:
             )
     if mach:
         lines += _machinery(mach)
+    if protocols is not None:
+        lines += protocol_ratios(protocols)
+    return lines
+
+
+def protocol_ratios(report: ProtocolReport) -> list[str]:
+    """Per concurrency: the v2 protocol's images/s over HTTP and over gRPC against
+    /predict/tag's, each the median of the rounds' ratios; PASS where both meet the bound."""
+    need = target(Metric.VS_PREDICT, report.model)
+    lines = []
+    for clients in sorted(report.rounds.get(PREDICT, {})):
+        found = {way: report.ratio(way, clients) for way in (V2_HTTP, V2_GRPC)}
+        shown = {way: r for way, r in found.items() if r is not None}
+        if not shown:
+            continue
+        rounds = len(report.rounds[PREDICT][clients])
+        lines.append(
+            f"{report.model}: protocols @{clients}: "
+            + ", ".join(f"{way} x{r:.2f}" for way, r in shown.items())
+            + f" of {PREDICT}'s images/s (median of {rounds} rounds in turns)  "
+            f"(target >= x{need.bound:g})  "
+            f"{_verdict(len(shown) == len(found) and all(map(need.met, shown.values())))}"
+        )
     return lines
 
 
