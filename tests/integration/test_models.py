@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -99,10 +100,15 @@ async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path:
     assert pool.worker_status() == []
 
 
-async def test_missing_model_store_fails_start(tmp_path: Path) -> None:
-    with pytest.raises(ModelStoreError, match=r"app\.export"):
+async def test_missing_model_store_fails_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused as the app is built, in one line that says how to export a model."""
+    with pytest.raises(SystemExit) as exited:
         async with running_app(model_store=tmp_path / "nothing", cuda_devices="cpu"):
             pass
+    assert exited.value.code == 2
+    assert re.search(r"^error: no model in .*app\.export", capsys.readouterr().err)
 
 
 async def test_several_cpu_workers_share_the_load(tiny_store: Path) -> None:
