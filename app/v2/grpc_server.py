@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -32,7 +32,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.auth import bearer_allows
 from app.batching import Trace
-from app.engine import Engine
 from app.errors import (
     ClientError,
     ServerError,
@@ -47,6 +46,9 @@ from app.v2.grpc_messages import infer_call, infer_response, load_parameters, pa
 from app.v2.proto import inference_pb2 as pb
 from app.v2.proto import inference_pb2_grpc as pb_grpc
 from app.v2.server import EXTENSIONS, SERVER, config_of, statistics_of
+
+if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
+    from app.engine import Engine
 
 log = logging.getLogger("app.request")
 T = TypeVar("T")

@@ -3,12 +3,14 @@ metadata and extensions, a version's configuration, the statistics."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.engine import Engine
 from app.errors import ModelNotFound
 from app.services.registry import ModelVersion
 from app.v2.config import model_config
+
+if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
+    from app.engine import Engine
 
 SERVER = {"name": "microbatch-server", "version": "0.1.0"}
 # The protocol extensions this server implements (the server metadata lists them).

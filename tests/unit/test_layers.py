@@ -1,6 +1,7 @@
 """Imports point one way, as the README's architecture says; this test is what makes it true.
 
-routers -> services -> batching <- workers, broker (they fill its Transport)
+routers -> (v2, the Open Inference Protocol both edges share) -> services -> batching <- workers,
+broker (they fill its Transport); app.main starts v2's gRPC edge
 plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs: leaves that any
 layer may import (batching only the vocabulary of lifecycle, for the seam's types)
 engine and main wire the layers together; nothing below them imports them
@@ -56,7 +57,8 @@ def layer_imports(layer: str) -> set[str]:
         ("services", {"batching", *LEAVES}),
         ("workers", {"batching", "metrics", *LEAVES}),
         ("broker", {"batching", "workers", "metrics", *LEAVES}),
-        ("routers", {"services", "batching", "dependencies", "schemas", "metrics", *LEAVES}),
+        ("v2", {"services", "batching", "auth", *LEAVES}),
+        ("routers", {"services", "batching", "dependencies", "schemas", "metrics", "v2", *LEAVES}),
     ],
 )
 def test_each_layer_imports_only_what_is_below_it(layer: str, allowed: set[str]) -> None:
@@ -64,7 +66,7 @@ def test_each_layer_imports_only_what_is_below_it(layer: str, allowed: set[str])
 
 
 def test_nothing_below_the_wiring_imports_it() -> None:
-    layers = ("batching", "services", "workers", "broker", "plan", "routers", "dependencies")
+    layers = ("batching", "services", "workers", "broker", "plan", "routers", "dependencies", "v2")
     for layer in (*layers, *LEAVES):
         assert not layer_imports(layer) & {"engine", "main"}, layer
 
