@@ -96,26 +96,34 @@ def tag_one_image(url: str) -> None:
         raise SystemExit(f"FAIL: the cat photo came back as {names}")
 
 
+GRPC_TAG = """
+import sys, grpc
+from app.v2.proto import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+from app.v2.tensors import pack_bytes, unpack_bytes
+with grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}") as channel:
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    (model,) = [m.name for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models]
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="image", datatype="BYTES", shape=[1])
+    request.outputs.add(name="top_k_probs").parameters["classification"].int64_param = 3
+    request.raw_input_contents.append(pack_bytes([open(sys.argv[2], "rb").read()]))
+    answer = stub.ModelInfer(request, timeout=60)
+for cell in unpack_bytes(answer.raw_output_contents[0], "top_k_probs"):
+    print(cell.decode())
+"""
+
+
 def grpc_tag_one_image(port: int) -> None:
-    """The same over gRPC (MB_GRPC_PORT): the v2 ModelInfer of the cat photo's own bytes."""
-    import grpc
-
-    from app.v2.proto import inference_pb2 as pb
-    from app.v2.proto import inference_pb2_grpc as pb_grpc
-    from app.v2.tensors import pack_bytes, unpack_bytes
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        (model,) = [m.name for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models]
-        request = pb.ModelInferRequest(model_name=model)
-        request.inputs.add(name="image", datatype="BYTES", shape=[1])
-        request.outputs.add(name="top_k_probs").parameters["classification"].int64_param = 3
-        request.raw_input_contents.append(pack_bytes([IMAGE.read_bytes()]))
-        answer = stub.ModelInfer(request, timeout=60)
-    top = [cell.decode() for cell in unpack_bytes(answer.raw_output_contents[0], "top_k_probs")]
-    print(f"   grpc 127.0.0.1:{port} ModelInfer -> {top}", flush=True)
-    if not any("cat" in cell.rsplit(":", 1)[-1] for cell in top):
-        raise SystemExit(f"FAIL: the cat photo came back over gRPC as {top}")
+    """The same over gRPC (MB_GRPC_PORT): the v2 ModelInfer of the cat photo's own bytes, sent
+    by the runtime environment's Python (grpcio is a runtime requirement)."""
+    out = subprocess.run(
+        [str(PY), "-c", GRPC_TAG, str(port), str(IMAGE)],
+        cwd=REPO, env=runtime_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    top = out.stdout.split()
+    print(f"   grpc 127.0.0.1:{port} ModelInfer -> {out.stdout.splitlines()}", flush=True)
+    if out.returncode != 0 or not any("cat" in line for line in out.stdout.splitlines()):
+        raise SystemExit(f"FAIL: the cat photo over gRPC: {top} {out.stderr[-2000:]}")
 
 
 @contextmanager
