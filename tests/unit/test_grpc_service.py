@@ -179,7 +179,7 @@ async def test_grpc_is_off_unless_asked(tmp_path: Path) -> None:
 
 
 async def test_a_stream_answers_each_request_and_goes_on_past_a_failed_one(served: Any) -> None:
-    _, fake, gate, _, channel = served
+    _, _, gate, _, channel = served
     gate.open.set()
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
     good = _request(distinct_images(1)[0])
