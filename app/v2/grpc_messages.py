@@ -51,13 +51,10 @@ def infer_call(request: Any) -> InferCall:
         field = CONTENTS.get(given.datatype)
         values = list(getattr(given.contents, field)) if field else []
         inputs.append(from_values(given.name, given.datatype, shape, values))
-    outputs = []
-    for output in request.outputs:
-        parameters = {key: parameter(value) for key, value in output.parameters.items()}
-        count = parameters.get("classification", parameters.get("class_count", 0))
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise InvalidRequest(f"output {output.name!r}: class_count must be a whole number")
-        outputs.append(Requested(output.name, count))
+    outputs = [
+        Requested.of(output.name, {key: parameter(v) for key, v in output.parameters.items()})
+        for output in request.outputs
+    ]
     parameters = {key: parameter(value) for key, value in request.parameters.items()}
     return InferCall(inputs, outputs, parameters)
 

@@ -134,19 +134,8 @@ def parse(raw: bytes, header_length: str | None) -> tuple[InferBody, InferCall]:
         raise InvalidRequest(
             f"{len(binary) - offset} bytes after the JSON belong to no input's binary_data_size"
         )
-    outputs = [
-        Requested(output.name, _class_count(output.name, output.parameters))
-        for output in body.outputs or ()
-    ]
+    outputs = [Requested.of(output.name, output.parameters) for output in body.outputs or ()]
     return body, InferCall(inputs, outputs, body.parameters)
-
-
-def _class_count(name: str, parameters: dict[str, Any]) -> int:
-    # tritonclient sends "classification"; the extension's text also says "class_count".
-    value = parameters.get("classification", parameters.get("class_count", 0))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidRequest(f"output {name!r}: class_count must be a whole number")
-    return value
 
 
 def answer(

@@ -54,6 +54,15 @@ class Requested:
     name: str
     class_count: int = 0
 
+    @classmethod
+    def of(cls, name: str, parameters: dict[str, Any]) -> Requested:
+        """An output as a request's ``outputs`` list it, with its ``parameters``: tritonclient
+        sends the class count as ``classification``, the extension's text says ``class_count``."""
+        count = parameters.get("classification", parameters.get("class_count", 0))
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise InvalidRequest(f"output {name!r}: class_count must be a whole number")
+        return cls(name, count)
+
 
 @dataclass(frozen=True)
 class InferCall:
