@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
-from app.errors import InvalidRequest
 from app.routers.common import V2_ERRORS
-from app.settings_values import VERSION_PATTERN
-from app.v2.http_body import JSON_TYPE, inlined_schema, read_json, validated
+from app.v2.http_body import JSON_TYPE, inlined_schema, read_json
+from app.v2.server import LoadParameters, LoadRequest, load_asked
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 admin = APIRouter(
@@ -54,50 +53,11 @@ class IndexEntry(BaseModel):
     )
 
 
-class LoadParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    version: str | None = Field(
-        None, pattern=VERSION_PATTERN, description="the version to load (default: the newest)"
-    )
-    replace: bool = Field(
-        False,
-        description="unload the serving version first (less memory; the name answers 503 "
-        "until the new one serves)",
-    )
-
-
-class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    parameters: LoadParameters = Field(default_factory=LoadParameters)
-
-
-def _refuse_config(parameters: object) -> None:
-    """Triton's load may carry a model configuration (``config``) or model files
-    (``file:...``); this server loads versions as exported, from its repository."""
-    if not isinstance(parameters, dict):
-        return
-    given = [key for key in parameters if key == "config" or str(key).startswith("file:")]
-    if given:
-        raise InvalidRequest(
-            f"parameters {', '.join(given)}: this server takes no model configuration or files "
-            "at load; it serves each version as exported (python -m app.export) into its "
-            "repository, with the MB_* settings. Load a version: parameters.version"
-        )
-
-
-async def _load_request(request: Request) -> LoadRequest:
+async def _load_request(request: Request) -> LoadParameters:
     """The body as sent (JSON whatever its Content-Type, as tritonclient sends none; empty:
     the defaults)."""
     raw = await request.body()
-    if not raw.strip():
-        return LoadRequest()
-    document = read_json(raw)
-    if isinstance(document, dict):
-        _refuse_config(document.get("parameters"))
-    loaded: LoadRequest = validated(LoadRequest, document)
-    return loaded
+    return load_asked(read_json(raw) if raw.strip() else {})
 
 
 LOAD_BODY = {
@@ -136,7 +96,7 @@ async def load(name: str, request: Request) -> Loaded:
     the one serving, and switch to it once verified, self-tested and warmed up; answers once
     it serves. If it fails, the version before serves on and the answer says why."""
     engine = serving_engine(request)
-    parameters = (await _load_request(request)).parameters
+    parameters = await _load_request(request)
     number = int(parameters.version) if parameters.version is not None else None
     version = await engine.models.load(name, number, replace=parameters.replace)
     return Loaded(

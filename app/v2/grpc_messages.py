@@ -68,22 +68,3 @@ def infer_response(version: ModelVersion, request_id: str, outputs: list[Tensor]
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         response.raw_output_contents.append(tensor.raw())
     return response
-
-
-def load_parameters(parameters: dict[str, Any]) -> tuple[int | None, bool]:
-    """A repository load's ``version`` and ``replace`` (``app.routers.repository``'s), from
-    its parameters; a model configuration or files are refused."""
-    refused = [key for key in parameters if key == "config" or key.startswith("file:")]
-    if refused:
-        raise InvalidRequest(
-            f"parameters {', '.join(refused)}: this server takes no model configuration or "
-            "files at load; it serves each version as exported (python -m app.export) into "
-            "its repository, with the MB_* settings. Load a version: parameters.version"
-        )
-    unknown = set(parameters) - {"version", "replace"}
-    if unknown:
-        raise InvalidRequest(f"unknown load parameters: {', '.join(sorted(unknown))}")
-    version = parameters.get("version")
-    if version is not None and not str(version).isdigit():
-        raise InvalidRequest(f"parameters.version must be a version number, got {version!r}")
-    return (int(version) if version is not None else None), bool(parameters.get("replace"))

@@ -42,10 +42,10 @@ from app.errors import (
 from app.services.registry import ModelVersion
 from app.settings import Settings
 from app.v2 import inference
-from app.v2.grpc_messages import infer_call, infer_response, load_parameters, parameter
+from app.v2.grpc_messages import infer_call, infer_response, parameter
 from app.v2.proto import inference_pb2 as pb
 from app.v2.proto import inference_pb2_grpc as pb_grpc
-from app.v2.server import EXTENSIONS, SERVER, config_of, statistics_of
+from app.v2.server import EXTENSIONS, SERVER, config_of, load_asked, statistics_of
 
 if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
     from app.engine import Engine
@@ -245,8 +245,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         async def work(call: Call) -> Any:
             parameters = {key: parameter(value) for key, value in request.parameters.items()}
-            number, replace = load_parameters(parameters)
-            await self.engine.models.load(request.model_name, number, replace=replace)
+            if isinstance(parameters.get("version"), int):  # as an int64_param: the number
+                parameters["version"] = str(parameters["version"])
+            asked = load_asked({"parameters": parameters})
+            number = int(asked.version) if asked.version is not None else None
+            await self.engine.models.load(request.model_name, number, replace=asked.replace)
             return pb.RepositoryModelLoadResponse()
 
         return await self._answer(context, "RepositoryModelLoad", work, key="admin_api_key")

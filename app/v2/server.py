@@ -1,13 +1,18 @@
 """What the server says of itself and of its models over v2, whichever protocol asks: its
-metadata and extensions, a version's configuration, the statistics."""
+metadata and extensions, a version's configuration, the statistics, and what a repository
+load asks."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from app.errors import ModelNotFound
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.errors import InvalidRequest, ModelNotFound
 from app.services.registry import ModelVersion
+from app.settings_values import VERSION_PATTERN
 from app.v2.config import model_config
+from app.v2.http_body import validated
 
 if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
     from app.engine import Engine
@@ -21,6 +26,42 @@ EXTENSIONS = [
     "model_repository",
     "statistics",
 ]
+
+
+class LoadParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(
+        None, pattern=VERSION_PATTERN, description="the version to load (default: the newest)"
+    )
+    replace: bool = Field(
+        False,
+        description="unload the serving version first (less memory; the name answers 503 "
+        "until the new one serves)",
+    )
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: LoadParameters = Field(default_factory=LoadParameters)
+
+
+def load_asked(document: object) -> LoadParameters:
+    """What a repository load asks (``{"parameters": {"version": "N", "replace": bool}}``,
+    as either protocol carries it). Triton's load may also carry a model configuration
+    (``config``) or model files (``file:...``): refused, as this server serves each version
+    as exported, from its repository."""
+    parameters = document.get("parameters") if isinstance(document, dict) else None
+    given = [k for k in parameters or () if k == "config" or str(k).startswith("file:")]
+    if given:
+        raise InvalidRequest(
+            f"parameters {', '.join(given)}: this server takes no model configuration or files "
+            "at load; it serves each version as exported (python -m app.export) into its "
+            "repository, with the MB_* settings. Load a version: parameters.version"
+        )
+    request: LoadRequest = validated(LoadRequest, document)
+    return request.parameters
 
 
 def config_of(engine: Engine, version: ModelVersion) -> dict[str, Any]:
