@@ -33,11 +33,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from app.auth import bearer_allows
 from app.batching import Trace
 from app.errors import (
+    ClientDisconnected,
     ClientError,
     ServerError,
     Unauthorized,
     Unavailable,
     grpc_status,
+    http_status,
 )
 from app.services.registry import ModelVersion
 from app.settings import Settings
@@ -55,28 +57,17 @@ T = TypeVar("T")
 SERVICE = "inference.GRPCInferenceService"
 PIN_METADATA = "x-model-id"
 
-# The HTTP status a gRPC status stands for in the request metrics (one family for both).
-HTTP_LIKE = {
-    "OK": 200,
-    "INVALID_ARGUMENT": 422,
-    "UNAUTHENTICATED": 401,
-    "NOT_FOUND": 404,
-    "FAILED_PRECONDITION": 409,
-    "RESOURCE_EXHAUSTED": 413,
-    "CANCELLED": 499,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
-
 
 class Call:
-    """What one RPC learned, for its log line and metrics."""
+    """What one RPC learned, for its log line and metrics: the error it ended with, if any
+    (its gRPC status and the HTTP status it stands for in the metrics follow from it)."""
 
     def __init__(self, rpc: str) -> None:
         self.rpc = rpc
         self.version: ModelVersion | None = None
         self.inference = False
         self.batch_size: int | None = None
+        self.error: ServerError | None = None
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -102,26 +93,28 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         needs."""
         started = time.perf_counter()
         call = Call(rpc)
-        code = "OK"
         try:
             if key is not None:
                 self._authorize(context, key)
             return await work(call)
         except ServerError as error:
-            code = grpc_status(error)
-            await self._refuse(context, error, code)
+            call.error = error
+            await self._refuse(context, error)
             raise AssertionError("unreachable: abort raises") from None
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            call.error = ClientDisconnected("the client cancelled the call")
+            raise
+        except Exception:  # a bug: grpc answers UNKNOWN and logs it; counted as a 500 here
+            call.error = ServerError("internal error")
             raise
         finally:
-            self._observe(call, code, time.perf_counter() - started)
+            self._observe(call, time.perf_counter() - started)
 
-    def _observe(self, call: Call, code: str, seconds: float) -> None:
-        version = call.version
+    def _observe(self, call: Call, seconds: float) -> None:
+        version, error = call.version, call.error
         model, number = (version.name, str(version.version)) if version else ("", "")
         if self.engine.metrics is not None:
-            status = HTTP_LIKE.get(code, 500)
+            status = http_status(error) if error is not None else 200
             route = f"grpc {call.rpc}"
             self.engine.metrics.on_request(
                 route, status, seconds, model, number, inference=call.inference
@@ -129,7 +122,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         log.info(
             "grpc %s %s %.1f ms%s%s",
             call.rpc,
-            code,
+            grpc_status(error) if error is not None else "OK",
             seconds * 1000,
             f" model={version.served_id}" if version else "",
             f" batch={call.batch_size}" if call.batch_size else "",
@@ -146,7 +139,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise Unauthorized(f"send metadata 'authorization: Bearer <{setting.upper()}>'")
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError, code: str
+        self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError
     ) -> None:
         if self.engine.metrics is not None:
             self.engine.metrics.on_error(error)
@@ -157,7 +150,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 ("retry-after", str(seconds)),
                 ("grpc-retry-pushback-ms", str(seconds * 1000)),
             ]
-        await context.abort(getattr(grpc.StatusCode, code), error.message, tuple(trailing))
+        code = getattr(grpc.StatusCode, grpc_status(error))
+        await context.abort(code, error.message, tuple(trailing))
 
     @asynccontextmanager
     async def _admitted(
@@ -284,12 +278,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: Any) -> None:
             call = Call("ModelStreamInfer")
-            started, code = time.perf_counter(), "OK"
+            started = time.perf_counter()
             try:
                 response = await self._infer(request, context, call)
                 await answers.put(pb.ModelStreamInferResponse(infer_response=response))
             except ServerError as error:
-                code = grpc_status(error)
+                call.error = error
                 if self.engine.metrics is not None:
                     self.engine.metrics.on_error(error)
                 failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
@@ -298,7 +292,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 )
                 await answers.put(message)
             finally:
-                self._observe(call, code, time.perf_counter() - started)
+                self._observe(call, time.perf_counter() - started)
 
         async def read() -> None:
             async for request in requests:
