@@ -153,6 +153,16 @@ def photo_pixels(store: Path, *jpegs: bytes) -> np.ndarray:
     return np.stack([preprocess(data, spec) for data in jpegs])
 
 
+def normalised_pixels(store: Path, images: list[bytes]) -> np.ndarray:
+    """What a client that preprocesses sends the v2 ``pixels`` input: ``images`` at
+    ``store``'s model's input size, normalised with its mean and std, FP32 NCHW."""
+    spec = read_manifest(store).input
+    mean = np.array(spec.mean, np.float32).reshape(1, 3, 1, 1)
+    std = np.array(spec.std, np.float32).reshape(1, 3, 1, 1)
+    scaled = photo_pixels(store, *images).transpose(0, 3, 1, 2).astype(np.float32) / 255
+    return ((scaled - mean) / std).astype(np.float32)
+
+
 def assert_cat_then_espresso(store: Path, indices: np.ndarray) -> None:
     """The top classes (``indices[:, 0]``) of the cat and the coffee photos, in that order."""
     classes = (store / "classes.txt").read_text().splitlines()

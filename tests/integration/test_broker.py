@@ -25,14 +25,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.images import preprocess
-from app.manifest import InputSpec, read_manifest
+from app.manifest import read_manifest
 from app.workers.allocator import jemalloc_library
 from bench.loadgen import Response, closed_loop, multipart_request
 from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env, stream_key, stream_state
 from tests.checks import Expectation, mixed_jobs
-from tests.conftest import distinct_images
+from tests.conftest import distinct_images, normalised_pixels
 from tests.models import POISON_RGB, TINY_DIM, export_slow
 from tests.server import ServerProcess, on_jemalloc
 
@@ -838,11 +837,7 @@ async def test_preprocessed_pixels_travel_the_broker_and_answer_as_their_images(
     answers what the same images answer as uploads."""
     redis_server, _, fronts = cluster
     images = distinct_images(3, size=40)
-    manifest = json.loads((tiny_store / "manifest.json").read_text())["input"]
-    pixels = np.stack([preprocess(image, InputSpec(**manifest)) for image in images])
-    mean = np.array(manifest["mean"], np.float32).reshape(1, 3, 1, 1)
-    std = np.array(manifest["std"], np.float32).reshape(1, 3, 1, 1)
-    tensor = ((pixels.transpose(0, 3, 1, 2) / 255 - mean) / std).astype(np.float32)
+    tensor = normalised_pixels(tiny_store, images)
     body = {
         "inputs": [
             {

@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from app.images import preprocess
-from app.manifest import InputSpec
 from app.v2.tensors import pack_bytes, unpack_bytes
-from tests.conftest import distinct_images, expected_for, images_run, running_app
+from tests.conftest import distinct_images, expected_for, images_run, normalised_pixels, running_app
 from tests.models import TINY_DIM
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -359,21 +357,12 @@ async def test_a_malformed_binary_body_gets_one_clear_message(
     assert message in response.json()["error"]
 
 
-def _normalised(store: Path, images: list[bytes]) -> np.ndarray:
-    """What a client that preprocesses sends: the model's pixels, normalised, NCHW."""
-    manifest = json.loads((store / "manifest.json").read_text())["input"]
-    pixels = np.stack([preprocess(image, InputSpec(**manifest)) for image in images])
-    mean = np.array(manifest["mean"], np.float32).reshape(1, 3, 1, 1)
-    std = np.array(manifest["std"], np.float32).reshape(1, 3, 1, 1)
-    return ((pixels.transpose(0, 3, 1, 2).astype(np.float32) / 255 - mean) / std).astype(np.float32)
-
-
 async def test_a_preprocessed_fp32_tensor_answers_as_its_image(
     served: tuple[Any, Any], tiny_store: Path
 ) -> None:
     _, client = served
     images = distinct_images(2)
-    tensor = _normalised(tiny_store, images)
+    tensor = normalised_pixels(tiny_store, images)
     body, headers = _binary_request(
         [("pixels", "FP32", list(tensor.shape), tensor.tobytes())],
         [{"name": "embedding", "parameters": {"binary_data": False}}],

@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from app.images import preprocess
-from app.manifest import InputSpec
-from tests.conftest import distinct_images, expected_for
+from tests.conftest import distinct_images, expected_for, normalised_pixels
 from tests.models import TINY_DIM
 from tests.server import ServerProcess, free_port
 
@@ -163,22 +161,13 @@ def test_json_with_base64_images(server: ServerProcess, tiny_store: Path) -> Non
         client.close()
 
 
-def _preprocessed(store: Path, images: list[bytes]) -> np.ndarray:
-    manifest = json.loads((store / "manifest.json").read_text())["input"]
-    pixels = np.stack([preprocess(image, InputSpec(**manifest)) for image in images])
-    mean = np.array(manifest["mean"], np.float32).reshape(1, 3, 1, 1)
-    std = np.array(manifest["std"], np.float32).reshape(1, 3, 1, 1)
-    scaled = pixels.transpose(0, 3, 1, 2).astype(np.float32) / 255
-    return ((scaled - mean) / std).astype(np.float32)
-
-
 def test_a_preprocessed_fp32_tensor_with_class_count(
     triton: Triton, server: ServerProcess, tiny_store: Path
 ) -> None:
     """As Triton's image client calls: NCHW FP32, normalised, the top classes as strings."""
     images = distinct_images(2)
     result = triton.infer(
-        [triton.input("pixels", _preprocessed(tiny_store, images), "FP32")],
+        [triton.input("pixels", normalised_pixels(tiny_store, images), "FP32")],
         [triton.output("top_k_probs", class_count=3), triton.output("embedding")],
     )
     strings = result.as_numpy("top_k_probs")
