@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from app.manifest import read_manifest
+from app.workers.runtimes import cpu_has_bf16
 from bench import protocols
 from bench.baseline import source_tree
 from bench.loadgen import closed_loop, multipart_request
@@ -41,7 +42,6 @@ from bench.systems import (
     bench_jpegs,
     decode_cpu_ms,
     export_bench_model,
-    has_bf16,
     runtime_variants,
     serve,
 )
@@ -218,7 +218,8 @@ def run_model(
         ("service-streamer", str(args.batch_size), "service-streamer", 1, {}, store),
         ("plain", str(args.batch_size), "plain", 1, {}, store),
     ]
-    report.bf16_cpu = has_bf16()
+    # The same question the server's MB_DTYPE=auto asks before it tries bf16.
+    report.bf16_cpu = cpu_has_bf16()
     for kind, batch_size, label, workers, settings, served_store in systems:
         serve_args = {
             "store": served_store,
