@@ -130,8 +130,16 @@ async def test_anything_but_a_header_block_passes_straight_through(data: bytes) 
     assert inner.writes == [data]
 
 
-def test_the_command_line_serves_with_this_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_line_serves_with_this_protocol(
+    monkeypatch: pytest.MonkeyPatch, tiny_store: Path
+) -> None:
     import app.__main__ as cli
+
+    from app.settings import load_settings
+
+    # The tiny model, not the checkout's model_store (empty on a fresh clone), read afresh.
+    monkeypatch.setenv("MODEL_STORE", str(tiny_store))
+    monkeypatch.setattr("app.__main__.get_settings", load_settings)
 
     configs: list[Config] = []
 

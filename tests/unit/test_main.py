@@ -77,10 +77,10 @@ class FakeEngine:
 
 
 def test_start_up_objects_are_frozen_while_serving_and_released_at_shutdown(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tiny_store: Path
 ) -> None:
     monkeypatch.setattr(app.main, "Engine", FakeEngine)
-    served = create_app(Settings(mb_request_timeout=7))
+    served = create_app(Settings(mb_request_timeout=7, model_store=tiny_store))
 
     async def lifespan() -> None:
         async with served.router.lifespan_context(served):
@@ -98,13 +98,13 @@ def test_start_up_objects_are_frozen_while_serving_and_released_at_shutdown(
     assert gc.get_freeze_count() == 0
 
 
-def test_the_api_docs_show_the_bearer_scheme_when_an_api_key_is_set() -> None:
-    with_key = create_app(Settings(api_key="s3cret")).openapi()
+def test_the_api_docs_show_the_bearer_scheme_when_an_api_key_is_set(tiny_store: Path) -> None:
+    with_key = create_app(Settings(api_key="s3cret", model_store=tiny_store)).openapi()
     assert with_key["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert with_key["paths"]["/predict/tag"]["post"]["security"] == [{"bearer": []}]
     assert with_key["paths"]["/v2/models/{name}/infer"]["post"]["security"] == [{"bearer": []}]
     assert "security" not in with_key["paths"]["/readyz"]["get"]
-    without = create_app(Settings()).openapi()
+    without = create_app(Settings(model_store=tiny_store)).openapi()
     assert "securitySchemes" not in without.get("components", {})
 
 
