@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from types import TracebackType
 
+from app import tracing
 from app.batching import ClusterView, QueueBacklog, Streamer, Transport
 from app.errors import NotReady, StartupError
 from app.jobs import BatchKey, ImageJob
@@ -159,11 +160,13 @@ class Engine:
         held until the block ends so it is not unloaded under the request. A broker front
         end that knows the model but has seen no worker serve it looks at the workers again
         first (they may have come since its last look)."""
-        try:
-            self.registry.resolve(name, pinned, number)
-        except NotReady:
-            await self.refresh_routes()
-        with self.registry.admit(name, pinned, number) as version:
+        with ExitStack() as held:
+            with tracing.span("admission"):
+                try:
+                    self.registry.resolve(name, pinned, number)
+                except NotReady:
+                    await self.refresh_routes()
+                version = held.enter_context(self.registry.admit(name, pinned, number))
             yield version
 
     def labels(self, served_id: str) -> tuple[str, str]:

@@ -6,15 +6,19 @@ import logging
 import os
 import re
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import tracing
 from app.metrics import Metrics
 
 log = logging.getLogger("app.request")
 
 REQUEST_ID_HEADER = "x-request-id"
 MODEL_ID_HEADER = b"x-model-id"
+# Probes and scrapes: a trace every few seconds from each, of nothing worth seeing.
+UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -43,9 +47,10 @@ class RequestLog:
         state["request_id"] = request_id
         status = 500
         app_state = scope["app"].state if "app" in scope else None
+        reply_started = 0
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, reply_started
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
@@ -54,39 +59,95 @@ class RequestLog:
                 if model_id:
                     headers.append((MODEL_ID_HEADER, model_id.encode()))
                 message = {**message, "headers": headers}
+                if traced:
+                    reply_started = tracing.now_ns()
             await send(message)
+            if traced and message["type"] == "http.response.body" and not message.get("more_body"):
+                tracing.record("reply", reply_started, tracing.now_ns())
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            seconds = time.perf_counter() - started
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            model, version = state.get("model", ""), state.get("model_version", "")
-            inference = "batch_size" in state  # set by the routes that run a model
-            self.metrics.on_request(
-                route, status, seconds, model, str(version), inference=inference
-            )
-            batch_size = state.get("batch_size")
-            served = state.get("model_id")
-            log.info(
-                "%s %s %s %d %.1f ms%s%s",
-                request_id,
-                scope["method"],
-                route,
-                status,
-                seconds * 1000,
-                f" model={served}" if served else "",
-                f" batch={batch_size}" if batch_size else "",
-                extra={
-                    "request_id": request_id,
-                    "method": scope["method"],
-                    "route": route,
-                    "status": status,
-                    "latency_ms": round(seconds * 1000, 2),
-                    "model_id": served,
-                    "batch_size": batch_size,
-                },
-            )
+        method = scope["method"]
+        attributes = {"microbatch.request_id": request_id}
+        traced_path = tracing.on() and scope["path"] not in UNTRACED
+        carrier = _carrier(scope) if traced_path else {}
+        with tracing.request(method, carrier, attributes) if traced_path else tracing.OFF as span:
+            traced = span is not None
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                seconds = time.perf_counter() - started
+                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                if span is not None:
+                    _describe(span, method, route, status, state)
+                self._done(method, state, request_id, route, status, seconds)
+
+    def _done(
+        self,
+        method: str,
+        state: dict[str, Any],
+        request_id: str,
+        route: str,
+        status: int,
+        seconds: float,
+    ) -> None:
+        """The request's metrics and its log line (with its trace, when traced)."""
+        model, version = state.get("model", ""), state.get("model_version", "")
+        inference = "batch_size" in state  # set by the routes that run a model
+        self.metrics.on_request(route, status, seconds, model, str(version), inference=inference)
+        batch_size = state.get("batch_size")
+        served = state.get("model_id")
+        log.info(
+            "%s %s %s %d %.1f ms%s%s",
+            request_id,
+            method,
+            route,
+            status,
+            seconds * 1000,
+            f" model={served}" if served else "",
+            f" batch={batch_size}" if batch_size else "",
+            extra={
+                "request_id": request_id,
+                "method": method,
+                "route": route,
+                "status": status,
+                "latency_ms": round(seconds * 1000, 2),
+                "model_id": served,
+                "batch_size": batch_size,
+                **tracing.log_fields(),
+            },
+        )
+
+
+def _carrier(scope: Scope) -> dict[str, str]:
+    """The request's trace context headers (W3C ``traceparent`` and ``tracestate``)."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in scope["headers"]
+        if name in (b"traceparent", b"tracestate")
+    }
+
+
+def _describe(span: Any, method: str, route: str, status: int, state: dict[str, Any]) -> None:
+    """The request span's name and attributes, once the route and the answer are known."""
+    span.update_name(f"{method} {route}")
+    span.set_attribute("http.request.method", method)
+    span.set_attribute("http.route", route)
+    span.set_attribute("http.response.status_code", status)
+    for key, attribute in STATE_ATTRIBUTES:
+        value = state.get(key)
+        if value not in (None, ""):
+            span.set_attribute(attribute, value)
+    if status >= 500:
+        tracing.set_error(span, status)
+
+
+# What a request's admission and batches put in its state, as span attributes.
+STATE_ATTRIBUTES = (
+    ("model", "microbatch.model"),
+    ("model_version", "microbatch.model.version"),
+    ("model_id", "microbatch.served_id"),
+    ("images", "microbatch.images"),
+    ("batch_size", "microbatch.batch.size"),
+)
 
 
 def _default_model_id(app_state: object) -> str | None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,7 @@ class Workers(ChildProcess):
         *,
         count: int = 1,
         command: list[str] | None = None,
+        environment: Mapping[str, str] | None = None,
         **env: str,
     ) -> None:
         self.redis = redis_server
@@ -120,6 +122,7 @@ class Workers(ChildProcess):
         self.env = {
             **os.environ,
             **broker_env(redis_server.url, store, MB_WORKER_NUM=str(count), MB_WORKER_THREADS="1"),
+            **(environment or {}),
             **env,
         }
         self.process: subprocess.Popen[str] | None = None

@@ -52,6 +52,7 @@ class _Pending(Generic[T, R]):
     deadline: float | None
     trace: Trace | None = None
     run: _Run | None = None  # once dispatched: its batch's run
+    wait: list[int] | None = None  # traced: [enqueued, dispatched] in epoch ns
 
 
 @dataclass(eq=False, slots=True)
@@ -178,7 +179,7 @@ class Streamer(Generic[T, R]):
         Raises ``QueueFull`` at once when the queue is at its bound, ``DeadlineExceeded`` when
         ``timeout_s`` (or the default) passes first, ``NotReady`` while closing, and whatever
         the batch produced for this item otherwise. ``trace``, if given, is filled in with the
-        size of the batch the item ran in and how long it waited in the queue.
+        size of the batch the item ran in and, when it has a ``link``, its time in the queue.
         """
         self.check_admission()
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
@@ -194,6 +195,11 @@ class Streamer(Generic[T, R]):
             None if timeout is None else now + timeout,
             trace,
         )
+        if trace is not None:
+            trace.images += 1
+            if trace.link is not None:
+                item.wait = [time.time_ns(), 0]
+                trace.waits.append(item.wait)
         self._queue.append(item)
         self._wake.set()
         timer = None
@@ -298,6 +304,8 @@ class Streamer(Generic[T, R]):
         for item in batch:
             if item.trace is not None:
                 item.trace.batch_size = len(batch)
+            if item.wait is not None:
+                item.wait[1] = time.time_ns()
         if self._on_batch is not None:
             self._on_batch(batch[0].key, len(batch), waits)
         self._in_flight += 1
@@ -345,7 +353,10 @@ class Streamer(Generic[T, R]):
             self._wake.set()
 
     async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
-        items = [BatchItem(item.id, item.payload, item.deadline) for item in batch]
+        items = [
+            BatchItem(item.id, item.payload, item.deadline, item.trace and item.trace.link)
+            for item in batch
+        ]
         results = await self._batch_fn(key, items)
         self._deliver(batch, results)
 

@@ -107,11 +107,13 @@ class BatchItem(Generic[T]):
     """One item as a transport sees it: its id (results are keyed by it), its payload, and
     the moment its caller stops waiting, on the Streamer's clock (``time.monotonic`` unless
     the Streamer was given another), so a transport can forward it or drop the item.
-    ``None``: no deadline."""
+    ``None``: no deadline. ``link``: its request's trace context (``app.tracing``), when
+    traced, for the worker's batch span."""
 
     id: int
     payload: T
     deadline: float | None = None
+    link: object | None = None
 
 
 class ModelHost(Protocol):

@@ -28,12 +28,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
+from app import tracing
 from app.broker.health import Presence, TroubleLog, vital_thread
 from app.broker.keys import GROUP, HEARTBEAT_S, Keys
 from app.broker.live import LiveView, LiveWorkers
@@ -53,7 +55,7 @@ from app.broker.wire import (
 from app.errors import InferenceError, InvalidImage
 from app.jobs import Task
 from app.repository import Repository
-from app.workers.compute import run_batch
+from app.workers.compute import batch_attributes, run_batch
 from app.workers.handle import rss_bytes
 from app.workers.process import PreparedModel, PreparedWorker
 from app.workers.transfer import results
@@ -242,9 +244,12 @@ class Consumer:
 
     # -- running -----------------------------------------------------------------------------
 
-    def _process(self, stream: str, entries: Sequence[Entry], now_ms: int) -> None:
+    def _process(
+        self, stream: str, entries: Sequence[Entry], now_ms: int, delivery: int = 1
+    ) -> None:
         """Run one stream's entries as batches of its model and answer each; drop what
-        must not run."""
+        must not run. ``delivery``: which time they are handed to a worker (over 1: claimed
+        from a worker that died, a retry)."""
         held = self.versions.model_of(stream)
         if held is None:  # unloaded meanwhile: left pending, for a worker that holds it
             self._trouble.error(
@@ -254,7 +259,7 @@ class Consumer:
         model, task = held
         for start in range(0, len(entries), model.batch_size):
             self._process_batch(
-                model, stream, task, entries[start : start + model.batch_size], now_ms
+                model, stream, task, entries[start : start + model.batch_size], now_ms, delivery
             )
 
     def _process_batch(
@@ -264,6 +269,7 @@ class Consumer:
         task: Task,
         entries: Sequence[Entry],
         now_ms: int,
+        delivery: int = 1,
     ) -> None:
         runnable: list[tuple[EntryId, Request]] = []
         dropped: list[EntryId] = []
@@ -290,7 +296,8 @@ class Consumer:
             started = time.perf_counter()
             self._running = len(runnable)
             try:
-                with self._ahead.computing():
+                with self._ahead.computing(), self._traced(model, task, runnable, delivery):
+                    _queued(runnable, now_ms)
                     replies = self._compute(model, task, runnable)
             finally:
                 self._running = 0
@@ -302,6 +309,25 @@ class Consumer:
         self._replier.answer(stream, replies, dropped)
         if runnable:
             self.worker.memory.after_batch()
+
+    def _traced(
+        self,
+        model: PreparedModel,
+        task: Task,
+        runnable: Sequence[tuple[EntryId, Request]],
+        delivery: int,
+    ) -> AbstractContextManager[Any]:
+        """The batch's span, when any of its requests is traced (``app.tracing.batch``)."""
+        if not tracing.on():
+            return tracing.OFF
+        attributes = batch_attributes(
+            model.spec.served_id,
+            task,
+            **{"microbatch.worker": self.name, "messaging.redis.delivery_count": delivery},
+        )
+        if delivery > 1:  # claimed from a worker that died
+            attributes["microbatch.retry"] = True
+        return tracing.batch([request.traceparent for _, request in runnable], attributes)
 
     def _compute(
         self, model: PreparedModel, task: Task, runnable: Sequence[tuple[EntryId, Request]]
@@ -364,6 +390,18 @@ class Consumer:
             "rss_bytes": rss_bytes(os.getpid()),
             **vars(self.stats),
         }
+
+
+def _queued(runnable: Sequence[tuple[EntryId, Request]], now_ms: int) -> None:
+    """Each traced entry's wait in its stream, as a ``broker queue`` span in its request's
+    trace (from the entry's id time, Redis's clock, to this read)."""
+    if not tracing.on():
+        return
+    read_ns = now_ms * 1_000_000
+    for entry_id, request in runnable:
+        if request.traceparent is not None:
+            enqueued_ns = entry_time_ms(entry_id) * 1_000_000
+            tracing.record("broker queue", enqueued_ns, read_ns, parent=request.traceparent)
 
 
 def _by_kind(

@@ -26,7 +26,8 @@ log = logging.getLogger("app.worker")
 PAGE = 100  # pending entries looked at per round trip
 FORGET_S = 600.0  # heartbeats and idle consumers older than this are cleaned up
 # Run entries of a stream as the consumer runs what it reads: (stream, entries, Redis now).
-Process = Callable[[str, Sequence[Entry], int], None]
+# (stream, entries, Redis's time now in ms, which delivery this is)
+Process = Callable[[str, Sequence[Entry], int, int], None]
 
 
 class OrphanClaims:
@@ -147,7 +148,7 @@ class OrphanClaims:
             reply = encode_error(request.id, 1, error)
             self.replier.answer(stream, [(entry_id, request, reply)], [])
             return
-        self.process(stream, [(entry_id, fields)], self.redis_now_ms())
+        self.process(stream, [(entry_id, fields)], self.redis_now_ms(), delivered + 1)
 
     def _forget_the_long_gone(self, now_ms: int) -> None:
         """Bounded memory: heartbeats not renewed for ``FORGET_S``, and consumers with

@@ -35,6 +35,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from app import tracing
 from app.batching import (
     BatchItem,
     ClusterView,
@@ -287,9 +288,35 @@ class BrokerTransport:
         ttl_ms = NO_DEADLINE_MS
         if item.deadline is not None:
             ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
-        image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
-        fields = encode_request(request_id, self.frontend, task, item.payload.top_k, ttl_ms, image)
         stream = self.keys.stream(served_id, task)
+        attributes = {"messaging.system": "redis", "messaging.destination.name": stream}
+        with tracing.child_of(item.link, "broker", attributes) as span:
+            answer = await self._sent(served_id, task, item, request_id, ttl_ms, stream)
+            if isinstance(answer, ServerError):
+                tracing.failed(span, answer)
+            return answer
+
+    async def _sent(
+        self,
+        served_id: str,
+        task: Task,
+        item: BatchItem[ImageJob],
+        request_id: str,
+        ttl_ms: int,
+        stream: str,
+    ) -> object:
+        """The item sent to the workers through ``stream``, and its reply."""
+        assert self._redis is not None
+        image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
+        fields = encode_request(
+            request_id,
+            self.frontend,
+            task,
+            item.payload.top_k,
+            ttl_ms,
+            image,
+            tracing.traceparent(),
+        )
         counted = self._queue_streams(served_id)
         future = self._waiting.add(request_id, served_id)  # before the entry: a fast reply finds it
         added: Any = None  # the entry id (bytes), or the queue depth (int) when full

@@ -46,6 +46,9 @@ REPLY_ERRORS: dict[str, type[ServerError]] = {
 }
 
 
+TRACEPARENT_LENGTH = 55  # "00-<32 hex>-<16 hex>-<2 hex>"
+
+
 class MalformedMessage(ValueError):
     """A stream entry or a reply that does not follow this format: dropped, never used."""
 
@@ -63,6 +66,7 @@ class Request:
     # (height, width): ``image`` holds that many uint8 RGB pixels, preprocessed (a v2
     # client's FP32 input), rather than an encoded upload.
     pixels: tuple[int, int] | None = None
+    traceparent: str | None = None  # the sender's trace context, when the request is traced
 
     def as_input(self) -> bytes | npt.NDArray[np.uint8]:
         """What a worker runs: the encoded upload, or the pixels as ``[H, W, 3]``."""
@@ -78,9 +82,11 @@ def encode_request(
     top_k: int,
     ttl_ms: int,
     image: bytes | npt.NDArray[np.uint8],
+    traceparent: str | None = None,
 ) -> dict[str, bytes]:
     """The stream entry's fields for one request: an encoded upload, or ``[H, W, 3]`` uint8
-    pixels (their size in the header's ``px``)."""
+    pixels (their size in the header's ``px``); a traced request's W3C ``traceparent`` in
+    the header's ``tp``."""
     header: dict[str, Any] = {
         "v": WIRE_VERSION,
         "id": request_id,
@@ -94,6 +100,8 @@ def encode_request(
             raise ValueError(f"pixels are uint8 [H, W, 3], not {image.dtype} {image.shape}")
         header["px"] = list(image.shape[:2])
         image = np.ascontiguousarray(image).tobytes()
+    if traceparent is not None:
+        header["tp"] = traceparent
     return {"h": json.dumps(header, separators=(",", ":")).encode(), "img": image}
 
 
@@ -152,7 +160,16 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
         ttl_ms=_int(header.get("ttl_ms"), "ttl_ms", 1, MAX_TTL_MS),
         image=image,
         pixels=pixels,
+        traceparent=_traceparent(header.get("tp")),
     )
+
+
+def _traceparent(value: object) -> str | None:
+    """A header's trace context: kept when it has a traceparent's shape, else ignored (a
+    trace is never worth a request)."""
+    if isinstance(value, str) and len(value) == TRACEPARENT_LENGTH:
+        return value
+    return None
 
 
 def text(value: object) -> str:

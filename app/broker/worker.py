@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
 from typing import TYPE_CHECKING, Any
 
+from app import tracing
 from app.broker.supervisor import Supervisor
 from app.errors import ModelNotFound, ModelStoreError, SettingsError, StartupError
 from app.lifecycle import ModelSpec
@@ -93,6 +94,7 @@ def consumer_main(
     # was in place waited, instead of ending the process.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     configure_logging(spec.config.log_level, spec.config.log_format)
+    tracing.configure("worker")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
@@ -158,7 +160,10 @@ def consumer_main(
         ", ".join(f"{id} batch<={m.batch_size}" for id, m in worker.models.items()),
         spec.threads,
     )
-    consumer.run(stop)
+    try:
+        consumer.run(stop)
+    finally:
+        tracing.shutdown()  # export the last spans
 
 
 def load_in_fleet_precision(
@@ -262,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     try:
+        tracing.wanted()  # each worker process turns it on; a setting it cannot honour: now
         plan = plan_serving(settings, Role.WORKERS)
         repository = Repository.of_plan(plan.repository)
         models = [item.spec for item in repository.read_chosen(plan.worker.dtype)]  # fail here
         specs = consumer_specs(plan)
-    except (ModelStoreError, StartupError, ModelNotFound) as exc:
+    except (ModelStoreError, StartupError, ModelNotFound, SettingsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(

@@ -30,9 +30,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from app import tracing
 from app.errors import ServerError
 from app.metrics.labels import (
     BATCH_BUCKETS,
@@ -67,7 +69,7 @@ class Metrics:
         self.remote_workers = remote_workers
         self.multiprocess_dir = multiprocess_dir
         # CPU, memory and open files of the process that answers the scrape.
-        self._live: list[Collector] = [ProcessCollector(registry=None)]
+        self._live: list[Collector] = [ProcessCollector(registry=None), SpansDropped()]
         self._workers: Sequence[WorkerReport] = ()
         self.labels: Labels = lambda served_id: (served_id, "")
         # The same events, per model version, in Triton's form (v2 statistics extension).
@@ -185,6 +187,21 @@ class Metrics:
             path = str(self.multiprocess_dir)
             MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
         return generate_latest(_Joined(registry, *self._live))
+
+
+class SpansDropped(Collector):
+    """Trace spans this process dropped instead of slowing a request (``app.tracing``): a
+    full export queue, or an exporter that failed (a collector down)."""
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "microbatch_trace_spans_dropped",
+            "Trace spans dropped by this process (tracing on), by reason.",
+            labels=["reason"],
+        )
+        for reason, count in tracing.spans_dropped().items():
+            family.add_metric([reason], count)
+        yield family
 
 
 class _Joined:

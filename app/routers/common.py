@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from app import tracing
 from app.batching import Trace
 from app.dependencies import header as read_header
 from app.errors import ClientDisconnected, InvalidParameter
@@ -46,13 +47,15 @@ def request_deadline(request: Request, default_timeout_s: float) -> float:
 
 @contextmanager
 def batch_trace(request: Request) -> Iterator[Trace]:
-    """A ``Trace`` for the Streamer to fill; its batch size goes to the request's log line,
-    whether the prediction succeeds or not."""
-    trace = Trace()
+    """A ``Trace`` for the Streamer to fill; its batch size goes to the request's log line
+    and span, whether the prediction succeeds or not, and its waits to the request's trace."""
+    trace = Trace(link=tracing.link())
     try:
         yield trace
     finally:
         request.state.batch_size = trace.batch_size
+        request.state.images = trace.images
+        tracing.queued(trace.waits)
 
 
 async def _disconnected(request: Request) -> None:

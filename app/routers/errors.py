@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import tracing
 from app.errors import (
     ClientError,
     InvalidRequest,
@@ -54,8 +55,10 @@ def refusal(
     headers: Mapping[str, str] | None = None,
     path: str = "",
 ) -> JSONResponse:
-    """The answer to a domain error, counted under its reason: the one way a refusal leaves."""
+    """The answer to a domain error, counted under its reason and marked on the request's
+    span: the one way a refusal leaves."""
     metrics.on_error(error)
+    tracing.failed(tracing.current(), error)
     extra = dict(headers or {})
     if isinstance(error, Unavailable):
         extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
@@ -104,6 +107,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
+        tracing.failed(tracing.current(), exc)
         path = request.url.path
         return error_response(500, "internal_error", "internal server error", path=path)
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from app import tracing
 from app.dependencies import REQUIRES_API_KEY, admitted, app_settings, header, query_param
 from app.errors import InvalidRequest
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
@@ -94,9 +95,10 @@ async def _upload(request: Request) -> tuple[Upload, float]:
     then the upload."""
     settings = app_settings(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
-    upload = await read_upload(
-        request, settings.max_upload_bytes, max_images=settings.max_images_per_request
-    )
+    with tracing.span("read upload"):
+        upload = await read_upload(
+            request, settings.max_upload_bytes, max_images=settings.max_images_per_request
+        )
     return upload, deadline
 
 

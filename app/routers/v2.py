@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from app import tracing
 from app.dependencies import (
     REQUIRES_API_KEY,
     admitted,
@@ -167,7 +168,8 @@ async def infer(request: Request) -> Response:
     Protocol asks; each image runs through the model once, whichever outputs are asked."""
     settings = app_settings(request)
     name, version = request.path_params["name"], request.path_params.get("version")
-    body, call = http_body.parse(await request.body(), header(request, HEADER_LENGTH))
+    with tracing.span("read upload"):
+        body, call = http_body.parse(await request.body(), header(request, HEADER_LENGTH))
     deadline = inference.shortened(
         request_deadline(request, settings.mb_request_timeout), call.parameters
     )

@@ -30,6 +30,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from app import tracing
 from app.auth import bearer_allows
 from app.batching import Trace
 from app.errors import (
@@ -67,6 +68,7 @@ class Call:
         self.version: ModelVersion | None = None
         self.inference = False
         self.batch_size: int | None = None
+        self.images = 0
         self.error: ServerError | None = None
 
 
@@ -93,26 +95,30 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         needs."""
         started = time.perf_counter()
         call = Call(rpc)
-        try:
-            if key is not None:
-                self._authorize(context, key)
-            return await work(call)
-        except ServerError as error:
-            call.error = error
-            await self._refuse(context, error)
-            raise AssertionError("unreachable: abort raises") from None
-        except asyncio.CancelledError:
-            call.error = ClientDisconnected("the client cancelled the call")
-            raise
-        except Exception:  # a bug: grpc answers UNKNOWN and logs it; counted as a 500 here
-            call.error = ServerError("internal error")
-            raise
-        finally:
-            self._observe(call, time.perf_counter() - started)
+        with tracing.request(f"{SERVICE}/{rpc}", _metadata(context), RPC_ATTRIBUTES) as span:
+            try:
+                if key is not None:
+                    self._authorize(context, key)
+                return await work(call)
+            except ServerError as error:
+                call.error = error
+                await self._refuse(context, error)
+                raise AssertionError("unreachable: abort raises") from None
+            except asyncio.CancelledError:
+                call.error = ClientDisconnected("the client cancelled the call")
+                raise
+            except Exception:  # a bug: grpc answers UNKNOWN and logs it; counted as a 500 here
+                call.error = ServerError("internal error")
+                raise
+            finally:
+                self._observe(call, time.perf_counter() - started, span)
 
-    def _observe(self, call: Call, seconds: float) -> None:
+    def _observe(self, call: Call, seconds: float, span: Any = None) -> None:
+        """The call's metrics, log line and span (when traced)."""
         version, error = call.version, call.error
         model, number = (version.name, str(version.version)) if version else ("", "")
+        if span is not None:
+            _describe(span, call)
         if self.engine.metrics is not None:
             status = http_status(error) if error is not None else 200
             route = f"grpc {call.rpc}"
@@ -126,6 +132,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             seconds * 1000,
             f" model={version.served_id}" if version else "",
             f" batch={call.batch_size}" if call.batch_size else "",
+            extra=tracing.log_fields(),
         )
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], setting: str) -> None:
@@ -279,20 +286,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def one(request: Any) -> None:
             call = Call("ModelStreamInfer")
             started = time.perf_counter()
-            try:
-                response = await self._infer(request, context, call)
-                await answers.put(pb.ModelStreamInferResponse(infer_response=response))
-            except ServerError as error:
-                call.error = error
-                if self.engine.metrics is not None:
-                    self.engine.metrics.on_error(error)
-                failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
-                message = pb.ModelStreamInferResponse(
-                    error_message=error.message, infer_response=failed
-                )
-                await answers.put(message)
-            finally:
-                self._observe(call, time.perf_counter() - started)
+            name = f"{SERVICE}/ModelStreamInfer"
+            with tracing.request(name, _metadata(context), RPC_ATTRIBUTES) as span:
+                try:
+                    response = await self._infer(request, context, call)
+                    await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+                except ServerError as error:
+                    call.error = error
+                    if self.engine.metrics is not None:
+                        self.engine.metrics.on_error(error)
+                    failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
+                    message = pb.ModelStreamInferResponse(
+                        error_message=error.message, infer_response=failed
+                    )
+                    await answers.put(message)
+                finally:
+                    self._observe(call, time.perf_counter() - started, span)
 
         async def read() -> None:
             async for request in requests:
@@ -314,7 +323,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
     async def _infer(self, request: Any, context: Any, call: Call) -> Any:
-        infer = infer_call(request)
+        with tracing.span("read upload"):
+            infer = infer_call(request)
         timeout = self.settings.mb_request_timeout
         remaining = context.time_remaining()
         if remaining is not None:  # the client's gRPC deadline
@@ -322,15 +332,38 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         deadline = inference.shortened(time.monotonic() + timeout, infer.parameters)
         number = request.model_version
         async with self._admitted(context, call, request.model_name, number) as served:
-            trace = Trace()
+            trace = Trace(link=tracing.link())
             call.inference = True
             try:
                 outputs = await inference.infer(
                     served, infer, deadline, trace, max_images=self.settings.max_images_per_request
                 )
             finally:
-                call.batch_size = trace.batch_size
-        return infer_response(served, request.id, outputs)
+                call.batch_size, call.images = trace.batch_size, trace.images
+                tracing.queued(trace.waits)
+        with tracing.span("reply"):
+            return infer_response(served, request.id, outputs)
+
+
+RPC_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": SERVICE}
+
+
+def _describe(span: Any, call: Call) -> None:
+    """The call span's attributes, once it ended."""
+    span.set_attribute("rpc.method", call.rpc)
+    version, error = call.version, call.error
+    code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if version is not None:
+        span.set_attribute("microbatch.model", version.name)
+        span.set_attribute("microbatch.model.version", str(version.version))
+        span.set_attribute("microbatch.served_id", version.served_id)
+    if call.images:
+        span.set_attribute("microbatch.images", call.images)
+    if call.batch_size:
+        span.set_attribute("microbatch.batch.size", call.batch_size)
+    if error is not None:
+        tracing.failed(span, error)
 
 
 def _metadata(context: Any) -> dict[str, str]:

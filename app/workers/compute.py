@@ -4,6 +4,7 @@ whatever brought it (``run_batch``): a pool's worker, from its shared buffer
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 import torch
 
+from app import tracing
 from app.jobs import Task
 from app.workers.buffer import InputBuffer
 from app.workers.messages import BatchDone, RunBatch
@@ -54,19 +56,34 @@ def run_batch(
     if isinstance(images, Sequence):  # encoded uploads
         if prepared.decoder is None:
             raise RuntimeError("an encoded batch reached a worker that does not decode")
-        pixels, errors = prepared.decoder.decode(list(images))  # type: ignore[arg-type]
+        with tracing.span("decode"):
+            pixels, errors = prepared.decoder.decode(list(images))  # type: ignore[arg-type]
     else:
         pixels = images
-    outputs = prepared.runner.run(task, pixels, top_k) if len(pixels) else {}
+    with tracing.span("model", {"microbatch.images": len(pixels)}):
+        outputs = prepared.runner.run(task, pixels, top_k) if len(pixels) else {}
     seconds = time.perf_counter() - started
     return Computed(outputs, errors, torch.get_num_threads(), seconds, prepared.spec.served_id)
+
+
+def batch_attributes(served_id: str, task: Task, **more: Any) -> dict[str, Any]:
+    """A batch span's attributes (``app.tracing.batch``): what ran, and where."""
+    return {
+        "microbatch.served_id": served_id,
+        "microbatch.task": task.value,
+        "process.pid": os.getpid(),
+        **more,
+    }
 
 
 def run_message(worker: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
     """A pool worker's batch, from its shared buffer."""
     prepared = worker.model(message.model)
     images = batch_images(message, buffer, prepared.runner.image_shape)
-    done = run_batch(worker, message.model, message.task, images, message.top_k, message.threads)
+    with tracing.batch(message.traces, batch_attributes(message.model, message.task)):
+        done = run_batch(
+            worker, message.model, message.task, images, message.top_k, message.threads
+        )
     return BatchDone(
         message.batch_id,
         message.ids,

@@ -50,6 +50,7 @@ class RunBatch:
     inline: tuple[bytes | None, ...] = ()
     threads: int = 0  # torch threads for this batch (its own plus any lent); 0: unchanged
     model: str = ""  # the served id of the model to run it on (the worker may hold several)
+    traces: tuple[str | None, ...] = ()  # each item's traceparent (app.tracing), if any traced
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from app import tracing
 from app.batching import BatchItem, QueueBacklog, WorkerStatus
 from app.errors import InferenceError, ModelVersionUnavailable, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
@@ -278,7 +279,15 @@ class WorkerPool:
         threads = batch_threads(worker, self._workers, time.monotonic())
         batch_id = next(self._batch_ids)
         message = RunBatch(
-            batch_id, key.task, ids, max(top_ks, default=0), spans, inline, threads, key.model
+            batch_id,
+            key.task,
+            ids,
+            max(top_ks, default=0),
+            spans,
+            inline,
+            threads,
+            key.model,
+            tracing.carried(items),
         )
         future = worker.send(message)
         reply = await self._wait_reply(worker, future, len(items))

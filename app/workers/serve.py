@@ -13,6 +13,7 @@ import os
 import traceback
 from multiprocessing.connection import Connection, wait
 
+from app import tracing
 from app.logs import configure_logging
 from app.workers.allocator import anonymous_bytes
 from app.workers.buffer import InputBuffer
@@ -40,6 +41,7 @@ log = logging.getLogger("app.worker")
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a pool's worker process."""
     configure_logging(spec.config.log_level, spec.config.log_format)
+    tracing.configure("worker")
     try:
         worker = prepare(spec.config, spec.device, spec.threads, spec.models, spec.load_delay_s)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
@@ -49,7 +51,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         return
     reports = tuple(model.report for model in worker.models.values())
     conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), reports))
-    WorkerLoop(worker, buffer, conn).run()
+    try:
+        WorkerLoop(worker, buffer, conn).run()
+    finally:
+        tracing.shutdown()  # export the last spans
 
 
 class WorkerLoop:
