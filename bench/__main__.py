@@ -12,8 +12,9 @@ multipart JPEG uploads): images/s, p50, p99 and the mean batch the model saw; th
 ratios the project's targets are stated in, against the table in ``bench/targets.py``.
 With ``--baseline``, the same configurations served from an earlier commit's source tree
 (``make bench`` gives the commit before issue #28) run in the same run, and the before/after
-ratios are among the verdicts. The full run (not ``--quick``) ends with ``bench.protocols``:
-the v2 protocol over HTTP and gRPC against /predict/tag, one server, in turns.
+ratios are among the verdicts. The full run (not ``--quick``) ends with ``bench.protocols``
+(the v2 protocol over HTTP and gRPC against /predict/tag, one server, in turns) and
+``bench.tracing`` (tracing off against on at ratios 0.01 and 1.0, in turns).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from app.manifest import read_manifest
 from app.workers.runtimes import cpu_has_bf16
-from bench import protocols
+from bench import protocols, tracing
 from bench.baseline import source_tree
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
@@ -394,6 +395,25 @@ def three_ways(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> P
     )
 
 
+def tracing_cost(
+    args: argparse.Namespace, jpegs: list[bytes], scratch: Path
+) -> dict[int, dict[str, tuple[float, float, float]]]:
+    """``bench.tracing`` on the default model: tracing off, and on at ratios 0.01 and 1.0,
+    in turns. Not in ``--quick`` (three more servers)."""
+    print(f"{tracing.MODEL}, the cost of tracing, in turns:", flush=True)
+    store = scratch / tracing.MODEL
+    if not (store / "manifest.json").exists():
+        export_bench_model(tracing.MODEL, store)
+    return tracing.measure(
+        store,
+        jpegs,
+        clients=list(tracing.CLIENTS),
+        seconds=tracing.SECONDS,
+        rounds=tracing.ROUNDS,
+        threads=args.threads,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -464,8 +484,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model}:", flush=True)
             reports.append(run_model(model, args, jpegs, scratch))
         protocol_report = None if args.quick else three_ways(args, jpegs, scratch)
+        traced = None if args.quick else tracing_cost(args, jpegs, scratch)
     print(f"\nratios (one run, same machine, {time.monotonic() - started:.0f} s):")
     for line in ratios(reports, mach, protocol_report):
+        print("  " + line)
+    for line in tracing.verdicts(traced or {}):
         print("  " + line)
     if args.plot:
         write_plot(reports, args.plot)

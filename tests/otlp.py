@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -86,11 +86,13 @@ def decode(body: bytes) -> list[Received]:
 
 class _Handler(BaseHTTPRequestHandler):
     receiver: Receiver
+    keep: bool
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if self.path == "/v1/traces":
-            self.receiver.spans.extend(decode(body))
+            if self.keep:
+                self.receiver.spans.extend(decode(body))
             self.receiver.posts += 1
             answer = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
@@ -106,11 +108,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def receiving() -> Iterator[Receiver]:
-    """A receiver on a free loopback port, while the generator runs (a fixture's body)."""
+def receiving(keep: bool = True) -> Generator[Receiver, None, None]:
+    """A receiver on a free loopback port, while the generator runs (a fixture's body);
+    ``keep=False``: it answers without decoding or keeping anything (a collector that costs
+    this machine little, for a benchmark)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     receiver = Receiver(f"http://127.0.0.1:{server.server_address[1]}")
-    server.RequestHandlerClass = type("Handler", (_Handler,), {"receiver": receiver})
+    server.RequestHandlerClass = type("Handler", (_Handler,), {"receiver": receiver, "keep": keep})
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -1,0 +1,145 @@
+"""``python -m bench.tracing``: what tracing costs (issue #37). One server per setting, all
+with their defaults and the same model, answering ``/predict/tag`` in turns:
+
+- ``off``: no OTEL_* variable (what every server runs unless asked);
+- ``ratio 0.01`` and ``ratio 1.0``: OTLP/HTTP export to a collector on loopback that answers
+  at once, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio`` at that ratio.
+
+    python -m bench.tracing                         # 1 and 64 clients, 6 rounds of 3 s
+    python -m bench.tracing --rounds 3 --seconds 2
+
+Each round runs the three servers one after another (the order shifts every round); the
+ratio to ``off`` is the median of the rounds' ratios of images/s. The target: within 3% of
+``off`` at a ratio of 0.01. ``python -m bench`` runs this too (not with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.loadgen import LoadResult, closed_loop, multipart_request
+from bench.systems import RunningServer, bench_jpegs, export_bench_model, serve
+from tests.otlp import receiving
+
+HOST = "127.0.0.1"
+MODEL = "efficientnet_lite0"
+CLIENTS = (1, 64)
+ROUNDS, SECONDS = 6, 3.0
+OFF = "off"
+TARGET = 0.97  # at a ratio of 0.01: no more than 3% fewer images/s than off
+
+
+def settings(endpoint: str) -> dict[str, dict[str, str]]:
+    """Each setting's environment."""
+    traced = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+    }
+    return {
+        OFF: {},
+        "ratio 0.01": {**traced, "OTEL_TRACES_SAMPLER_ARG": "0.01"},
+        "ratio 1.0": {**traced, "OTEL_TRACES_SAMPLER_ARG": "1.0"},
+    }
+
+
+async def _run(
+    server: RunningServer, jpegs: list[bytes], clients: int, seconds: float
+) -> LoadResult:
+    requests = [multipart_request(HOST, server.port, "/predict/tag", jpeg) for jpeg in jpegs]
+    return await closed_loop(HOST, server.port, requests, clients=clients, duration_s=seconds)
+
+
+def measure(
+    store: Path,
+    jpegs: list[bytes],
+    *,
+    clients: list[int],
+    seconds: float,
+    rounds: int,
+    threads: int,
+) -> dict[int, dict[str, tuple[float, float, float]]]:
+    """Per concurrency and setting: (median images/s, ratio to off, p99 ms). Prints a table."""
+    table: dict[int, dict[str, tuple[float, float, float]]] = {}
+    collector = receiving(keep=False)
+    receiver = next(collector)
+    with ExitStack() as servers:
+        running = {
+            name: servers.enter_context(
+                serve(
+                    "ours", store, batch_size="32", max_latency=0.005, threads=threads, settings=env
+                )
+            )
+            for name, env in settings(receiver.endpoint).items()
+        }
+        names = list(running)
+        for name in names:  # connections, and the workers' first calls
+            asyncio.run(_run(running[name], jpegs, 8, 1.0))
+        print(f"{'clients':>7} {'setting':>11} {'images/s':>9} {'x off':>6} {'p99 ms':>7}")
+        for count in clients:
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            p99: dict[str, list[float]] = {name: [] for name in names}
+            for turn in range(rounds):
+                for name in names[turn % 3 :] + names[: turn % 3]:
+                    result = asyncio.run(_run(running[name], jpegs, count, seconds))
+                    if result.statuses.keys() - {200}:
+                        raise RuntimeError(f"{name}: answers {dict(result.statuses)}")
+                    rates[name].append(result.rate)
+                    p99[name].append(result.percentile_ms(99))
+            table[count] = {}
+            for name in names:
+                ratios = [r / off for r, off in zip(rates[name], rates[OFF], strict=True)]
+                row = (
+                    statistics.median(rates[name]),
+                    statistics.median(ratios),
+                    statistics.median(p99[name]),
+                )
+                table[count][name] = row
+                print(
+                    f"{count:>7} {name:>11} {row[0]:>9.1f} {row[1]:>6.3f} {row[2]:>7.1f}",
+                    flush=True,
+                )
+    collector.close()
+    return table
+
+
+def verdicts(table: dict[int, dict[str, tuple[float, float, float]]]) -> list[str]:
+    """The issue's target at each concurrency: ratio 0.01 within 3% of off."""
+    lines = []
+    for count, rows in table.items():
+        ratio = rows["ratio 0.01"][1]
+        verdict = "PASS" if ratio >= TARGET else "FAIL"
+        lines.append(
+            f"{verdict} tracing at 0.01, {count} clients: x{ratio:.3f} of off (>= {TARGET})"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tracing", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=SECONDS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        store = export_bench_model(MODEL, Path(scratch) / MODEL)
+        table = measure(
+            store,
+            bench_jpegs(),
+            clients=list(CLIENTS),
+            seconds=args.seconds,
+            rounds=args.rounds,
+            threads=args.threads,
+        )
+    for line in verdicts(table):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
