@@ -13,6 +13,7 @@ imports a web framework, so ``app.batching`` and ``app.workers`` can raise them 
     │   ├── InvalidParameter         a value this server refuses (below)       422
     │   ├── Unauthorized             API_KEY is set and the token is wrong     401
     │   ├── NoClassifier             tags asked of an embedding-only model     404
+    │   ├── NoEmbedding              an embedding asked of a whole-model import 404
     │   ├── ModelNotFound            no such model (or version) here            404
     │   ├── ModelVersionUnavailable  the X-Model-Id pinned is not served now     409
     │   └── ClientDisconnected       the client left before its answer         499
@@ -115,6 +116,13 @@ class NoClassifier(ClientError):
     code = "no_classifier"
 
 
+class NoEmbedding(ClientError):
+    """The served model answers tags only: it was imported whole (a TorchServe archive
+    whose head could not be split off), so its only features are its logits."""
+
+    code = "no_embedding"
+
+
 class ModelNotFound(ClientError):
     """A request names a model (or a version of one) this server does not have."""
 
@@ -205,6 +213,7 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (InvalidImage, 400),
     (Unauthorized, 401),
     (NoClassifier, 404),
+    (NoEmbedding, 404),
     (ModelNotFound, 404),
     (ModelVersionUnavailable, 409),
     (PayloadTooLarge, 413),
@@ -226,6 +235,7 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
 GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
     (Unauthorized, "UNAUTHENTICATED"),
     (NoClassifier, "NOT_FOUND"),
+    (NoEmbedding, "NOT_FOUND"),
     (ModelNotFound, "NOT_FOUND"),
     (ModelVersionUnavailable, "FAILED_PRECONDITION"),
     (PayloadTooLarge, "RESOURCE_EXHAUSTED"),

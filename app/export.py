@@ -55,6 +55,7 @@ from app.exporters.base import (
     SplitModel,
 )
 from app.exporters.checkpoints import describe
+from app.exporters.from_mar import import_mar
 from app.exporters.precision import PrecisionRequest
 from app.exporters.registry import build_model, list_names, resolve
 from app.exporters.store import (
@@ -213,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
     own = parser.add_argument_group("your own TorchScript model")
     own.add_argument("--from-torchscript", type=Path, metavar="FILE", help="images -> [N, D]")
     own.add_argument("--classifier-torchscript", type=Path, metavar="FILE", help="[N, D] -> logits")
+    mar = parser.add_argument_group("a TorchServe model archive (docs/models.md)")
+    mar.add_argument("--from-mar", type=Path, metavar="FILE", help="a .mar to import")
+    mar.add_argument(
+        "--trust-archive-code",
+        action="store_true",
+        help="an eager archive: import its model file in a separate process to script it",
+    )
     parser.add_argument("--classes", type=Path, metavar="FILE", help="one label per line")
     parser.add_argument(
         "--name",
@@ -285,8 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list is not None:
         print("\n".join(list_names(args.list)))
         return 0
-    if args.from_torchscript and (args.arch or args.weights or args.no_classifier):
-        parser.error("--from-torchscript takes none of --arch, --weights, --no-classifier")
+    source = args.from_torchscript or args.from_mar
+    if source and (args.arch or args.weights or args.no_classifier):
+        parser.error("--from-torchscript and --from-mar take none of --arch, --weights, ...")
+    if args.from_mar and (args.from_torchscript or args.classes):
+        parser.error("--from-mar takes its model and classes from the archive")
     if args.classifier_torchscript and not args.from_torchscript:
         parser.error("--classifier-torchscript needs --from-torchscript")
     if args.classes and args.no_classifier:
@@ -299,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         except ClientError as exc:
             parser.error(f"argument --name: {exc}")
     arch, weights = args.arch or DEFAULT_ARCH, args.weights or "pretrained"
-    if not args.from_torchscript:
+    if not source:
         try:
             resolve(arch)
         except ExportError as exc:
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "std": args.std,
     }
     preprocessing = {key: value for key, value in fields.items() if value is not None}
-    if weights == "random" and not args.from_torchscript:
+    if weights == "random" and not source:
         log.warning(
             "WARNING: exporting %s with RANDOM weights: its tags and embeddings are "
             "meaningless. Use this for tests and benchmarks only.",
@@ -322,7 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         precision = PrecisionRequest(args.precision, args.calibrate, args.accept_accuracy_loss)
         classes = read_labels(args.classes) if args.classes else None
-        if args.from_torchscript:
+        if args.from_mar:
+            manifest, archive = import_mar(
+                args.from_mar,
+                out,
+                preprocessing=preprocessing,
+                override=_override,
+                runtimes=args.runtimes,
+                precision=precision,
+                trust_code=args.trust_archive_code,
+            )
+            for line in archive.suggestions():  # model-config.yaml asked TorchServe for these
+                log.info("suggested by its model-config.yaml (not applied): %s", line)
+        elif args.from_torchscript:
             manifest = export_torchscript(
                 args.from_torchscript,
                 out,

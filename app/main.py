@@ -34,7 +34,7 @@ from app.logs import configure_logging
 from app.metrics import LiveState, Metrics, VersionState
 from app.observability import RequestLog
 from app.plan import plan_serving
-from app.routers import meta, predict, repository, v2
+from app.routers import meta, predict, repository, torchserve, v2
 from app.routers.direct import DirectApp
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.services.models import ModelManager
@@ -256,11 +256,15 @@ def create_app(
     app.include_router(v2.router)
     app.include_router(v2.infer_router)
     app.include_router(repository.router)
+    app.include_router(torchserve.predictions)
+    app.include_router(torchserve.router)
     if settings.admin_api_key is not None:  # without it, the routes are not there at all
         app.include_router(repository.admin)
     if settings.api_key is None:
         _without_security(app)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     # The prediction routes, straight from the server, inside the middleware above.
-    app.route_directly([*predict.router.routes, *v2.infer_router.routes])
+    app.route_directly(
+        [*predict.router.routes, *v2.infer_router.routes, *torchserve.predictions.routes]
+    )
     return app

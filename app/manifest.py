@@ -144,6 +144,19 @@ class Speeds(BaseModel):
     cpu: str = ""
 
 
+class Imported(BaseModel):
+    """Where an imported model came from (``python -m app.export --from-mar``): the archive's
+    file name, its model name, version and handler, and whether the preprocessing is the
+    stock handler's or was given by hand (a custom handler is never run)."""
+
+    kind: Literal["torchserve-mar"] = "torchserve-mar"
+    archive: str
+    model_name: str
+    model_version: str
+    handler: str
+    preprocessing: Literal["stock image_classifier", "given by hand"]
+
+
 class Manifest(BaseModel):
     """What ``manifest.json`` says. An embedding-only export has ``num_classes`` 0 and no
     ``classifier`` or ``classes`` file. ``runtimes`` lists the artifacts derived for other
@@ -165,6 +178,10 @@ class Manifest(BaseModel):
     calibration: Calibration | None = None
     speeds: Speeds | None = None  # absent from stores exported before they were measured
     content: Content | None = None  # absent from older stores: their id is the manifest's
+    # False: the embedding model gives the logits (a whole model imported unsplit, such as a
+    # TorchServe archive's): it answers tags only, never those logits as an embedding.
+    embedding_served: bool = True
+    imported: Imported | None = None
     # sha256 of manifest.json as read (not part of it): the export's identity.
     digest: str = Field(default="", exclude=True)
 
@@ -175,6 +192,8 @@ class Manifest(BaseModel):
             raise ValueError("the embedding model is missing from files")
         if has_head != ("classes" in self.files) or has_head != (self.num_classes > 0):
             raise ValueError("a classifier comes with its classes file and num_classes > 0")
+        if not self.embedding_served and not has_head:
+            raise ValueError("a model that serves no embedding must have a classifier")
         if self.calibration is not None and self.calibration.precision != self.precision:
             raise ValueError("the calibration is for another precision than the export's")
         if self.precision == "int8" and (self.calibration is None or not self.int8_files):

@@ -79,6 +79,7 @@ class SplitModel:
     input: InputSpec
     embedding_dim: int
     num_classes: int
+    embedding_served: bool = True  # False: ``embedding`` gives the logits (an unsplit import)
 
 
 @dataclass(frozen=True)

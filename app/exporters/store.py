@@ -16,7 +16,14 @@ from app.exporters.measure import content_of, speeds_of
 from app.exporters.openvino_ir import Source, derive_openvino, remove_derived
 from app.exporters.precision import GOLDEN_FILE, PrecisionRequest, lower_precision
 from app.exporters.program import export_programs
-from app.manifest import MANIFEST_NAME, FileEntry, InputSpec, Manifest, sha256_file
+from app.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Imported,
+    InputSpec,
+    Manifest,
+    sha256_file,
+)
 from app.workers.models import quiet_torchscript
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -111,6 +118,7 @@ def export_split(
     classes: list[str] | None = None,
     runtimes: Collection[str] = DERIVED_RUNTIMES,
     precision: PrecisionRequest | None = None,
+    imported: Imported | None = None,
 ) -> Manifest:
     """Trace the embedding model (and the classifier, if any), write them with ``classes``
     into ``out`` with their ``torch.export`` programs, derive the other ``runtimes``' models
@@ -180,6 +188,8 @@ def export_split(
         files=files,
         runtimes=derived,
         program=program,
+        embedding_served=split.embedding_served,
+        imported=imported,
     )
     manifest = manifest.model_copy(
         update={"content": content_of(out, manifest), "speeds": speeds_of(out, manifest)}
@@ -208,6 +218,8 @@ def export_module(
     weights: str = "custom",
     runtimes: Collection[str] = DERIVED_RUNTIMES,
     precision: PrecisionRequest | None = None,
+    embedding_served: bool = True,
+    imported: Imported | None = None,
 ) -> Manifest:
     """Export any model that timm and torchvision do not build: ``embedding`` maps normalised
     images [N, 3, S, S] (S = ``input.crop_size``) to features [N, D]; the optional
@@ -248,6 +260,7 @@ def export_module(
         input=input,
         embedding_dim=dim,
         num_classes=num_classes,
+        embedding_served=embedding_served,
     )
     return export_split(
         split,
@@ -257,4 +270,5 @@ def export_module(
         classes=classes,
         runtimes=runtimes,
         precision=precision,
+        imported=imported,
     )

@@ -70,16 +70,25 @@ class Upload:
         return [image.filename for image in self.images]
 
 
-async def read_upload(request: Request, max_bytes: int, max_images: int = 1) -> Upload:
+async def read_upload(
+    request: Request,
+    max_bytes: int,
+    max_images: int = 1,
+    *,
+    image_fields: frozenset[str] = frozenset({FILE_FIELD}),
+    any_body: bool = False,
+) -> Upload:
     """The uploaded image(s) (413 as soon as the body passes ``max_bytes``, or the form holds
-    more than ``max_images`` images, without reading on)."""
+    more than ``max_images`` images, without reading on). ``image_fields``: the form fields
+    that hold images; ``any_body``: a body that is not a form is the image, whatever its
+    Content-Type (TorchServe's clients send none with ``curl -T``)."""
     media_type, options = parse_options_header(request.headers.get("content-type"))
     if media_type == b"multipart/form-data":
         boundary = options.get(b"boundary")
         if not boundary:
             raise ClientError("the multipart Content-Type has no boundary")
-        return await _read_form(request, boundary, max_bytes, max_images)
-    if media_type.startswith(RAW_BODY_TYPES):
+        return await _read_form(request, boundary, max_bytes, max_images, image_fields)
+    if any_body or media_type.startswith(RAW_BODY_TYPES):
         return Upload([Image(await _read_body(request, max_bytes))])
     raise InvalidRequest(HOW_TO_SEND)
 
@@ -109,9 +118,15 @@ async def _chunks(request: Request) -> AsyncIterator[bytes]:
 class _Form:
     """python-multipart callbacks that keep the image parts and the small text fields."""
 
-    def __init__(self, max_bytes: int, max_images: int) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        max_images: int,
+        image_fields: frozenset[str] = frozenset({FILE_FIELD}),
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_images = max_images
+        self.image_fields = image_fields
         self.images: list[Image] = []
         self.fields: dict[str, str] = {}
         self.other_files: list[str] = []  # file parts not named image: refused
@@ -156,7 +171,7 @@ class _Form:
         _, options = parse_options_header(self._headers.get(b"content-disposition"))
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
         self._filename = options.get(b"filename", b"").decode("utf-8", "replace")[:200]
-        self._is_image = self._name == FILE_FIELD
+        self._is_image = self._name in self.image_fields
         self._skip = not self._is_image and b"filename" in options
         if self._is_image:
             if len(self.images) >= self.max_images:
@@ -187,8 +202,14 @@ class _Form:
             self.fields[self._name] = self._data.decode("utf-8", "replace")
 
 
-async def _read_form(request: Request, boundary: bytes, max_bytes: int, max_images: int) -> Upload:
-    form = _Form(max_bytes, max_images)
+async def _read_form(
+    request: Request,
+    boundary: bytes,
+    max_bytes: int,
+    max_images: int,
+    image_fields: frozenset[str] = frozenset({FILE_FIELD}),
+) -> Upload:
+    form = _Form(max_bytes, max_images, image_fields)
     try:
         parser = MultipartParser(boundary, form.callbacks())  # refuses a boundary too long
         async for chunk in _chunks(request):
@@ -199,8 +220,10 @@ async def _read_form(request: Request, boundary: bytes, max_bytes: int, max_imag
         raise ClientError("malformed multipart body: it ends before its closing boundary")
     if form.other_files:
         names = ", ".join(repr(name) for name in form.other_files)
-        missing = "" if form.images else f"the form field '{FILE_FIELD}' is missing; "
+        wanted = " or ".join(f"'{name}'" for name in sorted(image_fields))
+        missing = "" if form.images else f"the form field {wanted} is missing; "
         raise InvalidRequest(f"{missing}unexpected file field(s) {names}; {HOW_TO_SEND}")
     if not form.images:
-        raise InvalidRequest(f"the form field '{FILE_FIELD}' is missing; {HOW_TO_SEND}")
+        wanted = " or ".join(f"'{name}'" for name in sorted(image_fields))
+        raise InvalidRequest(f"the form field {wanted} is missing; {HOW_TO_SEND}")
     return Upload(form.images, form.fields)

@@ -20,6 +20,7 @@ from app.errors import (
     InvalidParameter,
     InvalidRequest,
     NoClassifier,
+    NoEmbedding,
 )
 from app.images import preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
@@ -138,6 +139,14 @@ class Predictor:
                 "/predict/embedding only"
             )
 
+    def require_embedding(self) -> None:
+        """``NoEmbedding`` (404) when the served model answers tags only."""
+        if not self.manifest.embedding_served:
+            raise NoEmbedding(
+                f"the served model ({self.manifest.model_id}) serves no embedding: it was "
+                "imported whole, its only features are its logits; it answers /predict/tag"
+            )
+
     async def _many(
         self,
         task: Task,
@@ -186,6 +195,7 @@ class Predictor:
     ) -> npt.NDArray[np.float32]:
         """The embeddings of encoded images, ``[len(images), dim]`` float32 in order,
         answered before ``deadline`` (monotonic)."""
+        self.require_embedding()
         results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names)
         return np.stack([np.asarray(result, dtype=np.float32) for result in results])
 
@@ -240,6 +250,7 @@ class Predictor:
             return Inference(await self.embeddings(images, deadline, trace), None)
         if not embedding:
             return Inference(None, await self.top_k(images, k, deadline, trace))
+        self.require_embedding()
         k = self.labels_to_return(k)
         results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, ())
         assert all(isinstance(result, EmbeddingAndTopK) for result in results)

@@ -81,7 +81,11 @@ def tensor_specs(manifest: Manifest) -> tuple[list[dict[str, Any]], list[dict[st
         {"name": IMAGE, "datatype": BYTES, "shape": [-1]},
         {"name": PIXELS, "datatype": "FP32", "shape": [-1, 3, crop, crop]},
     ]
-    outputs = [{"name": EMBEDDING, "datatype": "FP32", "shape": [-1, manifest.embedding_dim]}]
+    outputs = []
+    if manifest.embedding_served:
+        outputs.append(
+            {"name": EMBEDDING, "datatype": "FP32", "shape": [-1, manifest.embedding_dim]}
+        )
     if manifest.has_classifier:
         outputs += [
             {"name": TOP_K_PROBS, "datatype": "FP32", "shape": [-1, -1]},
@@ -179,7 +183,10 @@ def shortened(deadline: float, parameters: dict[str, Any]) -> float:
 
 def _asked(call: InferCall, manifest: Manifest) -> tuple[list[Requested], int | None]:
     """The outputs to answer and ``k``: one value, from ``parameters.k`` or a class count."""
-    known = [EMBEDDING, *(CLASSIFIER_OUTPUTS if manifest.has_classifier else ())]
+    known = [
+        *((EMBEDDING,) if manifest.embedding_served else ()),
+        *(CLASSIFIER_OUTPUTS if manifest.has_classifier else ()),
+    ]
     asked = list(call.outputs) or [Requested(name) for name in known]
     counts: set[int] = set()
     for output in asked:
