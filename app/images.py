@@ -139,7 +139,8 @@ def preprocess(
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             # JPEG only: let the decoder scale down by 1/2..1/8 while staying >= the target.
-            image.draft("RGB", (spec.resize_size, spec.resize_size))
+            if spec.reduced_decode:
+                image.draft("RGB", (spec.resize_size, spec.resize_size))
             ImageOps.exif_transpose(image, in_place=True)  # copies nothing unless it turns
             image = _to_rgb(image)
             return _resize_center_crop(image, spec)

@@ -28,11 +28,22 @@ class InputSpec(BaseModel):
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    # True: a large JPEG is decoded at 1/2..1/8 scale while both sides stay at least
+    # resize_size (Pillow's draft, libjpeg's DCT scaling: much faster, nearly the same
+    # pixels). False: at full size, as torchvision's transforms after PIL.Image.open see it
+    # (an imported TorchServe archive answers as its stock handler does).
+    reduced_decode: bool = True
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         """One preprocessed image as uint8 pixels: (height, width, RGB)."""
         return (self.crop_size, self.crop_size, 3)
+
+
+def _defaults_left_out(spec: InputSpec) -> set[str]:
+    """InputSpec fields left out of an identity at their default: a store exported before
+    they existed keeps its served id."""
+    return {"reduced_decode"} if spec.reduced_decode else set()
 
 
 class FileEntry(BaseModel):
@@ -239,7 +250,7 @@ class Manifest(BaseModel):
         fields = {
             "scheme": self.content.scheme,
             "arch": self.arch,
-            "input": self.input.model_dump(mode="json"),
+            "input": self.input.model_dump(mode="json", exclude=_defaults_left_out(self.input)),
             "embedding_dim": self.embedding_dim,
             "num_classes": self.num_classes,
             "classes": self.files["classes"].sha256 if "classes" in self.files else None,

@@ -37,9 +37,15 @@ from app.manifest import Imported, InputSpec, Manifest
 log = logging.getLogger("app.export")
 
 # The stock image_classifier handler's transform (ts/torch_handler/image_classifier.py):
-# Resize(256), CenterCrop(224), ToTensor, Normalize(ImageNet), torchvision's bilinear.
+# PIL.Image.open (a JPEG at full size), Resize(256), CenterCrop(224), ToTensor,
+# Normalize(ImageNet), torchvision's bilinear.
 STOCK_INPUT = InputSpec(
-    crop_size=224, resize_size=256, interpolation="bilinear", mean=IMAGENET_MEAN, std=IMAGENET_STD
+    crop_size=224,
+    resize_size=256,
+    interpolation="bilinear",
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
+    reduced_decode=False,
 )
 SPLIT_TOLERANCE = 1e-4  # relative to the logits' scale
 SCRIPT_TIMEOUT_S = 600

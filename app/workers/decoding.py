@@ -136,6 +136,8 @@ def draft_factor(width: int, height: int, spec: InputSpec) -> int:
     sides at least ``spec.resize_size``, else 1 (Pillow's ``draft`` rule). libjpeg-turbo can
     scale by other eighths too, but those decode slower, at times slower than full size
     (``python -m bench.decode_stages``)."""
+    if not spec.reduced_decode:
+        return 1
     scale = min(width, height) // spec.resize_size
     return next(factor for factor in (8, 4, 2) if scale >= factor) if scale >= 2 else 1
 
