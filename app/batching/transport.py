@@ -72,6 +72,7 @@ class WorkerStatus:
     batches: int  # model calls it has run
     items: int  # images it has been given
     rss_bytes: int | None = None  # its resident memory
+    cpu_seconds: float | None = None  # the CPU time it has used (user + system)
     restarts: int = 0  # times this worker slot was restarted after dying or hanging
     runtime: str | None = None  # what runs its model (MB_RUNTIME), once it is ready
     name: str | None = None  # broker mode: "<host>:<index>"

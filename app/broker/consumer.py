@@ -388,6 +388,7 @@ class Consumer:
             "alive": True,
             "running": self._running,
             "rss_bytes": rss_bytes(os.getpid()),
+            "cpu_seconds": round(time.process_time(), 3),
             **vars(self.stats),
         }
 

@@ -165,7 +165,8 @@ class BrokerTransport:
             WorkerStatus(
                 index=w.index, device=w.device, threads=w.threads, pid=w.pid, ready=w.ready,
                 alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
-                rss_bytes=w.rss_bytes, restarts=w.restarts, name=w.name, host=w.host,
+                rss_bytes=w.rss_bytes, cpu_seconds=w.cpu_seconds, restarts=w.restarts,
+                name=w.name, host=w.host,
                 runtime=w.runtime,
                 models=tuple(
                     HeldModel(

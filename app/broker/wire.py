@@ -346,6 +346,7 @@ class WorkerInfo(BaseModel):
     alive: bool
     running: int = Field(ge=0)
     rss_bytes: int | None = Field(None, ge=0)
+    cpu_seconds: float | None = Field(None, ge=0)  # absent from workers before it
     restarts: int = Field(ge=0)
     runtime: str | None = Field(None, max_length=32)  # absent from workers before runtimes
     batches: int = Field(ge=0)

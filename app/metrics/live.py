@@ -69,10 +69,17 @@ class LiveGauges(Collector):
             "Resident memory of each model worker.",
             labels=["worker", "device"],
         )
+        cpu = CounterMetricFamily(
+            "microbatch_worker_cpu_seconds",
+            "CPU time (user + system) each model worker has used since it started.",
+            labels=["worker", "device"],
+        )
         for worker in state.workers:
+            name = worker.name or str(worker.index)
             if worker.rss_bytes is not None:
-                name = worker.name or str(worker.index)
                 memory.add_metric([name, worker.device], worker.rss_bytes)
+            if worker.cpu_seconds is not None:
+                cpu.add_metric([name, worker.device], worker.cpu_seconds)
         runtimes = GaugeMetricFamily(
             "microbatch_worker_runtime",
             "1 for each model a ready worker holds, labelled with the runtime it serves it with "
@@ -95,7 +102,7 @@ class LiveGauges(Collector):
             "microbatch_worker_restarts", "Workers restarted after dying or hanging."
         )
         restarts.add_metric([], sum(worker.restarts for worker in state.workers))
-        yield from (depth, in_flight, alive, ready, memory, runtimes, model_memory, restarts)
+        yield from (depth, in_flight, alive, ready, memory, cpu, runtimes, model_memory, restarts)
         yield from _versions(state.versions)
 
 

@@ -66,6 +66,7 @@ def _worker_entry(spec: WorkerSpec, conn: Connection) -> None:
 
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def rss_bytes(pid: int | None) -> int | None:
@@ -77,6 +78,19 @@ def rss_bytes(pid: int | None) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * PAGE_BYTES
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """A process's CPU time, user and system (Linux's /proc), or None where it cannot be
+    read."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks / CLOCK_TICKS
 
 
 async def wait_for_exit(process: BaseProcess, timeout_s: float) -> None:
@@ -229,6 +243,7 @@ class WorkerHandle:
             batches=self.batches,
             items=self.items,
             rss_bytes=rss_bytes(self.process.pid) if self.alive else None,
+            cpu_seconds=cpu_seconds(self.process.pid) if self.alive else None,
             restarts=restarts,
             runtime=first.runtime if first is not None else None,
             models=tuple(held),
