@@ -20,7 +20,7 @@ HELM   := $(TOOLS)/bin/helm
 HELM_ENV := PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" HELM_CACHE_HOME="$(CURDIR)/$(TOOLS)/helm/cache" \
 	HELM_CONFIG_HOME="$(CURDIR)/$(TOOLS)/helm/config" HELM_DATA_HOME="$(CURDIR)/$(TOOLS)/helm/data"
 
-.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model grpc-code install install-dev redis-server jemalloc helm check-k8s clean
+.PHONY: run run-cluster test check-install lint bench bench-quick soak soak-quick chaos rollout loadtest model grpc-code install install-dev redis-server prometheus jemalloc helm check-k8s clean
 
 # What the server reads: MODEL_REPOSITORY=DIR when given (several models), else MODEL_STORE
 # (exported by `make model` when missing).
@@ -35,7 +35,7 @@ run-cluster: install redis-server $(SERVED_MODEL)  ## broker mode on one machine
 	HOST=$(HOST) PORT=$(PORT) $(SERVED) $(PY) -m app.broker.cluster \
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
 
-test: install-dev redis-server  ## whole test suite (CPU only) plus lint
+test: install-dev redis-server prometheus  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests bench .ci
 	$(PY) -m mypy
 	$(PY) -m pytest
@@ -118,6 +118,24 @@ redis-server:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else \
 	    echo "note: redis-server is missing and cannot be installed here: the broker tests skip"; \
+	  fi; }
+
+# The dashboard and alerting rules (deploy/grafana, deploy/prometheus) are tested against a real
+# Prometheus and with promtool: Debian's package, installed like redis-server (without its
+# recommended node exporter); without it those tests skip (CI requires it). Where systemd runs,
+# the package starts its service on :9090: stopped and disabled again, as the tests start their
+# own on a free port.
+prometheus:
+	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing prometheus and promtool (Debian package prometheus)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus >/dev/null; \
+	    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then \
+	      systemctl disable --now prometheus >/dev/null 2>&1 || true; \
+	    fi; \
+	  else \
+	    echo "note: prometheus is missing and cannot be installed here: the dashboard tests skip"; \
 	  fi; }
 
 # Model workers run on jemalloc (app/workers/allocator.py): Debian's libjemalloc2, installed

@@ -1,6 +1,6 @@
 """Field checks for the custom resources the chart renders, which kubernetes-validate has no
-schema for: KEDA's ScaledObject, the Prometheus Operator's ServiceMonitor and KServe's
-ServingRuntime.
+schema for: KEDA's ScaledObject, the Prometheus Operator's ServiceMonitor and PrometheusRule,
+and KServe's ServingRuntime.
 
 Each is a small declarative description of the documented fields, at every level the chart
 uses: the keys allowed there, their types and the required ones. An unknown key fails, as the
@@ -311,6 +311,46 @@ SERVICE_MONITOR = _resource(
     ),
 )
 
+# Prometheus Operator PrometheusRule, monitoring.coreos.com/v1:
+#   https://prometheus-operator.dev/docs/api-reference/api/#monitoring.coreos.com/v1.PrometheusRuleSpec
+#   https://prometheus-operator.dev/docs/api-reference/api/#monitoring.coreos.com/v1.RuleGroup
+#   https://prometheus-operator.dev/docs/api-reference/api/#monitoring.coreos.com/v1.Rule
+# (the CRD: example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml, v0.84).
+_RULE = Obj(
+    {
+        "alert": str,
+        "record": str,
+        "expr": (str, int),
+        "for": str,
+        "keep_firing_for": str,
+        "labels": MapOf(str),
+        "annotations": MapOf(str),
+    },
+    required=frozenset({"expr"}),
+)
+PROMETHEUS_RULE = _resource(
+    "monitoring.coreos.com/v1",
+    "PrometheusRule",
+    Obj(
+        {
+            "groups": ListOf(
+                Obj(
+                    {
+                        "name": str,
+                        "labels": MapOf(str),
+                        "interval": str,
+                        "query_offset": str,
+                        "limit": int,
+                        "partial_response_strategy": str,
+                        "rules": ListOf(_RULE),
+                    },
+                    required=frozenset({"name"}),
+                )
+            ),
+        }
+    ),
+)
+
 # KServe ServingRuntime, serving.kserve.io/v1alpha1 (ServingRuntimeSpec, with
 # ServingRuntimePodSpec inline):
 #   https://kserve.github.io/website/docs/reference/crd-api (ServingRuntimeSpec)
@@ -371,6 +411,7 @@ SERVING_RUNTIME = _resource(
 CUSTOM_RESOURCES: dict[tuple[str, str], Obj] = {
     ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE,
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): SERVING_RUNTIME,
 }
 

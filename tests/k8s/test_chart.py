@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +25,7 @@ from tests.k8s.conftest import (
     PROFILE_DIR,
     PROFILES,
     RELEASE,
+    REPO,
     REQUIRED_PROFILES,
     profile_path,
     render,
@@ -114,6 +117,9 @@ def chart_values() -> dict[str, Any]:
         "workers.autoscaling.bogusKey=1",
         "redis.bogusKey=1",
         "grpc.bogusKey=1",
+        "observability.bogusKey=1",
+        "observability.grafanaDashboard.bogusKey=1",
+        "observability.prometheusRule.bogusKey=1",
     ],
 )
 def test_the_values_schema_rejects_unknown_keys(chart: Path, setting: str) -> None:
@@ -271,8 +277,31 @@ def rendered_or_sample(kind: str, sample: dict[str, Any]) -> list[dict[str, Any]
     return [copy.deepcopy(sample), *found]
 
 
+PROMETHEUS_RULE: dict[str, Any] = {
+    "apiVersion": "monitoring.coreos.com/v1",
+    "kind": "PrometheusRule",
+    "metadata": {"name": "r"},
+    "spec": {
+        "groups": [
+            {
+                "name": "g",
+                "rules": [
+                    {
+                        "alert": "A",
+                        "expr": "up == 0",
+                        "for": "5m",
+                        "labels": {"severity": "warning"},
+                        "annotations": {"summary": "s"},
+                    }
+                ],
+            }
+        ]
+    },
+}
+
+
 def test_the_samples_pass_the_field_checks() -> None:
-    for doc in (SCALED_OBJECT, SERVICE_MONITOR, SERVING_RUNTIME):
+    for doc in (SCALED_OBJECT, SERVICE_MONITOR, SERVING_RUNTIME, PROMETHEUS_RULE):
         assert crds.check(doc) == [], m.ident(doc)
 
 
@@ -308,6 +337,18 @@ def test_a_bad_serving_runtime_container_fails() -> None:
         doc["spec"]["containers"][0]["portz"] = []
         errors = crds.check(doc)
         assert any("spec.containers: not a valid" in e for e in errors), (m.ident(doc), errors)
+
+
+def test_a_typo_in_a_prometheus_rule_fails() -> None:
+    for doc in rendered_or_sample("PrometheusRule", PROMETHEUS_RULE):
+        rule = doc["spec"]["groups"][0]["rules"][0]
+        rule["exprr"] = rule.pop("expr")
+        errors = crds.check(doc)
+        assert "spec.groups[0].rules[0].exprr: unknown key (did you mean 'expr'?)" in errors, (
+            m.ident(doc),
+            errors,
+        )
+        assert "spec.groups[0].rules[0].expr: required key missing" in errors
 
 
 def test_a_missing_required_field_fails() -> None:
@@ -470,6 +511,64 @@ def test_the_service_monitor_scrapes_the_front_ends() -> None:
     assert m.selector_matches(spec["selector"], m.labels(service))
     assert [(e.get("port"), e.get("path")) for e in spec["endpoints"]] == [("http", "/metrics")]
     assert "http" in [p.get("name") for p in service["spec"]["ports"]]
+
+
+# -- observability: the dashboard and the alerts of deploy/, one copy each -------------------
+
+DASHBOARD = REPO / "deploy" / "grafana" / "microbatch.json"
+RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
+OBSERVABILITY_PROFILE = "observability"
+
+
+def dashboard_config_maps(docs: list[m.Doc]) -> list[m.Doc]:
+    return [
+        doc
+        for doc in m.of_kind(docs, "ConfigMap")
+        if m.labels(doc).get("grafana_dashboard") is not None
+    ]
+
+
+def test_the_chart_reads_the_dashboard_and_rules_of_deploy_through_symlinks() -> None:
+    """One source of truth: the chart's files are links to deploy/ (helm follows them), never
+    copies that could drift from what the tests prove."""
+    for name, target in (
+        ("grafana-dashboard.json", DASHBOARD),
+        ("prometheus-rules.yaml", RULES),
+    ):
+        link = CHART / "files" / name
+        assert link.is_symlink(), f"{link.relative_to(REPO)} is not a symlink to {target}"
+        assert not Path(os.readlink(link)).is_absolute(), "an absolute link breaks in a clone"
+        assert link.resolve() == target.resolve()
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p != OBSERVABILITY_PROFILE])
+def test_the_dashboard_and_the_rules_are_off_unless_asked(profile: str) -> None:
+    docs = render(profile)
+    assert m.of_kind(docs, "PrometheusRule") == []
+    assert dashboard_config_maps(docs) == []
+    values = chart_values()["observability"]
+    assert not values["grafanaDashboard"]["enabled"] and not values["prometheusRule"]["enabled"]
+
+
+def test_the_observability_profile_holds_the_dashboard_for_grafanas_sidecar() -> None:
+    found = dashboard_config_maps(render(OBSERVABILITY_PROFILE))
+    assert len(found) == 1, [m.ident(doc) for doc in found]
+    config_map = found[0]
+    assert m.labels(config_map)["grafana_dashboard"] == "1"
+    assert list(config_map["data"]) == ["microbatch.json"]
+    assert json.loads(config_map["data"]["microbatch.json"]) == json.loads(DASHBOARD.read_text())
+    # A ConfigMap holds at most 1 MiB; a client-side apply keeps the whole object in an
+    # annotation limited to 256 KiB.
+    assert len(config_map["data"]["microbatch.json"].encode()) < 256 * 1024
+
+
+def test_the_observability_profile_holds_the_rules_as_a_prometheus_rule() -> None:
+    docs = render(OBSERVABILITY_PROFILE)
+    rules = m.of_kind(docs, "PrometheusRule")
+    assert len(rules) == 1, [m.ident(doc) for doc in rules]
+    assert rules[0]["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rules[0]["spec"] == {"groups": yaml.safe_load(RULES.read_text())["groups"]}
+    assert m.of_kind(docs, "ServiceMonitor"), "rules without a scrape see nothing"
 
 
 @pytest.mark.parametrize("profile", gpu_profiles())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -11,6 +13,8 @@ from app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
+OBSERVABILITY = "observability"  # the compose profile of Prometheus, Grafana and Jaeger
+SERVING = ("server", "server-gpu", "frontend", "model-worker")  # the app's compose services
 
 
 def test_compose_services_use_settings_the_app_reads() -> None:
@@ -18,10 +22,13 @@ def test_compose_services_use_settings_the_app_reads() -> None:
     services = compose["services"]
     assert {"server", "server-gpu", "locust"} <= set(services)
     for name, service in services.items():
-        if name == "locust":
-            continue
+        if name == "locust" or OBSERVABILITY in service.get("profiles", []):
+            continue  # not the app
         for key in service.get("environment", {}):
-            assert key in SETTING_NAMES, f"{name} sets {key}, which the app does not read"
+            # OTEL_*: the OpenTelemetry SDK's own variables, which app.tracing hands it.
+            assert key in SETTING_NAMES or key.startswith("OTEL_"), (
+                f"{name} sets {key}, which the app does not read"
+            )
     assert services["server"]["ports"] == [
         "127.0.0.1:${PORT:-8000}:8000",
         "127.0.0.1:${GRPC_PORT:-8011}:8001",  # MB_GRPC_PORT in the container
@@ -149,3 +156,108 @@ def test_the_image_and_make_install_give_workers_the_same_allocator() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^install: .*\bjemalloc\b", makefile, re.M)
     assert "apt-get install -y -qq libjemalloc2" in makefile
+
+
+# -- the compose profile observability: Prometheus, Grafana, Jaeger ---------------------------
+
+
+def _compose() -> dict[str, Any]:
+    loaded = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts: container path -> the file or folder on this machine."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        assert source.startswith("."), f"{volume}: not a bind mount of the repository"
+        mounts[target] = (REPO / "docker" / source).resolve()
+    return mounts
+
+
+def test_compose_images_are_pinned_and_ports_are_loopback_only() -> None:
+    for name, service in _compose()["services"].items():
+        image = service.get("image", "")
+        if "build" not in service:  # pulled, not built here
+            tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
+            assert re.search(r"\d", tag) and tag != "latest", f"{name}: {image} is not pinned"
+        for mapping in service.get("ports", []):
+            assert str(mapping).startswith("127.0.0.1:"), f"{name} publishes {mapping}"
+
+
+def test_compose_mounts_files_that_exist() -> None:
+    for name, service in _compose()["services"].items():
+        for target, source in _mounts(service).items():
+            assert source.exists(), f"{name} mounts {source} (at {target}), which is missing"
+
+
+def test_the_observability_profile_runs_prometheus_grafana_and_jaeger() -> None:
+    services = _compose()["services"]
+    profile = {name for name, s in services.items() if OBSERVABILITY in s.get("profiles", [])}
+    assert profile == {"prometheus", "grafana", "jaeger"}
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one:")
+    published = {str(p).rsplit(":", 1)[1] for p in services["jaeger"]["ports"]}
+    assert published == {"16686", "4317", "4318"}  # the UI, OTLP over gRPC and HTTP
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in SERVING:  # tracing off unless the operator sets the endpoint
+        environment = services[name]["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+    text = (REPO / "docker" / "docker-compose.yml").read_text()
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318" in text  # how to turn it on
+
+
+def test_compose_prometheus_scrapes_the_servers_with_the_rules_of_deploy() -> None:
+    services = _compose()["services"]
+    prometheus = services["prometheus"]
+    mounts = _mounts(prometheus)
+    config_path = next(a.split("=", 1)[1] for a in prometheus["command"] if "--config.file" in a)
+    config = yaml.safe_load(mounts[config_path].read_text())
+    rules = REPO / "deploy" / "prometheus" / "rules.yaml"
+    assert [mounts[path] for path in config["rule_files"]] == [rules.resolve()]
+    scraped = {
+        (name, sd["port"])
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+        for name in sd["names"]
+    }
+    assert scraped == {("server", 8000), ("server-gpu", 8000), ("frontend", 8000)}
+    assert "ports" not in services["model-worker"]  # its batches reach /metrics by heartbeat
+
+
+def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    """docker/prometheus.yml as the container reads it: its rule file at the path the
+    compose file mounts deploy/prometheus/rules.yaml."""
+    from tests.prometheus import require_tool
+
+    prometheus = _compose()["services"]["prometheus"]
+    mounts = _mounts(prometheus)
+    config_path = next(a.split("=", 1)[1] for a in prometheus["command"] if "--config.file" in a)
+    config = yaml.safe_load(mounts[config_path].read_text())
+    config["rule_files"] = [str(mounts[path]) for path in config["rule_files"]]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    checked = subprocess.run(
+        [require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_compose_grafana_provisions_prometheus_and_the_dashboard_of_deploy() -> None:
+    grafana = _compose()["services"]["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert source["isDefault"] is True
+    providers = yaml.safe_load((provisioning / "dashboards" / "microbatch.yaml").read_text())
+    (provider,) = providers["providers"]
+    assert mounts[provider["options"]["path"]] == (REPO / "deploy" / "grafana").resolve()
+    home = Path(grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert (mounts[str(home.parent)] / home.name).is_file()
