@@ -28,14 +28,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app import tracing
+from app.broker import spans
 from app.broker.health import Presence, TroubleLog, vital_thread
 from app.broker.keys import GROUP, HEARTBEAT_S, Keys
 from app.broker.live import LiveView, LiveWorkers
@@ -55,7 +54,7 @@ from app.broker.wire import (
 from app.errors import InferenceError, InvalidImage
 from app.jobs import Task
 from app.repository import Repository
-from app.workers.compute import batch_attributes, run_batch
+from app.workers.compute import run_batch
 from app.workers.handle import rss_bytes
 from app.workers.process import PreparedModel, PreparedWorker
 from app.workers.transfer import results
@@ -296,8 +295,10 @@ class Consumer:
             started = time.perf_counter()
             self._running = len(runnable)
             try:
-                with self._ahead.computing(), self._traced(model, task, runnable, delivery):
-                    _queued(runnable, now_ms)
+                requests = [request for _, request in runnable]
+                traced = spans.batch(model.spec.served_id, task, requests, self.name, delivery)
+                with self._ahead.computing(), traced:
+                    spans.queued(runnable, now_ms)
                     replies = self._compute(model, task, runnable)
             finally:
                 self._running = 0
@@ -309,25 +310,6 @@ class Consumer:
         self._replier.answer(stream, replies, dropped)
         if runnable:
             self.worker.memory.after_batch()
-
-    def _traced(
-        self,
-        model: PreparedModel,
-        task: Task,
-        runnable: Sequence[tuple[EntryId, Request]],
-        delivery: int,
-    ) -> AbstractContextManager[Any]:
-        """The batch's span, when any of its requests is traced (``app.tracing.batch``)."""
-        if not tracing.on():
-            return tracing.OFF
-        attributes = batch_attributes(
-            model.spec.served_id,
-            task,
-            **{"microbatch.worker": self.name, "messaging.redis.delivery_count": delivery},
-        )
-        if delivery > 1:  # claimed from a worker that died
-            attributes["microbatch.retry"] = True
-        return tracing.batch([request.traceparent for _, request in runnable], attributes)
 
     def _compute(
         self, model: PreparedModel, task: Task, runnable: Sequence[tuple[EntryId, Request]]
@@ -391,18 +373,6 @@ class Consumer:
             "cpu_seconds": round(time.process_time(), 3),
             **vars(self.stats),
         }
-
-
-def _queued(runnable: Sequence[tuple[EntryId, Request]], now_ms: int) -> None:
-    """Each traced entry's wait in its stream, as a ``broker queue`` span in its request's
-    trace (from the entry's id time, Redis's clock, to this read)."""
-    if not tracing.on():
-        return
-    read_ns = now_ms * 1_000_000
-    for entry_id, request in runnable:
-        if request.traceparent is not None:
-            enqueued_ns = entry_time_ms(entry_id) * 1_000_000
-            tracing.record("broker queue", enqueued_ns, read_ns, parent=request.traceparent)
 
 
 def _by_kind(

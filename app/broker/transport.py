@@ -39,15 +39,14 @@ from app import tracing
 from app.batching import (
     BatchItem,
     ClusterView,
-    HeldModel,
     ModelHost,
     QueueBacklog,
-    Trial,
     VersionControl,
     WorkerStatus,
 )
 from app.broker.backlog import count_backlog
 from app.broker.keys import Keys
+from app.broker.live import worker_status
 from app.broker.monitor import Monitor
 from app.broker.waiting import Waiting
 from app.broker.wire import WorkerInfo, encode_request
@@ -161,24 +160,7 @@ class BrokerTransport:
 
     def worker_status(self) -> list[WorkerStatus]:
         """The workers that sent a heartbeat lately, as they describe themselves."""
-        return [
-            WorkerStatus(
-                index=w.index, device=w.device, threads=w.threads, pid=w.pid, ready=w.ready,
-                alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
-                rss_bytes=w.rss_bytes, cpu_seconds=w.cpu_seconds, restarts=w.restarts,
-                name=w.name, host=w.host,
-                runtime=w.runtime,
-                models=tuple(
-                    HeldModel(
-                        m.served_id, m.state.shown, m.runtime, m.batch_size, m.memory_bytes,
-                        m.reason, m.name, m.version, tuple(m.skipped.items()), m.slowdown,
-                        m.dtype, tuple(Trial(**t.model_dump()) for t in m.trials),
-                    )
-                    for m in w.models
-                ),
-            )
-            for w in self.monitor.workers
-        ]  # fmt: skip
+        return [worker_status(w) for w in self.monitor.workers]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -283,41 +265,27 @@ class BrokerTransport:
         return [stream for model in sorted(ids) for stream in self.keys.streams(model)]
 
     async def _one(self, served_id: str, task: Task, item: BatchItem[ImageJob]) -> object:
-        """One request: admitted and added in one script call, then its reply."""
-        assert self._redis is not None
-        request_id = f"{self.frontend}-{next(self._ids)}"
-        ttl_ms = NO_DEADLINE_MS
-        if item.deadline is not None:
-            ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
+        """One request, in a ``broker`` span of its trace when traced: ``_sent``."""
         stream = self.keys.stream(served_id, task)
         attributes = {"messaging.system": "redis", "messaging.destination.name": stream}
         with tracing.child_of(item.link, "broker", attributes) as span:
-            answer = await self._sent(served_id, task, item, request_id, ttl_ms, stream)
+            answer = await self._sent(served_id, task, item, stream)
             if isinstance(answer, ServerError):
                 tracing.failed(span, answer)
             return answer
 
     async def _sent(
-        self,
-        served_id: str,
-        task: Task,
-        item: BatchItem[ImageJob],
-        request_id: str,
-        ttl_ms: int,
-        stream: str,
+        self, served_id: str, task: Task, item: BatchItem[ImageJob], stream: str
     ) -> object:
-        """The item sent to the workers through ``stream``, and its reply."""
+        """One request: admitted and added to ``stream`` in one script call, then its reply."""
         assert self._redis is not None
+        request_id = f"{self.frontend}-{next(self._ids)}"
+        ttl_ms = NO_DEADLINE_MS
+        if item.deadline is not None:
+            ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
         image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
-        fields = encode_request(
-            request_id,
-            self.frontend,
-            task,
-            item.payload.top_k,
-            ttl_ms,
-            image,
-            tracing.traceparent(),
-        )
+        top_k, traced = item.payload.top_k, tracing.traceparent()
+        fields = encode_request(request_id, self.frontend, task, top_k, ttl_ms, image, traced)
         counted = self._queue_streams(served_id)
         future = self._waiting.add(request_id, served_id)  # before the entry: a fast reply finds it
         added: Any = None  # the entry id (bytes), or the queue depth (int) when full

@@ -134,7 +134,6 @@ def test_the_command_line_serves_with_this_protocol(
     monkeypatch: pytest.MonkeyPatch, tiny_store: Path
 ) -> None:
     import app.__main__ as cli
-
     from app.settings import load_settings
 
     # The tiny model, not the checkout's model_store (empty on a fresh clone), read afresh.
