@@ -7,10 +7,13 @@ with their defaults and the same model, answering ``/predict/tag`` in turns:
 
     python -m bench.tracing                         # 1 and 64 clients, 6 rounds of 3 s
     python -m bench.tracing --rounds 3 --seconds 2
+    python -m bench.tracing --baseline 6848e0c      # and the server before tracing existed
 
 Each round runs the three servers one after another (the order shifts every round); the
 ratio to ``off`` is the median of the rounds' ratios of images/s. The target: within 3% of
-``off`` at a ratio of 0.01. ``python -m bench`` runs this too (not with --quick).
+``off`` at a ratio of 0.01. With ``--baseline REV``, a fourth server runs REV's code (from
+this clone's history) with the same defaults: ``off`` against it is what tracing costs when
+nothing asks for it. ``python -m bench`` runs this too (not with --quick).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from bench.baseline import source_tree
 from bench.loadgen import LoadResult, closed_loop, multipart_request
 from bench.systems import RunningServer, bench_jpegs, export_bench_model, serve
 from tests.otlp import receiving
@@ -32,6 +36,7 @@ MODEL = "efficientnet_lite0"
 CLIENTS = (1, 64)
 ROUNDS, SECONDS = 6, 3.0
 OFF = "off"
+BEFORE = "before"
 TARGET = 0.97  # at a ratio of 0.01: no more than 3% fewer images/s than off
 
 
@@ -63,8 +68,10 @@ def measure(
     seconds: float,
     rounds: int,
     threads: int,
+    baseline: Path | None = None,
 ) -> dict[int, dict[str, tuple[float, float, float]]]:
-    """Per concurrency and setting: (median images/s, ratio to off, p99 ms). Prints a table."""
+    """Per concurrency and setting: (median images/s, ratio to off, p99 ms). Prints a table.
+    ``baseline``: another source tree, served as the setting ``before``."""
     table: dict[int, dict[str, tuple[float, float, float]]] = {}
     collector = receiving(keep=False)
     receiver = next(collector)
@@ -77,6 +84,13 @@ def measure(
             )
             for name, env in settings(receiver.endpoint).items()
         }
+        if baseline is not None:
+            running[BEFORE] = servers.enter_context(
+                serve(
+                    "ours", store, batch_size="32", max_latency=0.005, threads=threads,
+                    source=baseline,
+                )
+            )  # fmt: skip
         names = list(running)
         for name in names:  # connections, and the workers' first calls
             asyncio.run(_run(running[name], jpegs, 8, 1.0))
@@ -85,7 +99,8 @@ def measure(
             rates: dict[str, list[float]] = {name: [] for name in names}
             p99: dict[str, list[float]] = {name: [] for name in names}
             for turn in range(rounds):
-                for name in names[turn % 3 :] + names[: turn % 3]:
+                shift = turn % len(names)
+                for name in names[shift:] + names[:shift]:
                     result = asyncio.run(_run(running[name], jpegs, count, seconds))
                     if result.statuses.keys() - {200}:
                         raise RuntimeError(f"{name}: answers {dict(result.statuses)}")
@@ -125,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", metavar="REV", help="also serve this commit's code")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         store = export_bench_model(MODEL, Path(scratch) / MODEL)
+        before = None
+        if args.baseline:
+            before = source_tree(args.baseline, Path(scratch) / "baseline")
         table = measure(
             store,
             bench_jpegs(),
@@ -135,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=args.seconds,
             rounds=args.rounds,
             threads=args.threads,
+            baseline=before,
         )
     for line in verdicts(table):
         print(line)
