@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     source = args.from_torchscript or args.from_mar
     if source and (args.arch or args.weights or args.no_classifier):
-        parser.error("--from-torchscript and --from-mar take none of --arch, --weights, ...")
+        given = "--from-mar" if args.from_mar else "--from-torchscript"
+        parser.error(f"{given} takes none of --arch, --weights, --no-classifier")
     if args.from_mar and (args.from_torchscript or args.classes):
         parser.error("--from-mar takes its model and classes from the archive")
     if args.classifier_torchscript and not args.from_torchscript:

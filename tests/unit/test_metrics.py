@@ -30,6 +30,7 @@ REFUSALS = [
     (errors.InvalidParameter, "bad_input"),
     (errors.Unauthorized, "bad_input"),
     (errors.NoClassifier, "bad_input"),
+    (errors.NoEmbedding, "bad_input"),
     (errors.ModelNotFound, "bad_input"),
     (errors.ModelVersionUnavailable, "bad_input"),
 ]
