@@ -92,6 +92,8 @@ def measure(
                 )
             )  # fmt: skip
         names = list(running)
+        for name in names:  # what MB_DTYPE=auto chose: the same runtime, or no comparison
+            print(f"{name}: serving with {running[name].serving()}", flush=True)
         for name in names:  # connections, and the workers' first calls
             asyncio.run(_run(running[name], jpegs, 8, 1.0))
         print(f"{'clients':>7} {'setting':>11} {'images/s':>9} {'x off':>6} {'p99 ms':>7}")
@@ -132,6 +134,12 @@ def verdicts(table: dict[int, dict[str, tuple[float, float, float]]]) -> list[st
         lines.append(
             f"{verdict} tracing at 0.01, {count} clients: x{ratio:.3f} of off (>= {TARGET})"
         )
+        if BEFORE in rows:  # off against the code before tracing: what it costs unasked
+            off = 1 / rows[BEFORE][1]
+            verdict = "PASS" if off >= TARGET else "FAIL"
+            lines.append(
+                f"{verdict} tracing off, {count} clients: x{off:.3f} of before (>= {TARGET})"
+            )
     return lines
 
 
