@@ -213,8 +213,9 @@ def request(
 
 
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[Any]:
-    """A child of the current span, current inside the block; nothing when tracing is off."""
-    if _tracer is None:
+    """A child of the current span, current inside the block; nothing when tracing is off
+    or the current span is not recorded (an unsampled request's steps cost no spans)."""
+    if _tracer is None or current() is None:
         return OFF
     return _span(name, attributes or {})
 
