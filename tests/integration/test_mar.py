@@ -24,7 +24,7 @@ from torchvision import transforms
 
 from app.export import main as export_main
 from tests.conftest import jpeg
-from tests.server import ServerProcess
+from tests.server import REPO, ServerProcess
 from tests.unit.test_mar import Pooled
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def archive(folder: Path, name: str, model: torch.nn.Module, classes: object) ->
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, References]]:
     folder = tmp_path_factory.mktemp("mar")
     torch.manual_seed(0)
-    imagenet = [line.strip() for line in Path("imagenet_classes.txt").read_text().splitlines()]
+    imagenet = [line.strip() for line in (REPO / "imagenet_classes.txt").read_text().splitlines()]
     resnet = torchvision.models.resnet18().eval()  # random weights, 1000 classes
     cnn = Pooled(classes=10).eval()  # no linear head: served whole
     models = {
