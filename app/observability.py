@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import time
+from functools import partial
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -68,8 +69,12 @@ class RequestLog:
         method = scope["method"]
         attributes = {"microbatch.request_id": request_id}
         traced_path = tracing.on() and scope["path"] not in UNTRACED
-        carrier = _carrier(scope) if traced_path else {}
-        with tracing.request(method, carrier, attributes) if traced_path else tracing.OFF as span:
+        traced_span = (
+            tracing.request(method, partial(_carrier, scope), attributes)
+            if traced_path
+            else tracing.OFF
+        )
+        with traced_span as span:
             traced = span is not None
             try:
                 await self.app(scope, receive, send_with_id)
@@ -132,22 +137,16 @@ def _describe(span: Any, method: str, route: str, status: int, state: dict[str, 
     span.set_attribute("http.request.method", method)
     span.set_attribute("http.route", route)
     span.set_attribute("http.response.status_code", status)
-    for key, attribute in STATE_ATTRIBUTES:
-        value = state.get(key)
-        if value not in (None, ""):
-            span.set_attribute(attribute, value)
+    tracing.served(
+        span,
+        model=state.get("model"),
+        version=state.get("model_version"),
+        served_id=state.get("model_id"),
+        images=state.get("images"),
+        batch_size=state.get("batch_size"),
+    )
     if status >= 500:
         tracing.set_error(span, status)
-
-
-# What a request's admission and batches put in its state, as span attributes.
-STATE_ATTRIBUTES = (
-    ("model", "microbatch.model"),
-    ("model_version", "microbatch.model.version"),
-    ("model_id", "microbatch.served_id"),
-    ("images", "microbatch.images"),
-    ("batch_size", "microbatch.batch.size"),
-)
 
 
 def _default_model_id(app_state: object) -> str | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -200,16 +200,39 @@ def spans_dropped() -> dict[str, int]:
 
 
 def request(
-    name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]
+    name: str, headers: Callable[[], Mapping[str, str]], attributes: Mapping[str, Any]
 ) -> AbstractContextManager[Span | None]:
     """The span of one request (kind SERVER), current inside the block: the child of the
-    caller's ``traceparent`` header, if it sent a valid one."""
+    caller's ``traceparent`` header, if it sent a valid one (``headers()`` gives the
+    request's headers; read only when tracing is on)."""
     if _tracer is None:
         return OFF
     from opentelemetry.propagate import extract
     from opentelemetry.trace import SpanKind
 
-    return _span(name, attributes, kind=SpanKind.SERVER, context=extract(headers))
+    return _span(name, attributes, kind=SpanKind.SERVER, context=extract(headers()))
+
+
+def served(
+    span: Span,
+    *,
+    model: str | None = None,
+    version: int | None = None,
+    served_id: str | None = None,
+    images: int | None = None,
+    batch_size: int | None = None,
+) -> None:
+    """A request span's attributes for what served it (those known), the same for every
+    protocol."""
+    for attribute, value in (
+        ("microbatch.model", model),
+        ("microbatch.model.version", version),
+        ("microbatch.served_id", served_id),
+        ("microbatch.images", images),
+        ("microbatch.batch.size", batch_size),
+    ):
+        if value not in (None, ""):
+            span.set_attribute(attribute, value)
 
 
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[Any]:

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -95,7 +96,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         needs."""
         started = time.perf_counter()
         call = Call(rpc)
-        with tracing.request(f"{SERVICE}/{rpc}", _metadata(context), RPC_ATTRIBUTES) as span:
+        with tracing.request(
+            f"{SERVICE}/{rpc}", lambda: _metadata(context), RPC_ATTRIBUTES
+        ) as span:
             try:
                 if key is not None:
                     self._authorize(context, key)
@@ -287,7 +290,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             call = Call("ModelStreamInfer")
             started = time.perf_counter()
             name = f"{SERVICE}/ModelStreamInfer"
-            with tracing.request(name, _metadata(context), RPC_ATTRIBUTES) as span:
+            with tracing.request(name, partial(_metadata, context), RPC_ATTRIBUTES) as span:
                 try:
                     response = await self._infer(request, context, call)
                     await answers.put(pb.ModelStreamInferResponse(infer_response=response))
@@ -355,13 +358,14 @@ def _describe(span: Any, call: Call) -> None:
     code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if version is not None:
-        span.set_attribute("microbatch.model", version.name)
-        span.set_attribute("microbatch.model.version", str(version.version))
-        span.set_attribute("microbatch.served_id", version.served_id)
-    if call.images:
-        span.set_attribute("microbatch.images", call.images)
-    if call.batch_size:
-        span.set_attribute("microbatch.batch.size", call.batch_size)
+        tracing.served(
+            span,
+            model=version.name,
+            version=version.version,
+            served_id=version.served_id,
+            images=call.images,
+            batch_size=call.batch_size,
+        )
     if error is not None:
         tracing.failed(span, error)
 
