@@ -53,6 +53,7 @@ from app.exporters.base import (
     Built,
     ExportError,
     SplitModel,
+    override_input,
 )
 from app.exporters.checkpoints import describe
 from app.exporters.from_mar import import_mar
@@ -64,6 +65,7 @@ from app.exporters.store import (
     export_module,
     export_split,
     labels_for,
+    load_torchscript,
     read_labels,
 )
 from app.manifest import InputSpec, Manifest
@@ -113,7 +115,7 @@ def export(
     built = build_model(arch, request)
     split = built.split
     if preprocessing:
-        split.input = _override(split.input, preprocessing)
+        split.input = override_input(split.input, preprocessing)
     labels = None if split.classifier is None else labels_for(split.num_classes, classes, arch)
     return export_split(
         split,
@@ -139,25 +141,11 @@ def export_torchscript(
 ) -> Manifest:
     """Export your own TorchScript models (``embedding``: images -> [N, D]; ``classifier``:
     [N, D] -> [N, K]) with the preprocessing they were trained with."""
-    import torch
-
-    from app.workers.models import quiet_torchscript
-
-    modules = []
-    for path in (embedding, classifier):
-        if path is None:
-            continue
-        if not path.is_file():
-            raise ExportError(f"TorchScript file {path} does not exist")
-        try:
-            with quiet_torchscript():
-                modules.append(torch.jit.load(str(path), map_location="cpu"))  # type: ignore[no-untyped-call]
-        except Exception as exc:
-            raise ExportError(f"{path} is not a TorchScript model: {type(exc).__name__}") from None
+    modules = [load_torchscript(path) for path in (embedding, classifier) if path is not None]
     return export_module(
         modules[0],
         out,
-        input=_override(DEFAULT_INPUT, preprocessing or {}),
+        input=override_input(DEFAULT_INPUT, preprocessing or {}),
         classifier=modules[1] if classifier is not None else None,
         classes=classes,
         arch=name or embedding.stem,
@@ -165,24 +153,6 @@ def export_torchscript(
         runtimes=runtimes,
         precision=precision,
     )
-
-
-def _override(spec: InputSpec, fields: dict[str, object]) -> InputSpec:
-    """``spec`` with ``fields`` replaced; a new crop size keeps the old resize/crop ratio
-    unless the resize size is given too."""
-    values = spec.model_dump() | fields
-    if "crop_size" in fields and "resize_size" not in fields:
-        values["resize_size"] = int(int(values["crop_size"]) * spec.resize_size / spec.crop_size)
-    try:
-        spec = InputSpec.model_validate(values)
-    except ValueError as exc:
-        raise ExportError(f"bad preprocessing: {exc}") from None
-    if spec.resize_size < spec.crop_size or min(spec.std) <= 0:
-        raise ExportError(
-            f"bad preprocessing: resize {spec.resize_size} must be at least the crop "
-            f"{spec.crop_size}, and std {spec.std} positive"
-        )
-    return spec
 
 
 def _triple(text: str) -> tuple[float, float, float]:
@@ -339,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.from_mar,
                 out,
                 preprocessing=preprocessing,
-                override=_override,
                 runtimes=args.runtimes,
                 precision=precision,
                 trust_code=args.trust_archive_code,

@@ -239,3 +239,21 @@ def check_head_size(have: int, request: BuildRequest, what: str, fix: str) -> No
         return
     head = f"a {have}-way classifier head" if have else "no classifier head"
     raise ExportError(f"{what} has {head} but --classes lists {request.num_classes} labels: {fix}")
+
+
+def override_input(spec: InputSpec, fields: dict[str, object]) -> InputSpec:
+    """``spec`` with ``fields`` replaced; a new crop size keeps the old resize/crop ratio
+    unless the resize size is given too."""
+    values = spec.model_dump() | fields
+    if "crop_size" in fields and "resize_size" not in fields:
+        values["resize_size"] = int(int(values["crop_size"]) * spec.resize_size / spec.crop_size)
+    try:
+        spec = InputSpec.model_validate(values)
+    except ValueError as exc:
+        raise ExportError(f"bad preprocessing: {exc}") from None
+    if spec.resize_size < spec.crop_size or min(spec.std) <= 0:
+        raise ExportError(
+            f"bad preprocessing: resize {spec.resize_size} must be at least the crop "
+            f"{spec.crop_size}, and std {spec.std} positive"
+        )
+    return spec

@@ -28,10 +28,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.exporters.base import IMAGENET_MEAN, IMAGENET_STD, ExportError, random_images
+from app.exporters.base import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ExportError,
+    override_input,
+    random_images,
+)
 from app.exporters.mar import MAX_BYTES, Archive, unpack
 from app.exporters.precision import PrecisionRequest
-from app.exporters.store import DERIVED_RUNTIMES, REPO_ROOT, export_module
+from app.exporters.store import DERIVED_RUNTIMES, REPO_ROOT, export_module, load_torchscript
 from app.manifest import Imported, InputSpec, Manifest
 
 log = logging.getLogger("app.export")
@@ -64,15 +70,14 @@ def import_mar(
     out: Path,
     *,
     preprocessing: dict[str, object] | None = None,
-    override: Any = None,
     runtimes: Collection[str] = DERIVED_RUNTIMES,
     precision: PrecisionRequest | None = None,
     trust_code: bool = False,
     max_bytes: int = MAX_BYTES,
 ) -> tuple[Manifest, Archive]:
     """Import the archive at ``path`` into the store ``out``. ``preprocessing``: InputSpec
-    fields given by hand (required for a custom handler); ``override(spec, fields)`` applies
-    them. Returns the manifest and what the archive said (its suggestions)."""
+    fields given by hand (required for a custom handler). Returns the manifest and what the
+    archive said (its suggestions)."""
     with tempfile.TemporaryDirectory(prefix="mar-") as scratch:
         archive = unpack(path, Path(scratch) / "archive", max_bytes=max_bytes)
         given = bool(preprocessing)
@@ -90,7 +95,7 @@ def import_mar(
                 path.name,
                 archive.handler,
             )
-        spec = override(STOCK_INPUT, preprocessing) if given and override else STOCK_INPUT
+        spec = override_input(STOCK_INPUT, preprocessing) if preprocessing else STOCK_INPUT
         scripted = archive.serialized
         if archive.model_file:
             if not trust_code:
@@ -98,7 +103,11 @@ def import_mar(
                     EAGER_REFUSED.format(path=path.name, model_file=archive.model_file)
                 )
             scripted = _script_in_subprocess(archive, Path(scratch) / "scripted.pt", spec)
-        model = _load_torchscript(scripted, path)
+        model = load_torchscript(
+            scripted,
+            f"{path.name}: its serializedFile",
+            hint="; an eager archive needs a modelFile",
+        ).eval()
         imported = Imported(
             archive=path.name,
             model_name=archive.name,
@@ -140,20 +149,6 @@ def import_mar(
             **common,
         )
         return whole, archive
-
-
-def _load_torchscript(file: Path, archive: Path) -> torch.jit.ScriptModule:
-    from app.workers.models import quiet_torchscript
-
-    try:
-        with quiet_torchscript():
-            module: torch.jit.ScriptModule = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        raise ExportError(
-            f"{archive.name}: its serializedFile is not a TorchScript model "
-            f"({type(exc).__name__}); an eager archive needs a modelFile"
-        ) from None
-    return module.eval()
 
 
 def _logits(model: nn.Module, spec: InputSpec, path: Path) -> torch.Tensor:

@@ -207,6 +207,20 @@ def _write_manifest(out: Path, manifest: Manifest) -> None:
     tmp.replace(out / MANIFEST_NAME)
 
 
+def load_torchscript(path: Path, what: str = "", hint: str = "") -> torch.jit.ScriptModule:
+    """The TorchScript module in ``path``, on the CPU; ``ExportError`` when there is no such
+    file or it holds none (``what`` names it, default its path; ``hint`` ends the message)."""
+    if not path.is_file():
+        raise ExportError(f"TorchScript file {path} does not exist")
+    try:
+        with quiet_torchscript():
+            module: torch.jit.ScriptModule = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        kind = type(exc).__name__
+        raise ExportError(f"{what or path} is not a TorchScript model: {kind}{hint}") from None
+    return module
+
+
 def export_module(
     embedding: nn.Module,
     out: Path,

@@ -69,10 +69,11 @@ async def _predict(request: Request) -> JSONResponse:
             )
         predictor = served.predictor
         assert predictor is not None, "a serving version has its predictor"
-        k = min(STOCK_TOP_K, len(predictor.classes)) if predictor.manifest.has_classifier else 0
+        predictor.require_classifier()
+        k = min(STOCK_TOP_K, len(predictor.classes))
         with batch_trace(request) as trace:
             (tags,) = await unless_disconnected(
-                request, predictor.tags(upload.data[:1], k or None, deadline, trace)
+                request, predictor.tags(upload.data[:1], k, deadline, trace)
             )
     return JSONResponse({tag.name: tag.prob for tag in tags})
 
