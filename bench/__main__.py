@@ -373,6 +373,14 @@ def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> di
     return out
 
 
+def _exported(model: str, scratch: Path) -> Path:
+    """``model``'s store in ``scratch``: this run's export of it, made now if there is none."""
+    store = scratch / model
+    if not (store / "manifest.json").exists():
+        export_bench_model(model, store)
+    return store
+
+
 def three_ways(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> ProtocolReport:
     """``bench.protocols`` on the default model, this run's export of it where there is one,
     in its own rounds and turns (not ``--seconds``). Not in ``--quick``: its own server start
@@ -382,11 +390,8 @@ def three_ways(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> P
         "v2 protocol over HTTP (binary tensors) and gRPC:",
         flush=True,
     )
-    store = scratch / protocols.MODEL
-    if not (store / "manifest.json").exists():
-        export_bench_model(protocols.MODEL, store)
     return protocols.measure(
-        store,
+        _exported(protocols.MODEL, scratch),
         jpegs,
         clients=list(protocols.CLIENTS),
         seconds=protocols.SECONDS,
@@ -401,11 +406,8 @@ def tracing_cost(
     """``bench.tracing`` on the default model: tracing off, and on at ratios 0.01 and 1.0,
     in turns. Not in ``--quick`` (three more servers)."""
     print(f"{tracing.MODEL}, the cost of tracing, in turns:", flush=True)
-    store = scratch / tracing.MODEL
-    if not (store / "manifest.json").exists():
-        export_bench_model(tracing.MODEL, store)
     return tracing.measure(
-        store,
+        _exported(tracing.MODEL, scratch),
         jpegs,
         clients=list(tracing.CLIENTS),
         seconds=tracing.SECONDS,

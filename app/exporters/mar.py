@@ -88,7 +88,7 @@ def _check_members(members: list[zipfile.ZipInfo], path: Path) -> None:
     names = set()
     for member in members:
         name = member.filename
-        pure = PurePosixPath(name.replace("\\", "/"))
+        pure = _member_path(member)
         if pure.is_absolute() or ".." in pure.parts or ":" in name or not pure.parts:
             raise ExportError(f"{path}: member {name!r} would land outside the archive's folder")
         if stat.S_ISLNK(member.external_attr >> 16):
@@ -96,6 +96,11 @@ def _check_members(members: list[zipfile.ZipInfo], path: Path) -> None:
         if str(pure) in names:
             raise ExportError(f"{path}: member {name!r} appears twice")
         names.add(str(pure))
+
+
+def _member_path(member: zipfile.ZipInfo) -> PurePosixPath:
+    """A member's name as a path, backslashes read as separators (as Windows writes them)."""
+    return PurePosixPath(member.filename.replace("\\", "/"))
 
 
 def _extract(
@@ -108,7 +113,7 @@ def _extract(
 ) -> int:
     """Unpack one member, counting its bytes against ``budget`` as they come (a zip's
     headers may lie about sizes); what is left of the budget."""
-    target = into.joinpath(*PurePosixPath(member.filename.replace("\\", "/")).parts)
+    target = into.joinpath(*_member_path(member).parts)
     if not target.resolve().is_relative_to(into.resolve()):
         raise ExportError(f"{path}: member {member.filename!r} lands outside the archive")
     if member.is_dir():
