@@ -12,7 +12,7 @@ from app import tracing
 from app.broker.replies import EntryId
 from app.broker.wire import Request, entry_time_ms
 from app.jobs import Task
-from app.workers.compute import batch_attributes
+from app.workers.compute import batch_span
 
 
 def batch(
@@ -20,16 +20,16 @@ def batch(
 ) -> AbstractContextManager[Any]:
     """The batch's span, when any of its requests is traced; ``delivery`` over 1: claimed
     from a worker that died."""
-    if not tracing.on():
+    if not tracing.on():  # not even the list of carriers
         return tracing.OFF
-    attributes = batch_attributes(
+    retry = {"microbatch.retry": True} if delivery > 1 else {}
+    return batch_span(
         served_id,
         task,
+        [request.traceparent for request in requests],
         **{"microbatch.worker": worker, "messaging.redis.delivery_count": delivery},
+        **retry,
     )
-    if delivery > 1:
-        attributes["microbatch.retry"] = True
-    return tracing.batch([request.traceparent for request in requests], attributes)
 
 
 def queued(runnable: Sequence[tuple[EntryId, Request]], now_ms: int) -> None:

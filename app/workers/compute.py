@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,21 +67,28 @@ def run_batch(
     return Computed(outputs, errors, torch.get_num_threads(), seconds, prepared.spec.served_id)
 
 
-def batch_attributes(served_id: str, task: Task, **more: Any) -> dict[str, Any]:
-    """A batch span's attributes (``app.tracing.batch``): what ran, and where."""
-    return {
+def batch_span(
+    served_id: str, task: Task, carriers: Sequence[str | None], **more: Any
+) -> AbstractContextManager[Any]:
+    """A batch's span (``app.tracing.batch``) with what ran and where, when any of its items
+    is traced (``carriers``: a traceparent per item, or none); nothing otherwise, not even
+    its attributes."""
+    if not tracing.on() or not any(carriers):
+        return tracing.OFF
+    attributes = {
         "microbatch.served_id": served_id,
         "microbatch.task": task.value,
         "process.pid": os.getpid(),
         **more,
     }
+    return tracing.batch(carriers, attributes)
 
 
 def run_message(worker: PreparedWorker, buffer: InputBuffer, message: RunBatch) -> BatchDone:
     """A pool worker's batch, from its shared buffer."""
     prepared = worker.model(message.model)
     images = batch_images(message, buffer, prepared.runner.image_shape)
-    with tracing.batch(message.traces, batch_attributes(message.model, message.task)):
+    with batch_span(message.model, message.task, message.traces):
         done = run_batch(
             worker, message.model, message.task, images, message.top_k, message.threads
         )
