@@ -4,6 +4,7 @@ routers -> (v2, the Open Inference Protocol both edges share) -> services -> bat
 broker (they fill its Transport); app.main starts v2's gRPC edge
 plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs: leaves that any
 layer may import (batching only the vocabulary of lifecycle, for the seam's types)
+tracing: the spans workers, broker, v2 and routers make (batching carries a trace unopened)
 engine and main wire the layers together; nothing below them imports them
 """
 
@@ -19,11 +20,13 @@ LEAVES = {
     "plan", "settings", "settings_values", "errors", "jobs", "manifest", "repository",
     "lifecycle", "images", "logs",
 }  # fmt: skip
+BELOW = {"batching", *LEAVES}  # what every layer above batching may import
 
 
 def app_imports(path: Path) -> set[str]:
-    """The top-level ``app`` modules or packages a file imports (``app.x.y`` counts as ``x``),
-    except under ``if TYPE_CHECKING:`` (annotations only)."""
+    """The top-level ``app`` modules or packages a file imports (``app.x.y`` counts as ``x``,
+    and so does ``from app import x``), except under ``if TYPE_CHECKING:`` (annotations
+    only)."""
     found = set()
     tree = ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):
@@ -33,6 +36,8 @@ def app_imports(path: Path) -> set[str]:
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "app" and node.level == 0:
+            names = [f"app.{alias.name}" for alias in node.names]  # from app import tracing
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
         found |= {n.split(".")[1] for n in names if n.startswith("app.") and n.count(".") >= 1}
@@ -53,21 +58,38 @@ def layer_imports(layer: str) -> set[str]:
         ("settings", {"errors", "settings_values"}),
         ("settings_values", set()),
         ("errors", set()),
+        ("tracing", {"errors"}),
         ("plan", {"settings", "settings_values", "errors"}),
-        ("services", {"batching", *LEAVES}),
-        ("workers", {"batching", "metrics", *LEAVES}),
-        ("broker", {"batching", "workers", "metrics", *LEAVES}),
-        ("v2", {"services", "batching", "auth", *LEAVES}),
-        ("routers", {"services", "batching", "dependencies", "schemas", "metrics", "v2", *LEAVES}),
+        ("services", BELOW),
+        ("workers", {"metrics", "tracing"} | BELOW),
+        ("broker", {"workers", "metrics", "tracing"} | BELOW),
+        ("v2", {"services", "auth", "tracing"} | BELOW),
+        ("routers", {"services", "dependencies", "schemas", "metrics", "v2", "tracing"} | BELOW),
     ],
 )
 def test_each_layer_imports_only_what_is_below_it(layer: str, allowed: set[str]) -> None:
     assert layer_imports(layer) <= allowed, layer_imports(layer) - allowed
 
 
+def test_every_form_of_import_counts(tmp_path: Path) -> None:
+    """``from app import tracing`` imports ``tracing`` as surely as ``from app.tracing import
+    x`` does (this test once missed that form, and so every layer's use of tracing)."""
+    source = tmp_path / "module.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import app.errors\n"
+        "from app import tracing, jobs as renamed\n"
+        "from app.batching.transport import Transport\n"
+        "if TYPE_CHECKING:\n"
+        "    from app import engine\n"
+    )
+    assert app_imports(source) == {"errors", "tracing", "jobs", "batching"}
+    assert "tracing" in layer_imports("routers")  # from app import tracing, in several
+
+
 def test_nothing_below_the_wiring_imports_it() -> None:
-    layers = ("batching", "services", "workers", "broker", "plan", "routers", "dependencies", "v2")
-    for layer in (*layers, *LEAVES):
+    layers = ("batching", "services", "workers", "broker", "plan", "routers", "dependencies")
+    for layer in (*layers, "v2", "tracing", *LEAVES):
         assert not layer_imports(layer) & {"engine", "main"}, layer
 
 
