@@ -9,22 +9,52 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from app.errors import ModelLoadFailed, WorkerDied, WorkerStartError
+from app.plan import Placement, WorkerConfig
 from app.workers.backoff import RestartBackoff
 from app.workers.handle import WorkerCrashed, WorkerHandle
-
-if TYPE_CHECKING:
-    from app.workers.pool import WorkerPool
+from app.workers.hosting import PoolModels
 
 log = logging.getLogger("app.workers.pool")
+
+
+class SupervisedPool(Protocol):
+    """What ``Supervision`` reads and calls of its pool (``app.workers.pool.WorkerPool``)."""
+
+    config: WorkerConfig  # set to TorchScript alone after a crash under MB_RUNTIME=auto
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def start_timeout_s(self) -> float: ...
+
+    @property
+    def hosting(self) -> PoolModels: ...
+
+    @property
+    def workers(self) -> Sequence[WorkerHandle]: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    def replace(self, index: int) -> WorkerHandle:
+        """Spawn a new worker in slot ``index`` (its last one died)."""
+
+    def serve(self, worker: WorkerHandle) -> None:
+        """Route ``worker``'s replies from now on, and put it in the batch rotation."""
+
+    def forget(self, worker: WorkerHandle) -> None:
+        """``worker`` died: out of the rotation."""
 
 
 class Supervision:
     """The pool's worker restarts (``on_exit`` starts one) and start-up waits."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: SupervisedPool) -> None:
         self.pool = pool
         self.backoff = RestartBackoff()
         self.restarted = [0] * len(pool.placement.devices)  # by worker slot
