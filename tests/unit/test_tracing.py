@@ -394,7 +394,7 @@ def test_spans_the_exporter_cannot_take_are_dropped_and_counted(
             return SpanExportResult.FAILURE
 
     before = tracing.spans_dropped()
-    monkeypatch.setattr(tracing, "_exporter", lambda kind: Stuck())
+    monkeypatch.setattr(tracing.configuration, "_exporter", lambda kind: Stuck())
     assert tracing.configure("server", environ={"OTEL_TRACES_EXPORTER": "otlp"})
     try:
         import time
