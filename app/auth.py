@@ -1,4 +1,4 @@
-"""Bearer tokens, the one check HTTP (``app.dependencies``) and gRPC (``app.v2.grpc_server``)
+"""Bearer tokens, the one check HTTP (``app.dependencies``) and gRPC (``app.v2.grpc_service``)
 share.
 
 >>> from pydantic import SecretStr

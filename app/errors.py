@@ -1,7 +1,7 @@
 """Domain errors and the one table that turns them into HTTP answers.
 
 Lower layers raise these; only the edges translate them: HTTP (``app.main``) through
-``HTTP_STATUS``, gRPC (``app.v2.grpc_server``) through ``GRPC_STATUS``. Nothing here
+``HTTP_STATUS``, gRPC (``app.v2.grpc_service``) through ``GRPC_STATUS``. Nothing here
 imports a web framework, so ``app.batching`` and ``app.workers`` can raise them freely.
 
     ServerError                      every error this project raises on purpose
@@ -230,7 +230,7 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
 )
 
 
-# The same for gRPC (``app.v2.grpc_server``): the name of the ``grpc.StatusCode`` that ends
+# The same for gRPC (``app.v2.grpc_service``): the name of the ``grpc.StatusCode`` that ends
 # the call, by the same first-match rule.
 GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
     (Unauthorized, "UNAUTHENTICATED"),

@@ -1,0 +1,375 @@
+"""The Open Inference Protocol's gRPC service (``inference.GRPCInferenceService``, as Triton
+and KServe serve it): every RPC against the running server's engine (``app.v2.grpc_server``
+serves it on ``MB_GRPC_PORT``).
+
+- Inputs and outputs as over HTTP (``app.v2.inference``); outputs travel as
+  ``raw_output_contents``, inputs as ``raw_input_contents`` or typed contents
+  (``app.v2.grpc_messages``).
+- ``authorization: Bearer <API_KEY>`` metadata on ``ModelInfer`` when ``API_KEY`` is set;
+  the repository's load and unload need ``ADMIN_API_KEY`` (refused without it); metadata
+  ``x-model-id`` pins the exact export, as the HTTP header does.
+- The call's deadline is the request's (it can shorten ``MB_REQUEST_TIMEOUT``, not extend
+  it); a call the client cancels leaves the queue before it is computed.
+- A refusal ends the call with the status ``app.errors.GRPC_STATUS`` gives, its message,
+  and trailing metadata ``error-type`` (this server's type) and, for one worth retrying,
+  ``retry-after`` (seconds) and ``grpc-retry-pushback-ms``.
+- Each call is timed, logged and counted as an HTTP request is, and traced when tracing is
+  on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from app import tracing
+from app.auth import bearer_allows
+from app.batching import Trace
+from app.errors import (
+    ClientDisconnected,
+    ClientError,
+    ServerError,
+    Unauthorized,
+    Unavailable,
+    grpc_status,
+    http_status,
+)
+from app.services.registry import ModelVersion
+from app.settings import Settings
+from app.v2 import inference
+from app.v2.grpc_messages import infer_call, infer_response, parameter
+from app.v2.proto import inference_pb2 as pb
+from app.v2.proto import inference_pb2_grpc as pb_grpc
+from app.v2.server import EXTENSIONS, SERVER, config_of, load_asked, statistics_of
+
+if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
+    from app.engine import Engine
+
+log = logging.getLogger("app.request")
+T = TypeVar("T")
+SERVICE = "inference.GRPCInferenceService"
+PIN_METADATA = "x-model-id"
+
+
+class Call:
+    """What one RPC learned, for its log line and metrics: the error it ended with, if any
+    (its gRPC status and the HTTP status it stands for in the metrics follow from it)."""
+
+    def __init__(self, rpc: str) -> None:
+        self.rpc = rpc
+        self.version: ModelVersion | None = None
+        self.inference = False
+        self.batch_size: int | None = None
+        self.images = 0
+        self.error: ServerError | None = None
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """Every RPC of the v2 service, against the engine of the running server."""
+
+    def __init__(self, engine: Engine, settings: Settings, ready: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.ready = ready
+
+    # -- what every call shares ------------------------------------------------------------
+
+    async def _answer(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        rpc: str,
+        work: Callable[[Call], Awaitable[T]],
+        *,
+        key: str | None = None,
+    ) -> T:
+        """``work(call)``, timed, logged and counted as HTTP requests are; a domain error
+        ends the call with its status. ``key`` names the setting whose bearer token it
+        needs."""
+        started = time.perf_counter()
+        call = Call(rpc)
+        with tracing.request(
+            f"{SERVICE}/{rpc}", lambda: _metadata(context), RPC_ATTRIBUTES
+        ) as span:
+            try:
+                if key is not None:
+                    self._authorize(context, key)
+                return await work(call)
+            except ServerError as error:
+                call.error = error
+                await self._refuse(context, error)
+                raise AssertionError("unreachable: abort raises") from None
+            except asyncio.CancelledError:
+                call.error = ClientDisconnected("the client cancelled the call")
+                raise
+            except Exception:  # a bug: grpc answers UNKNOWN and logs it; counted as a 500 here
+                call.error = ServerError("internal error")
+                raise
+            finally:
+                self._observe(call, time.perf_counter() - started, span)
+
+    def _observe(self, call: Call, seconds: float, span: Any = None) -> None:
+        """The call's metrics, log line and span (when traced)."""
+        version, error = call.version, call.error
+        model, number = (version.name, str(version.version)) if version else ("", "")
+        if span is not None:
+            _describe(span, call)
+        if self.engine.metrics is not None:
+            status = http_status(error) if error is not None else 200
+            route = f"grpc {call.rpc}"
+            self.engine.metrics.on_request(
+                route, status, seconds, model, number, inference=call.inference
+            )
+        log.info(
+            "grpc %s %s %.1f ms%s%s",
+            call.rpc,
+            grpc_status(error) if error is not None else "OK",
+            seconds * 1000,
+            f" model={version.served_id}" if version else "",
+            f" batch={call.batch_size}" if call.batch_size else "",
+            extra=tracing.log_fields(),
+        )
+
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], setting: str) -> None:
+        expected = getattr(self.settings, setting)
+        if expected is None:
+            if setting == "admin_api_key":
+                raise Unauthorized("ADMIN_API_KEY is not set: loading and unloading are off")
+            return
+        sent = _metadata(context).get("authorization")
+        if not bearer_allows(sent, expected):
+            raise Unauthorized(f"send metadata 'authorization: Bearer <{setting.upper()}>'")
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError
+    ) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.on_error(error)
+        trailing = [("error-type", error.code)]
+        if isinstance(error, Unavailable):
+            seconds = max(1, round(error.retry_after_s))
+            trailing += [
+                ("retry-after", str(seconds)),
+                ("grpc-retry-pushback-ms", str(seconds * 1000)),
+            ]
+        code = getattr(grpc.StatusCode, grpc_status(error))
+        await context.abort(code, error.message, tuple(trailing))
+
+    @asynccontextmanager
+    async def _admitted(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        call: Call,
+        name: str,
+        number: str,
+    ) -> AsyncIterator[ModelVersion]:
+        """The version a call gets (``Engine.admitted``): ``name``, pinned by metadata
+        ``x-model-id`` or a ``number`` ("": the serving one)."""
+        pinned = (_metadata(context).get(PIN_METADATA) or "").strip() or None
+        async with self.engine.admitted(name or None, pinned, number or None) as version:
+            call.version = version
+            yield version
+
+    # -- health and metadata ---------------------------------------------------------------
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(**SERVER, extensions=EXTENSIONS)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        """Ready or not, never an error (as Triton answers, and tritonclient expects): a
+        name or version not served is not ready."""
+
+        async def work(call: Call) -> Any:
+            try:
+                async with self._admitted(context, call, request.name, request.version):
+                    return pb.ModelReadyResponse(ready=self.ready())
+            except (ClientError, Unavailable):
+                return pb.ModelReadyResponse(ready=False)
+
+        return await self._answer(context, "ModelReady", work)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            async with self._admitted(context, call, request.name, request.version) as served:
+                metadata = inference.metadata(served)
+            return json_format.ParseDict(metadata, pb.ModelMetadataResponse())
+
+        return await self._answer(context, "ModelMetadata", work)
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            async with self._admitted(context, call, request.name, request.version) as served:
+                config = config_of(self.engine, served)
+            message = pb.ModelConfigResponse()
+            return json_format.ParseDict({"config": config}, message, ignore_unknown_fields=True)
+
+        return await self._answer(context, "ModelConfig", work)
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            stats = statistics_of(self.engine, request.name or None, request.version or None)
+            message = pb.ModelStatisticsResponse()
+            return json_format.ParseDict({"model_stats": stats}, message)
+
+        return await self._answer(context, "ModelStatistics", work)
+
+    # -- the repository --------------------------------------------------------------------
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            rows = self.engine.models.index(self.engine.transport.worker_status())
+            response = pb.RepositoryIndexResponse()
+            for row in rows:
+                if request.ready and row["state"] != "ready":
+                    continue
+                response.models.add(
+                    name=row["name"],
+                    version=str(row["version"]),
+                    state=str(row["state"]).upper(),
+                    reason=row.get("reason") or "",
+                )
+            return response
+
+        return await self._answer(context, "RepositoryIndex", work)
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            parameters = {key: parameter(value) for key, value in request.parameters.items()}
+            if isinstance(parameters.get("version"), int):  # as an int64_param: the number
+                parameters["version"] = str(parameters["version"])
+            asked = load_asked({"parameters": parameters})
+            number = int(asked.version) if asked.version is not None else None
+            await self.engine.models.load(request.model_name, number, replace=asked.replace)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._answer(context, "RepositoryModelLoad", work, key="admin_api_key")
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            await self.engine.models.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._answer(context, "RepositoryModelUnload", work, key="admin_api_key")
+
+    # -- inference -------------------------------------------------------------------------
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        async def work(call: Call) -> Any:
+            return await self._infer(request, context, call)
+
+        return await self._answer(context, "ModelInfer", work, key="api_key")
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
+        """Each request of the stream answered as it completes (they run concurrently, and
+        batch like any other); one that fails answers its ``error_message``, and the stream
+        goes on."""
+        try:
+            self._authorize(context, "api_key")
+        except Unauthorized as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: Any) -> None:
+            call = Call("ModelStreamInfer")
+            started = time.perf_counter()
+            name = f"{SERVICE}/ModelStreamInfer"
+            with tracing.request(name, partial(_metadata, context), RPC_ATTRIBUTES) as span:
+                try:
+                    response = await self._infer(request, context, call)
+                    await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+                except ServerError as error:
+                    call.error = error
+                    if self.engine.metrics is not None:
+                        self.engine.metrics.on_error(error)
+                    failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
+                    message = pb.ModelStreamInferResponse(
+                        error_message=error.message, infer_response=failed
+                    )
+                    await answers.put(message)
+                finally:
+                    self._observe(call, time.perf_counter() - started, span)
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.gather(*list(running))
+            await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    async def _infer(self, request: Any, context: Any, call: Call) -> Any:
+        with tracing.span("read upload"):
+            infer = infer_call(request)
+        timeout = self.settings.mb_request_timeout
+        remaining = context.time_remaining()
+        if remaining is not None:  # the client's gRPC deadline
+            timeout = min(timeout, max(remaining, 0.0))
+        deadline = inference.shortened(time.monotonic() + timeout, infer.parameters)
+        number = request.model_version
+        async with self._admitted(context, call, request.model_name, number) as served:
+            trace = Trace(link=tracing.link())
+            call.inference = True
+            try:
+                outputs = await inference.infer(
+                    served, infer, deadline, trace, max_images=self.settings.max_images_per_request
+                )
+            finally:
+                call.batch_size, call.images = trace.batch_size, trace.images
+                tracing.queued(trace.waits)
+        with tracing.span("reply"):
+            return infer_response(served, request.id, outputs)
+
+
+RPC_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": SERVICE}
+
+
+def _describe(span: Any, call: Call) -> None:
+    """The call span's attributes, once it ended."""
+    span.set_attribute("rpc.method", call.rpc)
+    version, error = call.version, call.error
+    code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if version is not None:
+        tracing.served(
+            span,
+            model=version.name,
+            version=version.version,
+            served_id=version.served_id,
+            images=call.images,
+            batch_size=call.batch_size,
+        )
+    if error is not None:
+        tracing.failed(span, error)
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    return {
+        key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)
+    }
