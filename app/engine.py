@@ -46,7 +46,7 @@ def default_transport(
     (``on_view`` hears what they hold and which version each name serves)."""
     if plan.role is Role.FRONT_END:
         assert plan.broker is not None
-        from app.broker.transport import BrokerTransport  # no redis client unless asked for
+        from app.broker.front.transport import BrokerTransport  # no redis client unless asked for
 
         return BrokerTransport(
             plan.broker.url,

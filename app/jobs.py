@@ -18,7 +18,7 @@ class Task(StrEnum):
 
     ``EMBEDDING_AND_TAG`` answers both from one model pass (``EmbeddingAndTopK``), for a
     caller that wants both of the same image. New members go last: broker mode numbers its
-    streams by their order (``app.broker.transport``).
+    streams by their order (``app.broker.front.transport``).
     """
 
     EMBEDDING = "embedding"

@@ -5,7 +5,7 @@ else it and the rest of the server need from the machinery behind it (how many b
 run at once, how big a batch may be, whether anything can serve, the state of each model
 worker for ``/readyz``, ``/info`` and the metrics) is the ``Transport`` protocol below.
 ``app.workers.pool.WorkerPool`` fills it with model worker processes on this machine,
-``app.broker.transport.BrokerTransport`` with the workers behind a Redis broker, and
+``app.broker.front.transport.BrokerTransport`` with the workers behind a Redis broker, and
 ``app.testing.FakeTransport`` with a function, for tests; ``Engine`` and ``create_app`` take
 any of them.
 """

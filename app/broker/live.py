@@ -17,7 +17,6 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from app.batching.transport import HeldModel, Trial, WorkerStatus
 from app.broker.keys import STALE_S, Keys
 from app.broker.wire import MalformedMessage, WorkerInfo, decode_worker_info, text
 
@@ -98,22 +97,3 @@ class LiveWorkers:
     @staticmethod
     def parse(answer: Sequence[Any]) -> LiveView:
         return _parse(answer)
-
-
-def worker_status(w: WorkerInfo) -> WorkerStatus:
-    """A worker's heartbeat as the transports report a worker (``/readyz``, ``/info``, the
-    metrics)."""
-    return WorkerStatus(
-        index=w.index, device=w.device, threads=w.threads, pid=w.pid, ready=w.ready,
-        alive=w.alive, batch_size=w.batch_size, batches=w.batches, items=w.items,
-        rss_bytes=w.rss_bytes, cpu_seconds=w.cpu_seconds, restarts=w.restarts,
-        name=w.name, host=w.host, runtime=w.runtime,
-        models=tuple(
-            HeldModel(
-                m.served_id, m.state.shown, m.runtime, m.batch_size, m.memory_bytes,
-                m.reason, m.name, m.version, tuple(m.skipped.items()), m.slowdown,
-                m.dtype, tuple(Trial(**t.model_dump()) for t in m.trials),
-            )
-            for m in w.models
-        ),
-    )  # fmt: skip

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
-from app.lifecycle import Route, VersionState
+from app.lifecycle import VersionState
 from app.settings_values import MODEL_NAME_PATTERN
 
 WIRE_VERSION = 1
@@ -376,31 +376,3 @@ def decode_worker_info(raw: bytes | str | None) -> WorkerInfo:
         return WorkerInfo.model_validate_json(raw)
     except (ValidationError, RecursionError) as exc:
         raise MalformedMessage(f"the worker's description does not check: {exc}") from None
-
-
-# -- the routes front ends keep in Redis (``Keys.routes``, MB_SCALE_FROM_ZERO) ---------------
-
-
-def encode_route(route: Route) -> str:
-    """One field of the routes hash.
-
-    >>> encode_route(Route(2, "tagger@1a2b3c4d5e6f"))
-    '{"version": 2, "served_id": "tagger@1a2b3c4d5e6f"}'
-    """
-    return json.dumps({"version": route.version, "served_id": route.served_id})
-
-
-def decode_routes(raw: Mapping[Any, Any]) -> dict[str, Route]:
-    """The routes hash as routes; a field that does not parse is left out.
-
-    >>> decode_routes({b"tagger": encode_route(Route(2, "tagger@1a2b3c4d5e6f")), b"odd": b"{"})
-    {'tagger': Route(version=2, served_id='tagger@1a2b3c4d5e6f')}
-    """
-    decoded = {}
-    for name, value in raw.items():
-        try:
-            fields = json.loads(value)
-            decoded[text(name)] = Route(int(fields["version"]), str(fields["served_id"]))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return decoded

@@ -542,7 +542,7 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
     """The Streamer cancels a batch whose callers all left; the broker transport then deletes
     the entry, so a worker that has not read it yet never computes it."""
     from app.batching import BatchItem
-    from app.broker.transport import BrokerTransport
+    from app.broker.front.transport import BrokerTransport
     from app.jobs import BatchKey, ImageJob, Task
 
     with RedisServer() as redis_server:
@@ -567,7 +567,7 @@ async def test_a_front_end_that_saw_no_worker_looks_again_before_refusing() -> N
     """A worker that started after the front end's last look (up to a second ago) serves the
     next request: the front end looks at Redis itself before it answers ``worker_died``."""
     from app.batching import BatchItem
-    from app.broker.transport import BrokerTransport
+    from app.broker.front.transport import BrokerTransport
     from app.jobs import BatchKey, ImageJob, Task
 
     with RedisServer() as redis_server:

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from app.broker.front.transport import BrokerTransport
 from app.broker.keys import GROUP, Keys
 from app.broker.probes import Probes, Running
 from app.broker.probes import client_for as probes_client
-from app.broker.transport import BrokerTransport
 from app.jobs import Task
 from app.lifecycle import Route
 from tests.answers import error_of

@@ -25,9 +25,10 @@ from redis.exceptions import RedisError
 
 from app.batching import ClusterView
 from app.broker.control import decode_pins, set_pin
+from app.broker.front.routes import decode_routes, encode_route
 from app.broker.keys import Keys
 from app.broker.live import LiveWorkers
-from app.broker.wire import WorkerInfo, decode_routes, encode_route
+from app.broker.wire import WorkerInfo
 from app.errors import BrokerUnavailable
 from app.lifecycle import UNLOADED, AdminPin, Route, routes
 

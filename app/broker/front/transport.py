@@ -3,7 +3,7 @@ Redis stream and waits for its reply. Batches form in the workers (``app.broker.
 across every front end.
 
 Per front-end process: one id (``frontend``), one reply list read by one asyncio task, and
-a look at Redis every second (``app.broker.monitor``: readiness, ``/info``, metrics, which
+a look at Redis every second (``app.broker.front.monitor``: readiness, ``/info``, metrics, which
 version each model name serves, what the admin route chose). A request goes to the streams
 of the version it was admitted for (``BatchKey.model``). No torch, no model weights.
 
@@ -44,11 +44,11 @@ from app.batching import (
     VersionControl,
     WorkerStatus,
 )
-from app.broker.backlog import count_backlog
+from app.broker.front.backlog import count_backlog
+from app.broker.front.monitor import Monitor
+from app.broker.front.status import worker_status
+from app.broker.front.waiting import Waiting
 from app.broker.keys import Keys
-from app.broker.live import worker_status
-from app.broker.monitor import Monitor
-from app.broker.waiting import Waiting
 from app.broker.wire import WorkerInfo, encode_request
 from app.errors import (
     BrokerUnavailable,
@@ -60,7 +60,7 @@ from app.errors import (
 from app.jobs import BatchKey, ImageJob, Task
 from app.lifecycle import Route
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("app.broker.transport")
 
 REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
 RECONNECT_S = 0.5
@@ -243,7 +243,7 @@ class BrokerTransport:
         )
 
     async def backlog(self) -> QueueBacklog:
-        """The work waiting for workers (``app.broker.backlog``), over the streams of every
+        """The work waiting for workers (``app.broker.front.backlog``), over the streams of every
         version a name routes to or a live worker holds: entries of any other version have
         nobody to compute them, and must not keep an autoscaler up. Raises
         ``BrokerUnavailable``."""
