@@ -45,6 +45,7 @@ class WorkerConfig:
     auto_batch: bool = False  # measure throughput per batch size and pick the knee
     dtype: str = "auto"  # MB_DTYPE; "auto": measured (app.workers.runtimes.candidate_dtypes)
     bf16_units: bool | None = None  # testing only (MB_TEST_CPU_BF16); None: this CPU's
+    fastest_dtype: str | None = None  # testing only (MB_TEST_FASTEST_DTYPE): wins the timing
     runtime: RuntimeSetting = "auto"  # MB_RUNTIME: see app.workers.runtimes
     optimize: bool = True
     decode_threads: int = 0  # > 0: batches may arrive encoded and this many threads decode
@@ -283,6 +284,7 @@ def plan_serving(
             log_format=settings.log_format,
             load_delays_s=settings.mb_test_load_delay_s,
             bf16_units=settings.mb_test_cpu_bf16,
+            fastest_dtype=settings.mb_test_fastest_dtype,
         ),
         limits=Limits(
             max_batch_size=settings.max_batch_size,

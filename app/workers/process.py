@@ -272,6 +272,7 @@ class PreparedWorker:
             choice = choose_runtime(
                 store, device, options, config.runtime, manifest,
                 [getattr(torch, dtype) for dtype in dtypes], bf16,
+                getattr(torch, config.fastest_dtype) if config.fastest_dtype else None,
             )  # fmt: skip
         except WorkerStartError as exc:  # a runtime refused by its self-test, or absent
             raise LoadFailure(spec, "self-test", str(exc)) from None

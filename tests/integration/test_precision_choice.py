@@ -204,3 +204,16 @@ def test_the_default_model_passes_the_bf16_gate_and_still_tags_the_cat(
 def _pixels(store: Path) -> npt.NDArray[np.uint8]:
     shape = read_manifest(store).input.image_shape
     return np.random.default_rng(0).integers(0, 256, (2, *shape), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("favoured", ["float32", "bfloat16"])
+def test_the_test_hook_makes_a_precision_win_wherever_it_passes(
+    conv_store: Path, favoured: str
+) -> None:
+    """MB_TEST_FASTEST_DTYPE, so every CPU covers both outcomes of the choice with real
+    timings (those of a tiny model are noise); bf16 units are taken as there."""
+    config = WorkerConfig(max_batch_size=4, bf16_units=True, fastest_dtype=favoured)
+    prepared = PreparedWorker(config, "cpu", 1).load(auto_spec(conv_store))
+    assert prepared.spec.dtype == favoured
+    timed = {t.label: t.images_per_s for t in prepared.trials if t.images_per_s is not None}
+    assert len(timed) == 4, timed  # every candidate was timed for real, then favoured
