@@ -581,7 +581,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             redis_process = cluster.processes.pop("redis")
             await asyncio.to_thread(cluster.stop)
             # Redis outlives the rest for the last check: nothing left past the reply TTL.
-            from app.broker.keys import REPLY_TTL_S
+            from app.broker.wire.keys import REPLY_TTL_S
 
             await asyncio.sleep(REPLY_TTL_S + 5)
             keys, memory = redis_state(cluster)

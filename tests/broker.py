@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from app.broker.wire import text
+from app.broker.wire.parsing import text
 from tests.server import REPO, ChildProcess, free_port
 
 PREFIX = "mbtest"

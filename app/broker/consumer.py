@@ -36,21 +36,16 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.broker import spans
 from app.broker.health import Presence, TroubleLog, vital_thread
-from app.broker.keys import GROUP, HEARTBEAT_S, Keys
-from app.broker.live import LiveView, LiveWorkers
 from app.broker.orphans import OrphanClaims
 from app.broker.readahead import ReadAhead
 from app.broker.replies import RETRY_S, Answered, Entry, EntryId, Replier
 from app.broker.stats import ConsumerStats
 from app.broker.versions import WorkerVersions
-from app.broker.wire import (
-    MalformedMessage,
-    Request,
-    decode_request,
-    encode_answer,
-    entry_time_ms,
-    text,
-)
+from app.broker.wire.keys import GROUP, HEARTBEAT_S, Keys
+from app.broker.wire.live import LiveView, LiveWorkers
+from app.broker.wire.parsing import MalformedMessage, text
+from app.broker.wire.reply import encode_answer
+from app.broker.wire.request import Request, decode_request, entry_time_ms
 from app.errors import InferenceError, InvalidImage
 from app.jobs import Task
 from app.repository import Repository

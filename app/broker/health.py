@@ -17,8 +17,8 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.keys import HEARTBEAT_S, STALE_S, Keys
-from app.broker.wire import text
+from app.broker.wire.keys import HEARTBEAT_S, STALE_S, Keys
+from app.broker.wire.parsing import text
 
 log = logging.getLogger("app.worker")
 

@@ -4,7 +4,7 @@ one worker per host loading at a time, under a lock in Redis, so a host's cores 
 one of them loads.
 
 When asked (``SIGHUP``, ``MB_REPOSITORY_POLL_S``, or the admin route through Redis:
-``app.broker.control``), the ``Loader`` reads which version each name should serve
+``app.broker.wire.control``), the ``Loader`` reads which version each name should serve
 (``app.lifecycle.chosen_version``) and queues the loads of those the worker lacks. A load
 that passes its deadline (``MB_WORKER_START_TIMEOUT``) is given up: the worker advertises it
 failed (step ``timeout``) and goes on; the thread, which cannot be stopped, is left to
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.control import PinReader, Precisions
-from app.broker.keys import Keys
-from app.broker.live import LiveView
+from app.broker.wire.control import PinReader, Precisions
+from app.broker.wire.keys import Keys
+from app.broker.wire.live import LiveView
 from app.errors import ModelStoreError
 from app.lifecycle import LOADERS_PER_HOST, ModelSpec, given_up
 from app.manifest import read_manifest, served_model_id, split_served_id

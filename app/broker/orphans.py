@@ -14,11 +14,13 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from app.broker.health import TroubleLog
-from app.broker.keys import GROUP, STALE_S, Keys
-from app.broker.live import LiveWorkers
 from app.broker.replies import Entry, Replier
 from app.broker.stats import ConsumerStats
-from app.broker.wire import MAX_TTL_MS, decode_request, encode_error, text
+from app.broker.wire.keys import GROUP, STALE_S, Keys
+from app.broker.wire.live import LiveWorkers
+from app.broker.wire.parsing import text
+from app.broker.wire.reply import encode_error
+from app.broker.wire.request import MAX_TTL_MS, decode_request
 from app.errors import InferenceError
 
 log = logging.getLogger("app.worker")

@@ -28,8 +28,8 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.keys import Keys
-from app.broker.live import LiveWorkers
+from app.broker.wire.keys import Keys
+from app.broker.wire.live import LiveWorkers
 from app.lifecycle import VersionState
 
 log = logging.getLogger("app.worker")
@@ -59,7 +59,7 @@ class Running:
 
 class Probes:
     """The two answers, computed on demand (readiness: one Redis call, the live workers'
-    view, ``app.broker.live``; liveness: none). ``workers``, ``last_turn`` and ``stopping``
+    view, ``app.broker.wire.live``; liveness: none). ``workers``, ``last_turn`` and ``stopping``
     come from the supervisor."""
 
     def __init__(

@@ -10,7 +10,7 @@ from typing import Any
 
 from app import tracing
 from app.broker.replies import EntryId
-from app.broker.wire import Request, entry_time_ms
+from app.broker.wire.request import Request, entry_time_ms
 from app.jobs import Task
 from app.workers.compute import batch_span
 

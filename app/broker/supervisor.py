@@ -18,10 +18,10 @@ from multiprocessing.synchronize import Event as EventType
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from app.broker.keys import Keys
 from app.broker.probes import Probes, Running
 from app.broker.probes import client_for as probes_client
 from app.broker.probes import serve as serve_probes
+from app.broker.wire.keys import Keys
 from app.plan import BrokerPlan
 from app.workers import allocator
 from app.workers.backoff import RestartBackoff

@@ -7,7 +7,7 @@ Each round (``turn``, on the worker's main thread, between batches) it
 1. takes in a load that ended (``app.broker.loading``: loads run in a thread of their own,
    so batches go on meanwhile), or gives up one past its deadline;
 2. when asked (``SIGHUP``, ``MB_REPOSITORY_POLL_S``, or the admin route through Redis:
-   ``app.broker.control``), reads which version each name should serve
+   ``app.broker.wire.control``), reads which version each name should serve
    (``app.lifecycle.chosen_version``) and queues the loads of those it lacks;
 3. asks the lifecycle's rules what to do with each version it holds, given every live
    worker's heartbeat (``app.lifecycle.fate``: a version that may still serve is never
@@ -27,9 +27,9 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.keys import Keys
-from app.broker.live import LiveView
 from app.broker.loading import UNKNOWN, Loader
+from app.broker.wire.keys import Keys
+from app.broker.wire.live import LiveView
 from app.jobs import Task
 from app.lifecycle import (
     RETIRE_S,

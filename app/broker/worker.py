@@ -43,7 +43,7 @@ from app.workers.lineage import die_with_parent
 if TYPE_CHECKING:
     import redis
 
-    from app.broker.keys import Keys
+    from app.broker.wire.keys import Keys
     from app.workers.process import PreparedWorker
 
 log = logging.getLogger("app.worker")
@@ -85,7 +85,7 @@ def consumer_main(
     from redis.retry import Retry
 
     from app.broker.consumer import Consumer
-    from app.broker.keys import Keys
+    from app.broker.wire.keys import Keys
     from app.workers.process import LoadFailure, PreparedWorker, start_failure
 
     reload = threading.Event()  # SIGHUP before the consumer exists: it looks at once
@@ -173,8 +173,8 @@ def load_in_fleet_precision(
     (``app.broker.loading.fleet_decided``); without Redis, as this worker chooses."""
     from redis.exceptions import RedisError
 
-    from app.broker.control import Precisions
     from app.broker.loading import fleet_decided, record_precision
+    from app.broker.wire.control import Precisions
 
     precisions = Precisions(client, keys)
     try:
@@ -202,8 +202,8 @@ def starting_versions(
     route chose), unless the others gave that one up. Without Redis: the latter alone."""
     from redis.exceptions import RedisError
 
-    from app.broker.control import PinReader
-    from app.broker.live import LiveWorkers
+    from app.broker.wire.control import PinReader
+    from app.broker.wire.live import LiveWorkers
     from app.lifecycle import given_up, routes
 
     try:

@@ -18,8 +18,9 @@ ByModel = Mapping[str, Mapping[Task, Any]]
 
 
 class WorkerReport(Protocol):
-    """Broker mode: what a worker's heartbeat says it has run (``app.broker.wire.WorkerInfo``):
-    by served id and task, batches by size, and the model-time and queue-wait histograms."""
+    """Broker mode: what a worker's heartbeat says it has run
+    (``app.broker.wire.heartbeat.WorkerInfo``): by served id and task, batches by size, and
+    the model-time and queue-wait histograms."""
 
     @property
     def sizes(self) -> Mapping[str, Mapping[Task, Mapping[int, int]]]: ...

@@ -482,7 +482,7 @@ async def test_a_request_past_its_deadline_is_never_run(tiny_store: Path) -> Non
     """Its front end deletes the entry when its caller gives up; an entry that reaches a
     worker after its deadline anyway (by Redis's clock) is dropped unrun. The worker is
     paused (SIGSTOP) meanwhile, as if busy."""
-    from app.broker.wire import encode_request
+    from app.broker.wire.request import encode_request
     from app.jobs import Task
 
     with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1) as workers:

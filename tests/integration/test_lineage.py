@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.broker.wire import text
+from app.broker.wire.parsing import text
 from app.workers.lineage import stop_child
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.server import REPO, ServerProcess, alive, free_port

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.broker.wire import WorkerInfo
+from app.broker.wire.heartbeat import WorkerInfo
 from app.errors import ModelNotFound
 from app.lifecycle import (
     UNLOADED,

@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from app import tracing
 from app.batching import BatchItem
-from app.broker.wire import decode_request, encode_request
+from app.broker.wire.request import decode_request, encode_request
 from app.errors import SettingsError
 from app.jobs import EmbeddingAndTopK, ImageJob, Task, TopK
 from app.logs import JsonFormatter

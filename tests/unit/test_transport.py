@@ -118,7 +118,7 @@ def test_a_precision_below_fp32_is_part_of_every_served_id(
     """Vectors of two precisions are never taken for one another: the answer's header, /info,
     the v2 metadata and the metrics all name the precision below fp32; and a broker front
     end's streams are its own (workers of another precision never answer it)."""
-    from app.broker.keys import Keys
+    from app.broker.wire.keys import Keys
 
     store = export_tiny(tmp_path / "store")
     manifest = read_manifest(store)

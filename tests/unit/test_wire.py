@@ -10,15 +10,9 @@ import struct
 import numpy as np
 import pytest
 
-from app.broker.wire import (
-    MalformedMessage,
-    decode_reply,
-    decode_request,
-    encode_error,
-    encode_request,
-    encode_result,
-    entry_time_ms,
-)
+from app.broker.wire.parsing import MalformedMessage
+from app.broker.wire.reply import decode_reply, encode_error, encode_result
+from app.broker.wire.request import decode_request, encode_request, entry_time_ms
 from app.errors import DeadlineExceeded, InferenceError, InvalidImage, PayloadTooLarge
 from app.jobs import EmbeddingAndTopK, Task, TopK
 

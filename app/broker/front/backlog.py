@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from app.batching import QueueBacklog, StreamCount
-from app.broker.keys import GROUP, Keys
-from app.broker.wire import text
+from app.broker.wire.keys import GROUP, Keys
+from app.broker.wire.parsing import text
 
 
 async def count_backlog(client: aioredis.Redis, keys: Keys, served: Iterable[str]) -> QueueBacklog:

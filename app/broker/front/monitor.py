@@ -1,7 +1,7 @@
 """A broker front end's look at Redis, every second (and sooner when a request or an admin
 call asks): is Redis there (the same instance as before), which workers live
-(``app.broker.live``), how full the shared streams are, what the admin route chose
-(``app.broker.control``), and so which version each model name serves
+(``app.broker.wire.live``), how full the shared streams are, what the admin route chose
+(``app.broker.wire.control``), and so which version each model name serves
 (``app.lifecycle.routes``). Its ``view`` is what the front end's models follow, its
 readiness and ``/info`` read, and what the admin routes wait on; ``pin`` is how they ask.
 
@@ -24,11 +24,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from app.batching import ClusterView
-from app.broker.control import decode_pins, set_pin
 from app.broker.front.routes import decode_routes, encode_route
-from app.broker.keys import Keys
-from app.broker.live import LiveWorkers
-from app.broker.wire import WorkerInfo
+from app.broker.wire.control import decode_pins, set_pin
+from app.broker.wire.heartbeat import WorkerInfo
+from app.broker.wire.keys import Keys
+from app.broker.wire.live import LiveWorkers
 from app.errors import BrokerUnavailable
 from app.lifecycle import UNLOADED, AdminPin, Route, routes
 
@@ -106,7 +106,7 @@ class Monitor:
 
     async def pin(self, name: str, pin: AdminPin | None) -> None:
         """Set what the admin route chose for ``name`` (None: clear it), and have every
-        worker act on it (``app.broker.control``)."""
+        worker act on it (``app.broker.wire.control``)."""
         if self.client is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         try:

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from app.broker.wire import text
+from app.broker.wire.parsing import text
 from app.lifecycle import Route
 
 

@@ -4,7 +4,7 @@ heartbeat (``WorkerInfo``) as the ``WorkerStatus`` every transport reports a wor
 from __future__ import annotations
 
 from app.batching import HeldModel, Trial, WorkerStatus
-from app.broker.wire import WorkerInfo
+from app.broker.wire.heartbeat import WorkerInfo
 
 
 def worker_status(w: WorkerInfo) -> WorkerStatus:

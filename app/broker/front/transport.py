@@ -48,8 +48,9 @@ from app.broker.front.backlog import count_backlog
 from app.broker.front.monitor import Monitor
 from app.broker.front.status import worker_status
 from app.broker.front.waiting import Waiting
-from app.broker.keys import Keys
-from app.broker.wire import WorkerInfo, encode_request
+from app.broker.wire.heartbeat import WorkerInfo
+from app.broker.wire.keys import Keys
+from app.broker.wire.request import encode_request
 from app.errors import (
     BrokerUnavailable,
     NotReady,

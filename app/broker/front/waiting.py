@@ -9,7 +9,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from app.broker.wire import MalformedMessage, decode_reply
+from app.broker.wire.parsing import MalformedMessage
+from app.broker.wire.reply import decode_reply
 from app.errors import ServerError, WorkerDied
 
 log = logging.getLogger("app.broker.transport")

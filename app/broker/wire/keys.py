@@ -48,7 +48,7 @@ class Keys:
 
     @property
     def pins(self) -> str:
-        """Hash: model name -> what the admin route chose for it (``app.broker.control``)."""
+        """Hash: model name -> what the admin route chose for it (``app.broker.wire.control``)."""
         return f"{self.prefix}:{{w}}:pins"
 
     @property
@@ -59,7 +59,7 @@ class Keys:
     @property
     def precisions(self) -> str:
         """Hash: export (model id) -> the precision the fleet serves it in
-        (``app.broker.control.Precisions``)."""
+        (``app.broker.wire.control.Precisions``)."""
         return f"{self.prefix}:{{w}}:precisions"
 
     def loading(self, host: str) -> str:

@@ -22,8 +22,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from app.broker.keys import Keys
-from app.broker.wire import text
+from app.broker.wire.keys import Keys
+from app.broker.wire.parsing import text
 from app.lifecycle import UNLOADED, AdminPin
 from app.manifest import PRECISION_TAGS
 from app.repository import check_name

@@ -17,8 +17,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from app.broker.keys import STALE_S, Keys
-from app.broker.wire import MalformedMessage, WorkerInfo, decode_worker_info, text
+from app.broker.wire.heartbeat import WorkerInfo, decode_worker_info
+from app.broker.wire.keys import STALE_S, Keys
+from app.broker.wire.parsing import MalformedMessage, text
 
 # Redis's time (ms), the names whose heartbeat is younger than ARGV[1] ms, and their
 # descriptions.
