@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from app.broker.worker import main
+from app.broker.worker.__main__ import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from app.broker import worker
+from app.broker.worker.__main__ import main
 from app.workers import runner
 
 _run = runner.BatchRunner.run
@@ -33,4 +33,4 @@ def _run_or_die(self: runner.BatchRunner, task: object, pixels: object, top_k: i
 runner.BatchRunner.run = _run_or_die  # type: ignore[method-assign,assignment]
 
 if __name__ == "__main__":
-    sys.exit(worker.main())
+    sys.exit(main())

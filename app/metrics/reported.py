@@ -1,6 +1,6 @@
 """Broker mode: the batches the model workers ran, from their heartbeats (each worker's
-``app.broker.stats.ConsumerStats``), summed over the workers alive into the same histograms
-an in-process server keeps itself: batch sizes, queue waits and model times."""
+``app.broker.worker.stats.ConsumerStats``), summed over the workers alive into the same
+histograms an in-process server keeps itself: batch sizes, queue waits and model times."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _histogram_family(
 
 class WorkerReported(Collector):
     """Broker mode: the batches the workers ran, from their heartbeats (see
-    ``app.broker.consumer.ConsumerStats``), summed over the workers alive."""
+    ``app.broker.worker.stats.ConsumerStats``), summed over the workers alive."""
 
     def __init__(
         self, read: Callable[[], Sequence[WorkerReport]], labels: Callable[[], Labels]

@@ -118,7 +118,7 @@ class BrokerPlan:
     prefix: str
     max_deliveries: int
     host_name: str  # this host's workers are ``<host_name>:<index>``
-    health_port: int | None = None  # workers: where their probes answer (app.broker.probes)
+    health_port: int | None = None  # workers: where their probes answer (app.broker.worker.probes)
     scale_from_zero: bool = False  # front ends: queue for the last routes with no worker live
 
     @property

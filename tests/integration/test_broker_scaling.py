@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from app.broker.front.transport import BrokerTransport
-from app.broker.probes import Probes, Running
-from app.broker.probes import client_for as probes_client
 from app.broker.wire.keys import GROUP, Keys
+from app.broker.worker.probes import Probes, Running
+from app.broker.worker.probes import client_for as probes_client
 from app.jobs import Task
 from app.lifecycle import Route
 from tests.answers import error_of

@@ -101,7 +101,8 @@ def test_the_processes_that_run_no_model_import_no_torch() -> None:
 
     code = (
         "import sys\n"
-        "import app.main, app.engine, app.workers.pool, app.broker.worker, app.broker.front.transport\n"
+        "import app.main, app.engine, app.workers.pool, app.broker.front.transport\n"
+        "import app.broker.worker.__main__\n"
         "from app.plan import Role, plan_serving\n"
         "from app.settings import Settings\n"
         "plan_serving(Settings(cuda_devices='cpu'))\n"

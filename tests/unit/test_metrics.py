@@ -106,7 +106,7 @@ async def test_a_body_refused_from_its_content_length_is_counted() -> None:
 
 def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     """Batches form in the workers: their heartbeats' counts, summed, are the histograms."""
-    from app.broker.stats import ConsumerStats
+    from app.broker.worker.stats import ConsumerStats
 
     first, second = ConsumerStats(), ConsumerStats()
     first.record("tagger@1", Task.TAG, 3, 2, 0.02, [0.001, 0.002, 0.2])

@@ -1,6 +1,6 @@
 """A front end's side of broker mode: a ``Transport`` that passes each request straight to a
-Redis stream and waits for its reply. Batches form in the workers (``app.broker.consumer``),
-across every front end.
+Redis stream and waits for its reply. Batches form in the workers
+(``app.broker.worker.consumer``), across every front end.
 
 Per front-end process: one id (``frontend``), one reply list read by one asyncio task, and
 a look at Redis every second (``app.broker.front.monitor``: readiness, ``/info``, metrics, which

@@ -49,8 +49,9 @@ class AdvertisedModel(BaseModel):
 
 
 class WorkerInfo(BaseModel):
-    """What a worker says of itself in its heartbeat (``app.broker.consumer``); a front end
-    validates it before it believes any of it (``/info``, readiness, routing, metrics)."""
+    """What a worker says of itself in its heartbeat (``app.broker.worker.consumer``); a
+    front end validates it before it believes any of it (``/info``, readiness, routing,
+    metrics)."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -4,8 +4,8 @@ what it loads next, which streams it reads, and what its heartbeat says of them.
 
 Each round (``turn``, on the worker's main thread, between batches) it
 
-1. takes in a load that ended (``app.broker.loading``: loads run in a thread of their own,
-   so batches go on meanwhile), or gives up one past its deadline;
+1. takes in a load that ended (``app.broker.worker.loading``: loads run in a thread of
+   their own, so batches go on meanwhile), or gives up one past its deadline;
 2. when asked (``SIGHUP``, ``MB_REPOSITORY_POLL_S``, or the admin route through Redis:
    ``app.broker.wire.control``), reads which version each name should serve
    (``app.lifecycle.chosen_version``) and queues the loads of those it lacks;
@@ -27,9 +27,9 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.loading import UNKNOWN, Loader
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveView
+from app.broker.worker.loading import UNKNOWN, Loader
 from app.jobs import Task
 from app.lifecycle import (
     RETIRE_S,

@@ -3,10 +3,10 @@ it holds, run them, reply.
 
 One ``Consumer`` per worker process, in three threads and a loader: the main thread runs
 batches (and, between them, decides which versions to load, keep or drain:
-``app.broker.versions``; a load runs in a thread of its own meanwhile); a fetcher reads the
-next batch (``XREADGROUP``, everything waiting up to the batch size) so that it arrives as
-the current one ends, never more than one batch ahead; a heartbeat thread tells Redis every
-second that this worker lives, which versions it holds and what it has run.
+``app.broker.worker.versions``; a load runs in a thread of its own meanwhile); a fetcher
+reads the next batch (``XREADGROUP``, everything waiting up to the batch size) so that it
+arrives as the current one ends, never more than one batch ahead; a heartbeat thread tells
+Redis every second that this worker lives, which versions it holds and what it has run.
 
 * **No idle wait**: an idle worker blocks on ``XREADGROUP``, which returns the moment one
   entry exists: a lone request runs at once as a batch of 1, and batches grow with load.
@@ -34,18 +34,18 @@ import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app.broker import spans
-from app.broker.health import Presence, TroubleLog, vital_thread
-from app.broker.orphans import OrphanClaims
-from app.broker.readahead import ReadAhead
-from app.broker.replies import RETRY_S, Answered, Entry, EntryId, Replier
-from app.broker.stats import ConsumerStats
-from app.broker.versions import WorkerVersions
 from app.broker.wire.keys import GROUP, HEARTBEAT_S, Keys
 from app.broker.wire.live import LiveView, LiveWorkers
 from app.broker.wire.parsing import MalformedMessage, text
 from app.broker.wire.reply import encode_answer
 from app.broker.wire.request import Request, decode_request, entry_time_ms
+from app.broker.worker import spans
+from app.broker.worker.health import Presence, TroubleLog, vital_thread
+from app.broker.worker.orphans import OrphanClaims
+from app.broker.worker.readahead import ReadAhead
+from app.broker.worker.replies import RETRY_S, Answered, Entry, EntryId, Replier
+from app.broker.worker.stats import ConsumerStats
+from app.broker.worker.versions import WorkerVersions
 from app.errors import InferenceError, InvalidImage
 from app.jobs import Task
 from app.repository import Repository

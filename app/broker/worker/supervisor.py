@@ -16,18 +16,16 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from app.broker.probes import Probes, Running
-from app.broker.probes import client_for as probes_client
-from app.broker.probes import serve as serve_probes
 from app.broker.wire.keys import Keys
+from app.broker.worker.probes import Probes, Running
+from app.broker.worker.probes import client_for as probes_client
+from app.broker.worker.probes import serve as serve_probes
+from app.broker.worker.process import ConsumerSpec, consumer_main
 from app.plan import BrokerPlan
 from app.workers import allocator
 from app.workers.backoff import RestartBackoff
-
-if TYPE_CHECKING:
-    from app.broker.worker import ConsumerSpec
 
 log = logging.getLogger("app.worker")
 
@@ -57,8 +55,6 @@ class Supervisor:
         context = mp.get_context("spawn")
         self._loaded[spec.index] = loaded = context.Event()
         self._beats[spec.index] = beat = context.Value("d", 0.0, lock=False)
-        from app.broker.worker import consumer_main
-
         process = context.Process(
             target=consumer_main, args=(spec, loaded, beat), name=f"model-worker-{spec.index}"
         )
@@ -180,7 +176,7 @@ class Supervisor:
         return tuple(found)
 
     def serve_probes(self, broker: BrokerPlan) -> None:
-        """``MB_HEALTH_PORT``: answer /healthz and /readyz (``app.broker.probes``)."""
+        """``MB_HEALTH_PORT``: answer /healthz and /readyz (``app.broker.worker.probes``)."""
         if broker.health_port is None:
             return
         probes = Probes(

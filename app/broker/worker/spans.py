@@ -9,8 +9,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from app import tracing
-from app.broker.replies import EntryId
 from app.broker.wire.request import Request, entry_time_ms
+from app.broker.worker.replies import EntryId
 from app.jobs import Task
 from app.workers.compute import batch_span
 

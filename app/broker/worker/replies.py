@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app.broker.health import TroubleLog
 from app.broker.wire.keys import GROUP, REPLY_TTL_S, Keys
 from app.broker.wire.request import Request
+from app.broker.worker.health import TroubleLog
 
 RETRY_S = 0.5  # after Redis failed us
 EntryId = bytes | str  # as Redis returns it, or as we pass it back

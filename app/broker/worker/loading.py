@@ -17,7 +17,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import redis
 from redis.exceptions import RedisError
@@ -30,10 +30,7 @@ from app.lifecycle import LOADERS_PER_HOST, ModelSpec, given_up
 from app.manifest import read_manifest, served_model_id, split_served_id
 from app.repository import Repository
 from app.workers.loading import Loading
-from app.workers.process import PreparedWorker
-
-if TYPE_CHECKING:
-    from app.broker.versions import WorkerVersions
+from app.workers.process import PreparedModel, PreparedWorker
 
 log = logging.getLogger("app.worker")
 
@@ -42,6 +39,39 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+class Versions(Protocol):
+    """What a ``Loader`` asks and tells of the versions it loads for: its worker's
+    ``WorkerVersions`` (``app.broker.worker.versions``), which owns their lives."""
+
+    def aim(self, targets: dict[str, int | None]) -> None:
+        """The version each name should serve now (None: unloaded; ``UNKNOWN``: cannot be
+        read)."""
+
+    def holds(self, served_id: str) -> bool: ...
+
+    def number_of(self, served_id: str) -> int: ...
+
+    def has_failed(self, name: str, version: int) -> bool: ...
+
+    def forget_failures(self, name: str) -> None:
+        """A retry (``SIGHUP``, the admin route): ``name``'s failures are tried again."""
+
+    def renumber(self, spec: ModelSpec) -> None:
+        """The export held serves under ``spec``'s number from now on."""
+
+    def begin(self, spec: ModelSpec) -> None:
+        """A load of ``spec`` starts (in the loader's thread)."""
+
+    def forget(self, spec: ModelSpec) -> None:
+        """A load whose result is dropped (to load it in another precision)."""
+
+    def loaded(self, requested: ModelSpec, model: PreparedModel, seconds: float) -> None:
+        """The load of ``requested`` ended well: the model serves from now on."""
+
+    def fail(self, spec: ModelSpec, step: str, reason: str) -> None:
+        """A load failed (or passed its deadline): the version is FAILED, with why."""
 
 
 def fleet_decided(precisions: Precisions, worker: PreparedWorker, spec: ModelSpec) -> ModelSpec:
@@ -150,7 +180,7 @@ class Loader:
     def busy(self) -> bool:
         return self._loading is not None
 
-    def aim(self, versions: WorkerVersions, *, explicit: bool) -> None:
+    def aim(self, versions: Versions, *, explicit: bool) -> None:
         """Read which version each name should serve, and queue the loads of those not
         held. ``explicit`` (``SIGHUP``, the admin route): versions that failed are tried
         again; a poll leaves them failed."""
@@ -187,7 +217,7 @@ class Loader:
         """``fleet_decided`` for this worker. Raises ``RedisError`` or ``OSError``."""
         return fleet_decided(self.precisions, self.worker, spec)
 
-    def _adopt(self, versions: WorkerVersions, spec: ModelSpec) -> None:
+    def _adopt(self, versions: Versions, spec: ModelSpec) -> None:
         """The export chosen is one this worker holds, published again under another number
         (a rollback written as the next version): once that folder verifies, the export
         serves under its number, with no load."""
@@ -205,7 +235,7 @@ class Loader:
             self._on_error(f"could not record the precision of {loaded.served_id}: {exc}")
             return None
 
-    def start_next(self, versions: WorkerVersions, view: LiveView | None) -> None:
+    def start_next(self, versions: Versions, view: LiveView | None) -> None:
         """Start the next queued load, if none runs and the host's lock is free."""
         if self._loading is not None or not self._queue:
             return
@@ -230,7 +260,7 @@ class Loader:
         versions.begin(spec)
         self._loading = Loading(self.worker, spec)
 
-    def take_in(self, versions: WorkerVersions, now: float) -> None:
+    def take_in(self, versions: Versions, now: float) -> None:
         """The load that ended goes into service (or fails); one past its deadline is
         given up; late ones are dropped."""
         for late in [a for a in self._abandoned if a.done]:

@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.exceptions import RedisError, ResponseError
 
-from app.broker.health import TroubleLog
-from app.broker.replies import Entry, Replier
-from app.broker.stats import ConsumerStats
 from app.broker.wire.keys import GROUP, STALE_S, Keys
 from app.broker.wire.live import LiveWorkers
 from app.broker.wire.parsing import text
 from app.broker.wire.reply import encode_error
 from app.broker.wire.request import MAX_TTL_MS, decode_request
+from app.broker.worker.health import TroubleLog
+from app.broker.worker.replies import Entry, Replier
+from app.broker.worker.stats import ConsumerStats
 from app.errors import InferenceError
 
 log = logging.getLogger("app.worker")
@@ -80,7 +80,8 @@ class OrphanClaims:
         """Claim and run, one at a time, the entries left pending by this worker's last life
         (``own``), by workers that stopped sending heartbeats, or stuck here (an answer Redis
         refused) for twice ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken:
-        a hung worker ends its own life (``app.broker.consumer``) and stops its heartbeats."""
+        a hung worker ends its own life (``app.broker.worker.consumer``) and stops its
+        heartbeats."""
         try:
             self._recover_once(own=own)
         except ResponseError as exc:
