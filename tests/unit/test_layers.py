@@ -6,16 +6,23 @@ plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs: lea
 layer may import (batching only the vocabulary of lifecycle, for the seam's types)
 tracing: the spans workers, broker, v2 and routers make (batching carries a trace unopened)
 engine and main wire the layers together; nothing below them imports them
+broker's rooms: front -> wire <- worker (a front end and a worker share only the wire)
+and no two modules import each other, in any form or round any circle
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
+MODULES = {  # dotted name -> file
+    ".".join(path.relative_to(APP.parent).with_suffix("").parts).removesuffix(".__init__"): path
+    for path in APP.rglob("*.py")
+}
 LEAVES = {
     "plan", "settings", "settings_values", "errors", "jobs", "manifest", "repository",
     "lifecycle", "images", "logs",
@@ -85,6 +92,90 @@ def test_every_form_of_import_counts(tmp_path: Path) -> None:
     )
     assert app_imports(source) == {"errors", "tracing", "jobs", "batching"}
     assert "tracing" in layer_imports("routers")  # from app import tracing, in several
+
+
+def module_imports(path: Path) -> set[str]:
+    """The ``app`` modules a file imports, in any form: at the top, in a function or under
+    ``if TYPE_CHECKING:``; ``from app.x import y`` is ``app.x.y`` where that is a module,
+    else ``app.x``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: a relative import (this scan reads absolute ones)"
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in MODULES else node.module)
+    return {name for name in found if name in MODULES}
+
+
+def find_circle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """A circle of imports in ``graph`` (module -> the modules it imports), as the modules
+    round it with the first one again at the end; None when there is none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        path.append(module)
+        for imported in sorted(graph.get(module, set())):
+            if imported in path:
+                return [*path[path.index(imported) :], imported]
+            if imported not in done and (circle := visit(imported)):
+                return circle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done and (circle := visit(module)):
+            return circle
+    return None
+
+
+def test_no_module_imports_another_that_imports_it() -> None:
+    """No import circle among app's modules, of any length, counting imports in functions
+    and under ``if TYPE_CHECKING:`` (a circle hidden there is a circle still: neither module
+    can be read, or changed, without the other). Where one module needs another's type,
+    it names what it uses as a ``Protocol``."""
+    graph = {name: module_imports(path) - {name} for name, path in MODULES.items()}
+    circle = find_circle(graph)
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_circle_check_sees_a_circle_by_annotations(tmp_path: Path) -> None:
+    """What the check above would have caught: ``app.workers.supervision`` typed its pool by
+    importing ``WorkerPool`` under ``TYPE_CHECKING`` from the pool, which imports it."""
+    source = tmp_path / "module.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from app.workers import backoff\n"
+        "if TYPE_CHECKING:\n"
+        "    from app.workers.pool import WorkerPool\n"
+    )
+    assert module_imports(source) == {"app.workers.backoff", "app.workers.pool"}
+    graph = {"pool": {"supervision", "handle"}, "supervision": {"pool"}, "handle": set()}
+    assert find_circle(graph) == ["pool", "supervision", "pool"]
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize(
+    ("room", "allowed"),
+    [("wire", set()), ("front", {"wire"}), ("worker", {"wire"}), ("cluster", set())],
+)
+def test_each_broker_room_imports_only_the_wire(room: str, allowed: set[str]) -> None:
+    """A front end and a worker share only what crosses between them (``app.broker.wire``);
+    neither imports the other's side, not even for a type."""
+    root = APP / "broker" / room
+    files = sorted(root.rglob("*.py")) if root.is_dir() else [APP / "broker" / f"{room}.py"]
+    rooms = {
+        module.split(".")[2]
+        for path in files
+        for module in module_imports(path)
+        if module.startswith("app.broker.")
+    }
+    assert rooms - {room} <= allowed, rooms - {room} - allowed
 
 
 def test_nothing_below_the_wiring_imports_it() -> None:
