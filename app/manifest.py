@@ -241,12 +241,12 @@ class Manifest(BaseModel):
     def identity(self) -> str:
         """The sha256 of what computes this export's answers: its modules' content digests,
         its preprocessing, its class names, its architecture and dimensions, and the int8
-        weights of an int8 export; never a timestamp, a measurement, a path or a version of
-        the tools that wrote it. Two exports of the same weights have the same identity. A
-        store exported before ``content`` existed has the sha256 of its manifest."""
+        models (graph and weights) of an int8 export; never a timestamp, a measurement, a
+        path or a version of the tools that wrote it. Two exports of the same weights have
+        the same identity. A store exported before ``content`` existed has the sha256 of its
+        manifest."""
         if self.content is None:
             return self.digest
-        int8_weights = self.int8_files.get("embedding.bin")
         fields = {
             "scheme": self.content.scheme,
             "arch": self.arch,
@@ -255,10 +255,17 @@ class Manifest(BaseModel):
             "num_classes": self.num_classes,
             "classes": self.files["classes"].sha256 if "classes" in self.files else None,
             "modules": dict(sorted(self.content.modules.items())),
-            "int8": int8_weights.sha256 if int8_weights is not None else None,
+            "int8": self._int8_digests() or None,
         }
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def _int8_digests(self) -> dict[str, str]:
+        """The sha256 of every int8 model file (its graph and its weights), by role: an int8
+        export computes with these, not with the fp32 modules it was made from."""
+        openvino = self.runtimes.get("openvino")
+        files = openvino.files if openvino is not None else {}
+        return {role: e.sha256 for role, e in sorted(files.items()) if INT8_SUFFIX in role}
 
     @property
     def version(self) -> str:

@@ -221,3 +221,23 @@ def test_the_real_model_in_int8_still_tags_the_cat(
     pixels = photo_pixels(out, cat_jpeg, coffee_jpeg)
     tags = BatchRunner(choice.models, CPU).run(Task.TAG, pixels, 5)
     assert_cat_then_espresso(out, tags["indices"])
+
+
+def test_an_int8_export_has_an_id_of_its_own(int8_store: Path, tmp_path: Path) -> None:
+    """Its int8 models (graph and weights) are in its identity: its id is not that of the
+    fp32 export of the same weights (which it used to share, so a rollout to it served the
+    fp32 model), and another quantization of it (other int8 weights) has another id."""
+    torch.manual_seed(0)
+    fp32 = export_test_model(tmp_path / "fp32", ConvEmbedding(), "conv-test", ("openvino",))
+    int8 = read_manifest(int8_store)
+    source = read_manifest(fp32)
+    assert int8.content == source.content  # the same weights, the same TorchScript modules
+    assert int8.model_id != source.model_id
+    assert int8.served_id("auto") == f"{int8.model_id}+int8"
+    openvino = int8.runtimes["openvino"]
+    for role in ("embedding+int8", "embedding+int8.bin"):
+        other = openvino.files | {role: openvino.files[role].model_copy(update={"sha256": "0" * 64})}
+        requantized = int8.model_copy(
+            update={"runtimes": {"openvino": openvino.model_copy(update={"files": other})}}
+        )
+        assert requantized.model_id not in (int8.model_id, source.model_id), role
