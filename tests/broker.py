@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import pytest
 import redis
 
 from app.broker.wire.parsing import text
-from tests.server import REPO, ChildProcess, free_port
+from tests.server import ChildProcess, free_port
 
 PREFIX = "mbtest"
 
@@ -101,7 +102,8 @@ def broker_env(redis_url: str, store: Path, **env: str) -> dict[str, str]:
 
 class Workers(ChildProcess):
     """``python -m app.broker.worker`` (or another script, for fault injection) with its env;
-    started and waited for until ``count`` workers heartbeat through Redis."""
+    started and waited for until ``count`` workers heartbeat through Redis, their first
+    loads ended."""
 
     name = "workers"
     own_group = True
@@ -129,24 +131,28 @@ class Workers(ChildProcess):
         self.output = ""
 
     def start(self, timeout_s: float = 90) -> Workers:
-        self.process = subprocess.Popen(
-            self.command,
-            cwd=REPO,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.spawn(self.command, self.env, start_new_session=True)
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
-        while len(self.own()) < self.count:
+        while not self.started():
             if self.process.poll() is not None:
-                self.output = self.process.communicate()[0]
+                self._collect()
                 raise AssertionError(f"workers exited during start:\n{self.output}")
             if time.monotonic() > deadline:
-                raise AssertionError("workers never sent heartbeats")
+                self.stop(signal.SIGKILL)  # nothing of it outlives the failed start
+                raise AssertionError(f"workers never started:\n{self.output}")
             time.sleep(0.1)
         return self
+
+    def started(self) -> bool:
+        """Whether each of the ``count`` workers heartbeats and its first loads ended (a
+        worker starts holding nothing, and loads as at any load: its heartbeat says each
+        version loading, then ready or failed)."""
+        own = self.own()
+        return len(own) >= self.count and all(
+            beat["models"] and all(m["state"] != "loading" for m in beat["models"])
+            for beat in own.values()
+        )
 
     def now_ms(self) -> int:
         """Redis's clock, which stamps the heartbeats."""

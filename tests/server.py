@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -53,16 +54,39 @@ class ChildProcess:
     own_group = False  # started with start_new_session=True
     name = "process"
 
+    def spawn(self, command: list[str], env: dict[str, str], **popen: Any) -> None:
+        """Start ``command`` with its output (stdout and stderr) going to a file, read into
+        ``self.output`` once it ends: a pipe nobody reads while the test runs would fill, and
+        a process that logs every request would then block on its next line."""
+        # Closed with the object (a test may read its output after the process ended).
+        self._log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+            **popen,
+        )  # fmt: skip
+
+    def _collect(self, timeout_s: float | None = None) -> None:
+        assert self.process is not None
+        log = getattr(self, "_log", None)
+        if log is None:  # started by a subclass of its own, on a pipe
+            self.output = self.process.communicate(timeout=timeout_s)[0]
+            return
+        self.process.wait(timeout=timeout_s)
+        if not log.closed:
+            log.seek(0)
+            self.output = log.read()
+            log.close()
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
         """Send ``sig`` and wait; returns the exit status (output in ``self.output``)."""
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            self.output = self.process.communicate(timeout=timeout_s)[0]
+            self._collect(timeout_s)
         except subprocess.TimeoutExpired:
             self._kill()
-            self.output = self.process.communicate()[0]
+            self._collect()
             raise AssertionError(f"{self.name} did not stop within {timeout_s} s") from None
         return self.process.returncode
 
@@ -82,7 +106,7 @@ class ChildProcess:
         if self.process.poll() is None:
             self.stop()
         else:  # it died (a test killed it): collect its output
-            self.output = self.process.communicate()[0]
+            self._collect()
         if self.own_group:
             self._kill()
 
@@ -108,18 +132,12 @@ class ServerProcess(ChildProcess):
         self.output = ""
 
     def start(self, ready_timeout_s: float = 90) -> ServerProcess:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "app"],
-            cwd=REPO,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.spawn([sys.executable, "-m", "app"], self.env)
+        assert self.process is not None
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.process.poll() is not None:
-                self.output = self.process.communicate()[0]
+                self._collect()
                 raise AssertionError(f"server exited during start:\n{self.output}")
             try:
                 if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
@@ -127,7 +145,8 @@ class ServerProcess(ChildProcess):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError("server never became ready")
+                self.stop(signal.SIGKILL)  # nothing of it outlives the failed start
+                raise AssertionError(f"server never became ready:\n{self.output}")
             time.sleep(0.1)
 
     @property
