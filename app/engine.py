@@ -13,15 +13,14 @@ from types import TracebackType
 
 from app import tracing
 from app.batching import ClusterView, QueueBacklog, Streamer, Transport
-from app.errors import NotReady, StartupError
+from app.errors import NotReady
 from app.jobs import BatchKey, ImageJob
-from app.lifecycle import ModelSpec, Route
+from app.lifecycle import ModelSpec, Route, VersionState
 from app.manifest import Manifest
 from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
 from app.repository import Repository, VersionOnDisk
-from app.services.following import BrokerModels
-from app.services.models import ModelManager, Models
+from app.services.models import Models
 from app.services.predictor import Predictor
 from app.services.registry import ModelRegistry, ModelVersion
 
@@ -38,12 +37,11 @@ def default_transport(
     models: Sequence[ModelSpec],
     metrics: Metrics | None = None,
     *,
-    on_view: Callable[[ClusterView], None] | None = None,
     labels: Callable[[str], tuple[str, str]] = lambda served_id: (served_id, ""),
 ) -> Transport[ImageJob]:
     """The transport the plan asks for (not started yet): model worker processes on this
-    machine holding ``models``, or, for a broker front end, the workers behind Redis
-    (``on_view`` hears what they hold and which version each name serves)."""
+    machine (their buffers sized for ``models``' images), or, for a broker front end, the
+    workers behind Redis. Either loads what its ``models`` control is attached to."""
     if plan.role is Role.FRONT_END:
         assert plan.broker is not None
         from app.broker.front.transport import BrokerTransport  # no redis client unless asked for
@@ -54,7 +52,6 @@ def default_transport(
             max_queue=plan.limits.max_queue,
             switch_min_workers=plan.repository.switch_min_workers,
             on_workers=metrics.on_workers if metrics else None,
-            on_view=on_view,
             scale_from_zero=plan.broker.scale_from_zero,
             own_routes={model.name: Route(model.version, model.served_id) for model in models},
         )
@@ -64,7 +61,12 @@ def default_transport(
         assert metrics is not None
         metrics.on_run(run, *labels(run.model))
 
-    return WorkerPool(models, plan, on_run=on_run if metrics else None)
+    return WorkerPool(
+        models,
+        plan,
+        on_run=on_run if metrics else None,
+        on_load=metrics.on_load if metrics else None,
+    )
 
 
 def models_to_serve(plan: ServingPlan) -> list[ModelSpec]:
@@ -115,8 +117,7 @@ class Engine:
 
     @property
     def models(self) -> Models:
-        """The models served: ``ModelManager`` in-process, ``BrokerModels`` for a broker
-        front end."""
+        """The models served, as the workers hold them (``app.services.models``)."""
         assert self._manager is not None, "start the engine first"
         return self._manager
 
@@ -129,8 +130,24 @@ class Engine:
         return version.predictor
 
     def serves(self) -> bool:
-        """Whether a model worker is ready and a model version serves."""
-        return self.transport.ready and bool(self.registry.names())
+        """Whether this process can answer: a model worker is ready, a model version
+        serves, and every name's serving version is held by a ready worker (a switch is
+        only ever to such a version; a worker that died takes its hold with it)."""
+        names = self.registry.names()
+        if not (self.transport.ready and names):
+            return False
+        ready = VersionState.READY
+        held = {
+            m.served_id
+            for w in self.transport.models.view.workers
+            if w.alive and not w.draining
+            for m in w.models
+            if m.state is ready
+        }
+        return all(
+            version is not None and version.served_id in held
+            for version in (self.registry.serving(name) for name in names)
+        )
 
     @property
     def queue_depth(self) -> int:
@@ -192,15 +209,18 @@ class Engine:
                 roles=("classes",) if front_end else None,
             )
             self._transport = self._given_transport or default_transport(
-                plan,
-                [item.spec for item in chosen],
-                self.metrics,
-                on_view=self._follow,
-                labels=self.labels,
+                plan, [item.spec for item in chosen], self.metrics, labels=self.labels
             )
-            self._manager = self._models(repository)
-            # The Streamer before the transport starts: a broker front end's first look at
-            # the workers may already make predictors (their requests wait for the start).
+            control = self._transport.models
+            control.attach(repository, plan.worker.dtype, self._follow, self.registry.in_use)
+            self._manager = Models(
+                self.registry, repository, control, self._predictor_for,
+                dtype=plan.worker.dtype, drain_timeout_s=plan.limits.request_timeout_s + 5,
+                load_timeout_s=plan.limits.start_timeout_s,
+                min_workers=plan.repository.switch_min_workers,
+            )  # fmt: skip
+            # The Streamer before the transport starts: its first view of the workers may
+            # already make predictors (their requests wait for the start).
             self._streamer = Streamer(
                 self._transport.run_batch,
                 max_batch_size=limits.max_batch_size,
@@ -215,16 +235,10 @@ class Engine:
                 self._decode_pool = ThreadPoolExecutor(
                     plan.decode.server_threads, thread_name_prefix="decode"
                 )
-            await self._transport.start()
-            host = self._transport.models_host
-            if self._given_transport is not None and host is not None:
-                for item in chosen:  # a transport built elsewhere holds what serves too
-                    await host.load(item.spec)
+            # Until the workers say they serve a name, a request for it gets 503, not 404.
+            self.registry.expect(item.spec.name for item in chosen)
+            await self._transport.start()  # in-process: every worker loads its models
             await self._streamer.start()
-            if isinstance(self._manager, ModelManager):
-                self._manager.serve_started(chosen)
-            else:  # the workers' heartbeats say which versions serve (follow)
-                self.registry.expect(item.spec.name for item in chosen)
         except BaseException:
             await self.aclose()
             raise
@@ -236,30 +250,9 @@ class Engine:
             plan.decode.describe(),
         )
 
-    def _models(self, repository: Repository) -> Models:
-        """What drives the models: the transport's own workers (in-process), or the broker
-        workers, asked through Redis."""
-        plan, transport = self.plan, self.transport
-        drain_timeout_s = plan.limits.request_timeout_s + 5
-        host, control = transport.models_host, transport.models_control
-        if host is not None:
-            return ModelManager(
-                self.registry, repository, host, self._predictor_for, dtype=plan.worker.dtype,
-                drain_timeout_s=drain_timeout_s,
-                on_load=self.metrics.on_load if self.metrics else None,
-            )  # fmt: skip
-        if control is not None:
-            return BrokerModels(
-                self.registry, repository, control, self._predictor_for,
-                dtype=plan.worker.dtype, drain_timeout_s=drain_timeout_s,
-                load_timeout_s=plan.limits.start_timeout_s,
-                min_workers=plan.repository.switch_min_workers,
-            )  # fmt: skip
-        raise StartupError("the transport neither loads models nor lets its workers choose them")
-
     def _follow(self, view: ClusterView) -> None:
-        """Broker mode: each look at the workers, the front end's models follow them."""
-        if isinstance(self._manager, BrokerModels):
+        """Each new view of the workers: the models served follow them."""
+        if self._manager is not None:
             self._manager.follow(view)
 
     def _predictor_for(self, manifest: Manifest, classes: list[str], served_id: str) -> Predictor:

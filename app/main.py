@@ -37,7 +37,6 @@ from app.plan import plan_serving
 from app.routers import meta, predict, repository, torchserve, v2
 from app.routers.direct import DirectApp
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
-from app.services.models import ModelManager
 from app.settings import Settings, get_settings
 
 log = logging.getLogger("app")
@@ -52,6 +51,9 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         app.state.closing = True
+        engine = getattr(app.state, "engine", None)
+        if engine is not None:  # an admin call waiting for the workers answers now
+            engine.models.stop_waiting()
         handler = previous.get(signum)
         if callable(handler):
             handler(signum, frame)
@@ -71,10 +73,11 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
 
 
 def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
-    """``kill -HUP``: load whatever is new in the model repository, as the admin load route
-    does (a broker front end loads nothing: its workers do). Returns the undo."""
+    """``kill -HUP``: load whatever is new in the model repository (retrying what failed), as
+    the admin load route does: in-process, this server's workers; a broker front end's, every
+    worker of the fleet. Returns the undo."""
     models = engine.models
-    if not isinstance(models, ModelManager) or not hasattr(signal, "SIGHUP"):
+    if not hasattr(signal, "SIGHUP"):
         return lambda: None
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -207,7 +210,7 @@ def create_app(
             stop_hangup = _reload_on_hangup(engine)
             poll = None
             models = engine.models
-            if plan.repository.poll_s is not None and isinstance(models, ModelManager):
+            if plan.repository.poll_s is not None:
                 poll = asyncio.create_task(models.poll(plan.repository.poll_s))
             grpc_server = None
             if settings.mb_grpc_port is not None:  # imported only when asked for

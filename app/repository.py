@@ -22,13 +22,13 @@ import errno
 import os
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.errors import InvalidRequest, ModelNotFound, ModelStoreError
-from app.lifecycle import AdminPin, ModelSpec, chosen_version
+from app.lifecycle import UNKNOWN, AdminPin, ModelSpec, chosen_version
 from app.manifest import MANIFEST_NAME, Manifest, read_classes, read_manifest
 from app.settings_values import MODEL_NAME_PATTERN, VERSION_PATTERN
 
@@ -146,6 +146,21 @@ class Repository:
         not the one asked for."""
         return chosen_version(name, self.versions(name), self.pins.get(name), admin)
 
+    def targets(
+        self, pins: Mapping[str, AdminPin], on_error: Callable[[str], None]
+    ) -> dict[str, int | None]:
+        """Each model's target (``chosen``, with the admin route's ``pins``): a number, None
+        if the admin route unloaded it, or ``app.lifecycle.UNKNOWN`` where it cannot be read
+        (what serves it stays; ``on_error`` hears why)."""
+        targets: dict[str, int | None] = {}
+        for name in self.names():
+            try:
+                targets[name] = self.chosen(name, pins.get(name))
+            except ModelNotFound as exc:
+                on_error(f"reload: {exc.message}")
+                targets[name] = UNKNOWN
+        return targets
+
     def read(
         self,
         name: str,
@@ -167,6 +182,14 @@ class Repository:
         served_id = manifest.served_id(dtype)
         spec = ModelSpec(name, version, str(store), served_id, manifest.input.image_shape, dtype)
         return VersionOnDisk(spec, manifest, classes)
+
+    def spec(self, name: str, version: int, dtype: str, *, verify: bool) -> ModelSpec:
+        """What a worker loads of ``name``'s ``version`` (``read``'s spec), its errors
+        without this machine's paths (``scrub``: they reach answers and the index)."""
+        try:
+            return self.read(name, version, dtype, verify=verify).spec
+        except ModelStoreError as exc:
+            raise ModelStoreError(scrub(self, str(exc))) from None
 
     def read_chosen(
         self,
@@ -213,6 +236,19 @@ class VersionOnDisk:
     spec: ModelSpec
     manifest: Manifest
     classes: list[str]
+
+
+def scrub(repository: Repository, message: str) -> str:
+    """``message`` without the paths of this machine's repository (it goes into answers,
+    the index and ``/info``, which need no key): ``<repository>`` instead.
+
+    >>> scrub(Repository(Path("/srv/models")), "file /srv/models/t/3/x.pt is bad")
+    'file <repository>/t/3/x.pt is bad'
+    """
+    root = repository.root
+    for where in sorted({str(root.resolve()), str(root)}, key=len, reverse=True):
+        message = message.replace(where, "<repository>")
+    return message
 
 
 def _listed(versions: dict[int, Path]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Literal, get_args
 
 from pydantic import (
     ByteSize,
@@ -18,9 +18,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
+from app.settings_testing import TestHooks
 from app.settings_values import (
     MODEL_NAME_PATTERN,
     parse_cuda_devices,
@@ -31,8 +32,9 @@ from app.settings_values import (
 KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
 
 
-class Settings(BaseSettings):
-    """Server settings. Construct with keyword arguments in tests; env vars otherwise."""
+class Settings(BaseSettings, TestHooks):
+    """Server settings. Construct with keyword arguments in tests; env vars otherwise. The
+    hooks only tests set (``MB_TEST_*``) are ``app.settings_testing.TestHooks``."""
 
     model_config = SettingsConfigDict(
         env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False
@@ -66,6 +68,14 @@ class Settings(BaseSettings):
             "bf16 where that is faster and passes its gate (X-Model-Id then ends +bf16); "
             "float32/bfloat16/float16 insist on any store; int8 needs a store exported with "
             "--precision int8 (OpenVINO, CPU)."
+        ),
+    )
+    mb_state_dir: Path | None = Field(
+        default_factory=lambda: Path.home() / ".local" / "state" / "microbatch",
+        description=(
+            "Where the precision MB_DTYPE=auto chose for each export on this class of host "
+            "is kept between restarts, so served ids stay the same (precisions.json); empty: "
+            "kept in memory only, measured again at each start."
         ),
     )
     mb_runtime: Literal["auto", "torchscript", "openvino", "aoti"] = Field(
@@ -170,29 +180,6 @@ class Settings(BaseSettings):
         description=(
             "Broker mode: a model name moves to a new version once it is ready on this many "
             "live workers ('all': every live worker serving that name)."
-        ),
-    )
-    mb_test_load_delay_s: Annotated[tuple[float, ...], NoDecode] = Field(
-        (),
-        description=(
-            "Testing only: seconds each model worker sleeps in every load after its start (a "
-            "slow rollout, on purpose), as a comma-separated list by worker index (worker i "
-            "gets item i modulo its length)."
-        ),
-    )
-    mb_test_cpu_bf16: bool | None = Field(
-        None,
-        description=(
-            "Testing only: workers take the CPU to have (true) or lack (false) bf16 units, "
-            "whatever it has."
-        ),
-    )
-    mb_test_fastest_dtype: Literal["float32", "bfloat16"] | None = Field(
-        None,
-        description=(
-            "Testing only: under MB_DTYPE=auto, workers time every candidate in this "
-            "precision as ten times faster than measured, so it wins wherever it passes its "
-            "self-test (real timings of a tiny test model are noise)."
         ),
     )
     max_upload_bytes: int = Field(
@@ -304,12 +291,10 @@ class Settings(BaseSettings):
         parse_model_dtypes(value)  # raises ValueError naming the bad pair
         return value
 
-    @field_validator("mb_test_load_delay_s", mode="before")
+    @field_validator("mb_state_dir", mode="before")
     @classmethod
-    def _split_delays(cls, value: object) -> object:
-        if isinstance(value, str):
-            return tuple(float(part) for part in value.split(",") if part.strip())
-        return value
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("mb_switch_min_workers")
     @classmethod

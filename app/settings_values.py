@@ -91,3 +91,28 @@ def parse_pins(text: str | None) -> dict[str, int]:
             raise ValueError(f"{name!r} is pinned twice")
         pins[name] = int(version)
     return pins
+
+
+def byte_unit(size: int) -> tuple[int, str]:
+    """The unit a byte size was most likely written in (``MB_MODEL_MEMORY=680MB`` is 680 *
+    10**6 bytes, ``4GiB`` is 4 * 2**30), so a message quotes it as it was set and gives
+    other figures beside it in the same unit.
+
+    >>> byte_unit(680 * 10**6), byte_unit(4 << 30), byte_unit(512 << 20), byte_unit(1000)
+    ((1000000, 'MB'), (1073741824, 'GiB'), (1048576, 'MiB'), (1000, 'kB'))
+    """
+    for unit, name in ((1 << 30, "GiB"), (10**9, "GB"), (1 << 20, "MiB"), (10**6, "MB")):
+        if size >= unit and size % unit == 0:
+            return unit, name
+    return (1000, "kB") if size % 1000 == 0 else (1 << 20, "MiB")
+
+
+def in_unit(size: int, unit: tuple[int, str]) -> str:
+    """``size`` in ``unit`` (``byte_unit``), as a person reads it: ``680MB``, ``702.3MB``.
+
+    >>> in_unit(680 * 10**6, (10**6, "MB")), in_unit(702_345_678, (10**6, "MB"))
+    ('680MB', '702.3MB')
+    """
+    value = size / unit[0]
+    shown = f"{value:.0f}" if value == int(value) else f"{value:.1f}"
+    return f"{shown}{unit[1]}"

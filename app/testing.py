@@ -11,9 +11,10 @@ user trying the API) drives the real app through its public seam instead of patc
 Each job's ``image`` is pixels (uint8, the model's input size) or, where the serving plan
 leaves uploads to the workers, the encoded upload (``bytes``): decode it with
 ``app.images.preprocess`` as a worker would. ``batches`` records what ran, in order; each
-batch's ``key.model`` is the served id of the model version it was admitted for. Versions
-load and unload as the registry asks (``loaded`` lists the served ids held), instantly, or
-failing with ``fail_loads``' error.
+batch's ``key.model`` is the served id of the model version it was admitted for. Its one
+fake worker loads and unloads versions as the real pool's do, through the same host
+(``app.workers.hosting.PoolHost``: ``models``), instantly, or failing with ``fail_loads``'
+error; ``loaded`` lists the served ids it holds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from typing import Any
 from app.batching import BatchItem, HeldModel, QueueBacklog, WorkerStatus
 from app.errors import BatchContractError, ModelLoadFailed
 from app.jobs import BatchKey, ImageJob, Task
-from app.lifecycle import ModelSpec, VersionState
+from app.lifecycle import ModelSpec
+from app.workers.hands import PoolWorker
+from app.workers.hosting import PoolHost
+from app.workers.messages import ModelLoaded
 
 Handler = Callable[[Task, Sequence[ImageJob]], Sequence[object] | Awaitable[Sequence[object]]]
 
@@ -38,6 +42,16 @@ class FakeBatch:
     key: BatchKey
     jobs: tuple[ImageJob, ...]
     deadlines: tuple[float | None, ...]
+
+
+@dataclass
+class FakeWorker:
+    """The one worker of a ``FakeTransport``."""
+
+    index: int = 0
+    device: str = "fake"
+    alive: bool = False
+    ready: bool = False
 
 
 class FakeTransport:
@@ -52,30 +66,40 @@ class FakeTransport:
         self.batches: list[FakeBatch] = []
         self.started = self.closed = False
         self.loaded: list[str] = []  # served ids held, in load order
-        self._specs: dict[str, ModelSpec] = {}
         self.fail_loads: ModelLoadFailed | None = None  # set: every load fails with it
+        self.worker = FakeWorker()
+        self.host = PoolHost(self)
 
-    async def load(self, spec: ModelSpec) -> list[ModelSpec]:
-        """Hold ``spec`` (or fail with ``fail_loads``)."""
+    # -- what its host has its worker do -----------------------------------------------------
+
+    def host_workers(self) -> Sequence[PoolWorker]:
+        return [self.worker]
+
+    async def load_on(self, worker: PoolWorker, spec: ModelSpec) -> ModelLoaded:
+        """Hold ``spec`` (or fail with ``fail_loads``), in the precision it asks (a fake
+        computes in none: fp32 for ``auto``)."""
         if self.fail_loads is not None:
             raise self.fail_loads
         if spec.served_id not in self.loaded:
             self.loaded.append(spec.served_id)
-        self._specs[spec.served_id] = spec
-        return [spec]
+        dtype = "float32" if spec.dtype == "auto" else spec.dtype
+        return ModelLoaded(spec.served_id, self._batch_size, "fake", 0, dtype=dtype)
 
-    async def unload(self, served_id: str) -> None:
+    async def unload_on(self, worker: PoolWorker, served_id: str) -> None:
         if served_id in self.loaded:
             self.loaded.remove(served_id)
 
-    def decided(self, spec: ModelSpec) -> ModelSpec:
-        return spec  # a fake computes in no precision: the spec's id stays
+    # -- the Transport -----------------------------------------------------------------------
 
     async def start(self) -> None:
         self.started = True
+        self.worker.alive = self.worker.ready = True
+        await self.host.start(timeout_s=30)
 
     async def aclose(self) -> None:
         self.closed = True
+        self.worker.alive = False
+        await self.host.aclose()
 
     async def run_batch(
         self, key: Hashable, items: Sequence[BatchItem[ImageJob]]
@@ -115,25 +139,23 @@ class FakeTransport:
         pass
 
     @property
-    def models_host(self) -> FakeTransport:
-        return self
-
-    @property
-    def models_control(self) -> None:
-        return None
-
-    def _held(self, served_id: str) -> HeldModel:
-        spec = self._specs.get(served_id)
-        name, version = (spec.name, spec.version) if spec is not None else ("", 0)
-        return HeldModel(served_id, VersionState.READY.value, name=name, version=version)
+    def models(self) -> PoolHost:
+        return self.host
 
     def worker_status(self) -> list[WorkerStatus]:
         items = sum(len(batch.jobs) for batch in self.batches)
+        keeper = next(iter(self.host.keepers.values()), None)
+        held = [
+            HeldModel(
+                v.served_id, v.state.shown, "fake", self._batch_size, name=v.name,
+                version=v.version, reason=f"{v.step}: {v.reason}" if v.step else v.reason,
+            )
+            for v in (keeper.held() if keeper is not None else [])
+        ]  # fmt: skip
         return [
             WorkerStatus(
                 index=0, device="fake", threads=0, pid=None, ready=self.ready,
                 alive=not self.closed, batch_size=self._batch_size, batches=len(self.batches),
-                items=items,
-                models=tuple(self._held(served) for served in self.loaded),
+                items=items, models=tuple(held),
             )
         ]  # fmt: skip

@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec(
         manifest.arch, 1, str(store), manifest.served_id("auto"), manifest.input.image_shape
     )
-    worker = process.prepare(config, "cpu", threads[0], (spec,))
-    prepared = worker.model(spec.served_id)
+    worker = process.PreparedWorker(config, "cpu", threads[0])
+    prepared = worker.load(spec)
     runner, decoder = prepared.runner, prepared.decoder
     assert decoder is not None
     print(

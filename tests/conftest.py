@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +26,9 @@ from app.settings import Settings
 from tests.models import export_poison, export_slow, export_tiny, tiny_expected_embedding
 
 os.environ.setdefault("MB_DTYPE", "float32")
+# The precisions MB_DTYPE=auto chooses are kept in a folder of the test run's own, never in
+# the home directory of whoever runs the tests.
+os.environ.setdefault("MB_STATE_DIR", tempfile.mkdtemp(prefix="mbtest-state-"))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from typing import Any
 
 from app.batching import (
     BatchItem,
-    ModelHost,
     QueueBacklog,
     Transport,
     VersionControl,
@@ -19,7 +18,6 @@ from app.batching import (
 )
 from app.engine import default_transport, models_to_serve
 from app.jobs import BatchKey, ImageJob
-from app.lifecycle import ModelSpec
 from app.plan import plan_serving
 from app.settings import Settings
 
@@ -98,25 +96,9 @@ class Watched:
     def batch_size_for(self, key: Hashable) -> int:
         return self.inner.batch_size_for(key)
 
-    async def load(self, spec: ModelSpec) -> Sequence[Any]:
-        assert self.inner.models_host is not None
-        return await self.inner.models_host.load(spec)
-
-    async def unload(self, served_id: str) -> None:
-        assert self.inner.models_host is not None
-        await self.inner.models_host.unload(served_id)
-
-    def decided(self, spec: ModelSpec) -> ModelSpec:
-        assert self.inner.models_host is not None
-        return self.inner.models_host.decided(spec)
-
     @property
-    def models_host(self) -> ModelHost | None:
-        return self if self.inner.models_host is not None else None
-
-    @property
-    def models_control(self) -> VersionControl | None:
-        return self.inner.models_control
+    def models(self) -> VersionControl:
+        return self.inner.models
 
     async def backlog(self) -> QueueBacklog | None:
         return await self.inner.backlog()

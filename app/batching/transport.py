@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from app.lifecycle import AdminPin, ModelSpec, Route, WorkerView
+from app.lifecycle import AdminPin, Route, WorkerView
+
+if TYPE_CHECKING:
+    from app.repository import Repository
 
 T = TypeVar("T")
 
@@ -117,26 +120,11 @@ class BatchItem(Generic[T]):
     link: object | None = None
 
 
-class ModelHost(Protocol):
-    """A transport whose workers load models on this process's word (the worker pool, a
-    fake): ``app.services.models.ModelManager`` drives it."""
-
-    async def load(self, spec: ModelSpec) -> Sequence[Any]:
-        """Load ``spec`` beside the models held on every worker; ``ModelLoadFailed`` says
-        why not (the models held before are untouched)."""
-
-    async def unload(self, served_id: str) -> None:
-        """Drop the model, giving its memory back; done when it is back."""
-
-    def decided(self, spec: ModelSpec) -> ModelSpec:
-        """``spec`` as the workers hold it: in the precision they chose for its export
-        (``MB_DTYPE=auto``), once they did, so under the id its answers carry."""
-
-
 @dataclass(frozen=True)
 class ClusterView:
-    """What a broker front end last saw of the workers: their heartbeats, the version each
-    name serves by ``app.lifecycle.routes``, and what the admin route set."""
+    """What the workers hold and serve, as last seen: each worker's versions (its heartbeat,
+    or its pool's record of it), the version each name serves by ``app.lifecycle.routes``,
+    and what the admin route set."""
 
     workers: Sequence[WorkerView] = ()
     routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
@@ -144,19 +132,45 @@ class ClusterView:
 
 
 class VersionControl(Protocol):
-    """A transport whose workers choose their versions themselves (broker mode): a front
-    end's admin route asks them through it (``app.services.following``)."""
+    """How a process that admits requests has model versions loaded, and learns which
+    serve: its pool's workers (in-process: the pool aims, loads and drains each through an
+    ``app.lifecycle.Keeper``), or the workers behind a broker (each does so itself, told
+    through Redis). Both give the same view, and ``app.services.models.Models`` follows it
+    and asks through it, in either mode.
 
-    async def pin(self, name: str, pin: AdminPin | None) -> None:
-        """Set (or with None clear) what the admin route chose for ``name``, and have every
-        worker act on it now. Raises ``BrokerUnavailable``."""
+    >>> # control.attach(repository, "auto", on_view=models.follow, in_use=registry.in_use)
+    >>> # asked = await control.pin("tagger", 3)      # every worker aims at version 3
+    >>> # control.view.routes["tagger"]                # once ready where it must be
+    """
+
+    def attach(
+        self,
+        repository: Repository,
+        dtype: str,
+        on_view: Callable[[ClusterView], None],
+        in_use: Callable[[str], bool],
+    ) -> None:
+        """Before ``start``: the repository its workers load from (MB_DTYPE ``dtype``), who
+        hears each new view, and whether this process still has requests for an export (a
+        served id) that its workers must not unload yet."""
+
+    async def pin(self, name: str, pin: AdminPin | None) -> int:
+        """Set (None: clear) what the admin route chose for ``name``, and have every worker
+        act on it now, retrying what failed; returns the number of this request, which
+        each worker's view says it acted on (``WorkerView.aimed``). Raises
+        ``BrokerUnavailable``."""
+
+    async def reload(self, *, explicit: bool) -> int:
+        """Have every worker read the repository again (``kill -HUP``, the poll: not
+        ``explicit``, which never retries what failed); its number, as ``pin``'s."""
 
     @property
     def view(self) -> ClusterView:
         """The workers, routes and pins as of the last look."""
 
     async def refresh(self) -> None:
-        """Look again now (throttled, shared with concurrent callers)."""
+        """Look again now (throttled, shared with concurrent callers), or wait a moment for
+        a change where the view is always current."""
 
 
 # Run a batch of same-key items; return each item's result, or an exception for that item
@@ -215,9 +229,5 @@ class Transport(Protocol[T]):
         there is nothing to look at)."""
 
     @property
-    def models_host(self) -> ModelHost | None:
-        """This transport, if this process tells its workers what to load (in-process)."""
-
-    @property
-    def models_control(self) -> VersionControl | None:
-        """How to ask the workers for a version, if they choose for themselves (broker)."""
+    def models(self) -> VersionControl:
+        """How its workers load model versions, and which serve (``VersionControl``)."""

@@ -38,6 +38,7 @@ from app.errors import ModelNotFound
 from app.lifecycle.states import Route, VersionState
 
 UNLOADED: Literal["unloaded"] = "unloaded"
+UNKNOWN = -1  # a name whose target cannot be read (gone from disk): what serves it stays
 # What the admin route set for a name: a version number, or unloaded.
 AdminPin = int | Literal["unloaded"]
 
@@ -107,6 +108,10 @@ class WorkerView(Protocol):
     def draining(self) -> bool: ...
     @property
     def models(self) -> Sequence[HeldView]: ...
+    @property
+    def aimed(self) -> int:
+        """The number of the last request to load or unload (a pin, a reload) it acted on:
+        what it says of a version after that is this request's outcome."""
 
 
 def _serving(workers: Sequence[WorkerView]) -> list[WorkerView]:
@@ -238,3 +243,16 @@ def fate(
     if route is None or not route_held:
         return Fate.KEEP  # the rule says nothing yet, or this is all this worker has of it
     return Fate.DRAIN
+
+
+def why_drained(life: HeldView, route: Route | None, target: int | None, why: str | None) -> str:
+    """Why ``life`` drains, for the index and the log."""
+    if why is not None:
+        return f"given up: {why}"
+    if target is None:
+        return "unloaded by the admin route"
+    if life.version > target:
+        return f"withdrawn: version {target} is chosen now"
+    if route is not None:
+        return f"its name serves version {route.version} now"
+    return "no longer chosen"

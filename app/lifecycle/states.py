@@ -134,10 +134,18 @@ class ModelSpec:
     served_id: str
     image_shape: tuple[int, int, int] = (224, 224, 3)
     dtype: str = "float32"  # MB_DTYPE as it applies to this version ("auto": measured)
+    # "auto" only: the precision chosen for its export on this class of host before, which
+    # the measurement keeps unless another is decisively faster (app.workers.choices).
+    incumbent: str | None = None
 
     def decided(self, dtype: str, served_id: str) -> ModelSpec:
         """This version in the precision a worker chose (``dtype``), under its id."""
-        return replace(self, dtype=dtype, served_id=served_id)
+        return replace(self, dtype=dtype, served_id=served_id, incumbent=None)
+
+    def with_incumbent(self, dtype: str | None) -> ModelSpec:
+        """This version, to be measured keeping ``dtype`` unless another is decisively
+        faster (None: measured afresh)."""
+        return replace(self, incumbent=dtype)
 
 
 class Route(NamedTuple):

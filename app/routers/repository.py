@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
 from app.routers.common import V2_ERRORS
 from app.v2.http_body import JSON_TYPE, inlined_schema, read_json
-from app.v2.server import LoadParameters, LoadRequest, load_asked
+from app.v2.server import LoadParameters, LoadRequest, UnloadRequest, load_asked, unload_asked
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 admin = APIRouter(
@@ -107,12 +107,26 @@ async def load(name: str, request: Request) -> Loaded:
     )
 
 
-@admin.post("/models/{name}/unload", response_model=Loaded, responses=V2_ERRORS)
+UNLOAD_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {JSON_TYPE: {"schema": inlined_schema(UnloadRequest)}},
+    }
+}
+
+
+@admin.post(
+    "/models/{name}/unload", response_model=Loaded, responses=V2_ERRORS,
+    openapi_extra=UNLOAD_BODY,
+)  # fmt: skip
 async def unload(name: str, request: Request) -> Loaded:
-    """Stop serving ``name``: requests already admitted finish, then its models are
-    unloaded; answers once their memory is given back."""
+    """Stop serving ``name`` (one version serves at a time: ``parameters.version``, if
+    sent, must be it): requests already admitted finish, then its models are unloaded;
+    answers once their memory is given back."""
     engine = serving_engine(request)
-    version = await engine.models.unload(name)
+    raw = await request.body()
+    number = unload_asked(read_json(raw) if raw.strip() else {})
+    version = await engine.models.unload(name, number)
     return Loaded(
         name=version.name,
         version=str(version.version),

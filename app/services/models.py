@@ -1,25 +1,24 @@
-"""Models coming and going while the server serves, in-process: the ``ModelManager`` reads
-versions from the repository, has its host (the worker pool) load them beside what serves,
-switches names in the registry, and unloads what drained. (A broker front end loads nothing:
-``app.services.following`` asks the workers through Redis.)
+"""The model versions a process that admits requests serves, in either mode: ``Models``
+follows its workers (``app.batching.VersionControl``: the pool's, or the broker's) and asks
+them for versions. Its workers load, hold and drain versions themselves
+(``app.lifecycle.Keeper``: each worker's steps, written once); this side only
 
-The order of a load, and why (``docs/models.md``):
-
-1. read and verify the version's store (every sha256) here, and work out its served id;
-2. the host loads it beside the serving version on every worker, each verifying,
-   self-testing and warming it up (``ModelHost.load``), while the others serve;
-3. the registry marks it ready and switches the name to it, in one step;
-4. the version before drains: requests admitted for it finish on it;
-5. once drained, the host unloads it and gives its memory back.
+- **follows** (``follow``, at each new view of the workers): each name switches to the
+  version its route names (``app.lifecycle.routes``: ready where it must be), under the id
+  the workers hold it by (its precision included), in one assignment; the version it moved
+  from drains here (requests admitted for it finish) while the workers drain it there; a
+  name the admin route unloaded stops serving;
+- **asks** (the admin routes, SIGHUP, the poll): ``load`` pins the version for every worker,
+  then answers once the name serves it, or with why the workers gave it up (only a failure
+  they reported after this request: a retried load is tried again, never answered with the
+  last failure); ``unload`` pins the name unloaded and answers once no worker holds it.
 
 Which version a name should serve is ``app.lifecycle.chosen_version``: a version the admin
 route loaded stays chosen (a reload or a poll does not undo it) until the admin route loads
-another, or loads the name without a version (its pin, else its newest, again).
-
-A load that fails at any step leaves what served before serving, answers with the reason
-(``ModelLoadFailed``), shows as ``failed`` on its own row of the index, logs one line and is
-counted (``on_load``). ``replace=True`` trades that for memory: the old version drains and
-unloads first, and the name answers 503 until the new one serves (the documented gap).
+another, or loads the name without a version (its pin, else its newest, again). A load of a
+name while another load of it runs waits for that one, then runs (one admin call at a
+time). ``replace=True`` unloads what serves first (its memory back before the new version
+loads), and the name answers 503 until the new one serves.
 """
 
 from __future__ import annotations
@@ -27,20 +26,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from app.batching import ModelHost, WorkerStatus
+from app.batching import ClusterView, VersionControl, WorkerStatus
 from app.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
     ModelLoadFailed,
     ModelMemoryBudget,
     ModelNotFound,
     ModelStoreError,
-    ServerError,
+    NotReady,
 )
-from app.lifecycle import UNLOADED, AdminPin, VersionState
-from app.manifest import Manifest
-from app.repository import Repository, VersionOnDisk, check_name
+from app.lifecycle import UNLOADED, Route, VersionState, WorkerView, given_up
+from app.manifest import Manifest, split_served_id
+from app.repository import Repository, VersionOnDisk, check_name, scrub
 from app.services.index import index_rows
 from app.services.predictor import Predictor
 from app.services.registry import ModelRegistry, ModelVersion
@@ -49,47 +50,24 @@ log = logging.getLogger("app.models")
 
 # Makes the Predictor of a version: its manifest, its class names and its served id.
 PredictorFactory = Callable[[Manifest, list[str], str], Predictor]
-# A load of (name, version) ended after seconds; the step it failed at, or None if it serves.
-LoadObserver = Callable[[str, int, float, str | None], None]
-
-
-class Models(Protocol):
-    """What the routes and the engine ask of the models a process serves, in-process
-    (``ModelManager``) or as a broker front end (``app.services.following.BrokerModels``)."""
-
-    registry: ModelRegistry
-    repository: Repository
-
-    async def load(
-        self, name: str, version: int | None = None, *, replace: bool = False
-    ) -> ModelVersion: ...
-
-    async def unload(self, name: str) -> ModelVersion: ...
-
-    def index(self, workers: Sequence[WorkerStatus]) -> list[dict[str, Any]]: ...
-
-    async def aclose(self) -> None: ...
+LOOK_S = 0.2  # how often an admin call waiting for the workers looks at them
+# An admin call waits for the workers' own load deadline, and this much more (their next
+# heartbeat, and the next look).
+MARGIN_S = 10.0
 
 
 class Drains:
-    """Versions that stopped serving, each waiting for its last request (at most
-    ``timeout_s``) before ``unload`` gives its memory back and the registry forgets it."""
+    """Versions that stopped serving here, each waiting for its last request (at most
+    ``timeout_s``) before the registry forgets it: the workers unload its models once no
+    request here uses it (``ModelRegistry.in_use``)."""
 
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        unload: Callable[[ModelVersion], Awaitable[None]],
-        timeout_s: float,
-        lock: asyncio.Lock,
-    ) -> None:
+    def __init__(self, registry: ModelRegistry, timeout_s: float) -> None:
         self.registry = registry
-        self._unload = unload
         self.timeout_s = timeout_s
-        self._lock = lock  # the owner's: one load or unload at a time
         self._tasks: set[asyncio.Task[None]] = set()
 
     def later(self, version: ModelVersion | None) -> None:
-        """Unload ``version`` once drained, in the background."""
+        """Forget ``version`` once drained, in the background."""
         if version is None:
             return
         task = asyncio.get_running_loop().create_task(self._finish(version))
@@ -97,34 +75,17 @@ class Drains:
         task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, version: ModelVersion) -> None:
-        await self.wait(version)
-        async with self._lock:
-            await self.unload_drained(version)
-
-    async def wait(self, version: ModelVersion) -> None:
         try:
             await asyncio.wait_for(version.drained.wait(), self.timeout_s)
         except TimeoutError:
             log.warning(
-                "%s still had %d request(s) after %.0f s of draining; unloading it anyway",
+                "%s still had %d request(s) after %.0f s of draining; letting it go anyway",
                 version.label,
                 version.in_flight,
                 self.timeout_s,
             )
-
-    async def now(self, version: ModelVersion) -> None:
-        """Wait for ``version`` to drain, then unload it (the caller holds the lock)."""
-        await self.wait(version)
-        await self.unload_drained(version)
-
-    async def unload_drained(self, version: ModelVersion) -> None:
-        if version.state is not VersionState.DRAINING:
-            return  # serving again (a rollback), or gone already
-        shared = [v for v in self.registry.holders(version.served_id) if v is not version]
-        if not shared:  # the same export under another name keeps its models
-            await self._unload(version)
-        self.registry.gone(version)
-        log.info("%s unloaded", version.label)
+        if version.state is VersionState.DRAINING:  # not serving again (a rollback)
+            self.registry.gone(version)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -132,197 +93,223 @@ class Drains:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class ModelManager:
-    """Loads, switches and unloads the versions of every model this process serves, on its
-    ``host`` (the worker pool).
+class Models:
+    """The versions this process serves, as its workers hold them.
 
-    >>> # manager = ModelManager(registry, repository, pool, make_predictor, dtype="auto",
-    >>> #                        drain_timeout_s=35)
-    >>> # manager.serve_started(loaded)         # what the pool loaded as it started
-    >>> # version = await manager.load("tagger", 3)   # beside what serves, then switched
-    >>> # await manager.unload("tagger")        # drained, then its memory given back
+    >>> # models = Models(registry, repository, transport.models, make_predictor,
+    >>> #                 dtype="auto", drain_timeout_s=35, load_timeout_s=300)
+    >>> # models.follow(view)                       # at each new view of the workers
+    >>> # version = await models.load("tagger", 3)  # answers once it serves
+    >>> # await models.unload("tagger")             # once no worker holds it
     """
 
     def __init__(
         self,
         registry: ModelRegistry,
         repository: Repository,
-        host: ModelHost,
+        control: VersionControl,
         make_predictor: PredictorFactory,
         *,
         dtype: str,
         drain_timeout_s: float,
-        on_load: LoadObserver | None = None,
+        load_timeout_s: float,
+        min_workers: int | None = None,
     ) -> None:
         self.registry = registry
         self.repository = repository
-        self.host = host
+        self.control = control
         self._make_predictor = make_predictor
         self._dtype = dtype
-        self._on_load = on_load
-        self._lock = asyncio.Lock()  # one load or unload at a time
-        self._admin: dict[str, AdminPin] = {}  # what the admin route loaded, or unloaded
-        self._drains = Drains(registry, self._unload_models, drain_timeout_s, self._lock)
-
-    # -- reading the repository --------------------------------------------------------------
+        self._load_timeout_s = load_timeout_s
+        self._min_workers = min_workers
+        self._lock = asyncio.Lock()  # one admin call at a time
+        self._drains = Drains(registry, drain_timeout_s)
+        self._unreadable: dict[tuple[str, str], str] = {}  # logged once each
+        self._coming: set[str] = set()  # names unloaded by a replace: back soon (503)
+        self._stopping = False  # the server stops: admin calls waiting answer 503 now
 
     def read(self, name: str, version: int) -> VersionOnDisk:
-        """``name``'s ``version`` from the repository, every sha256 verified:
-        ``ModelNotFound``, ``ModelStoreError``."""
-        return self.repository.read(name, version, self._dtype)
+        """``name``'s ``version`` as this process needs it: its served id, input size and
+        class names (only the class file's sha256 is checked here: the workers verify the
+        weights they load)."""
+        return self.repository.read(name, version, self._dtype, roles=("classes",))
 
-    def chosen(self, name: str) -> int | None:
-        """The version ``name`` should serve (``app.lifecycle.chosen_version``)."""
-        return self.repository.chosen(name, self._admin.get(name))
+    # -- following the workers ---------------------------------------------------------------
 
-    # -- serving -----------------------------------------------------------------------------
+    def follow(self, view: ClusterView) -> None:
+        """Switch each name to the version its route names; a name the admin route
+        unloaded stops serving. The version a name moved from drains."""
+        for name, pin in view.pins.items():
+            if pin == UNLOADED and self.registry.serving(name) is not None:
+                self._drains.later(self.registry.retire(name, coming_back=name in self._coming))
+                log.info("%s is unloaded", name)
+        names = set(self.repository.names())
+        for name, route in view.routes.items():
+            if view.pins.get(name) == UNLOADED:
+                continue
+            if name not in names:  # workers serving a model this process does not have
+                self._log_once(name, route.served_id, f"{name!r} is not in its repository")
+                continue
+            self._switch(name, route)
 
-    def serve_started(self, loaded: Sequence[VersionOnDisk]) -> None:
-        """The versions the host loaded as it started: ready, and serving their names."""
-        for item in loaded:
-            spec = self.host.decided(item.spec)
-            version = self.registry.loading(spec.name, spec.version, spec.served_id)
-            self._serve(version, item)
+    def _switch(self, name: str, route: Route) -> None:
+        current = self.registry.serving(name)
+        if current is not None and current.served_id == route.served_id:
+            self.registry.renumber(current, route.version)  # the same export, published again
+            return
+        held = self.registry.of_export(name, route.served_id)
+        if held is not None and held.state is VersionState.DRAINING:  # back before it went
+            self.registry.renumber(held, route.version)
+            self._drains.later(self.registry.switch(held))
+            log.info("%s serves again", held.label)
+            return
+        version = self.registry.loading(name, route.version, route.served_id)
+        try:
+            item = self.read(name, route.version)
+            if item.manifest.model_id != split_served_id(route.served_id)[0]:
+                raise ModelStoreError(
+                    f"this process's {name} version {route.version} is "
+                    f"{item.manifest.model_id}, the workers serve {route.served_id}"
+                )
+        except (ModelStoreError, ModelNotFound) as exc:
+            said = scrub(self.repository, str(getattr(exc, "message", exc)))
+            self.registry.failed(version, "verify", said)
+            self._log_once(name, route.served_id, said)
+            return
+        # The id the workers hold: it names the precision they chose (``+bf16``), which
+        # this process's own reading of the store cannot know.
+        predictor = self._make_predictor(item.manifest, item.classes, route.served_id)
+        self.registry.ready(version, item.manifest, predictor)
+        before = self.registry.switch(version)
+        self._drains.later(before)
+        log.info("%s serves now%s", version.label, f"; {before.label} drains" if before else "")
 
-    def _serve(self, version: ModelVersion, item: VersionOnDisk) -> None:
-        """``version`` serves now, under the id its workers' precision gives it."""
-        served_id = self.host.decided(item.spec).served_id
-        predictor = self._make_predictor(item.manifest, item.classes, served_id)
-        self.registry.ready(version, item.manifest, predictor, served_id)
-        self._drains.later(self.registry.switch(version))
+    def _log_once(self, name: str, served_id: str, reason: str) -> None:
+        if (name, served_id) not in self._unreadable:
+            self._unreadable[(name, served_id)] = reason
+            log.error("the workers serve %s, which this process cannot: %s", served_id, reason)
+
+    # -- asking the workers ------------------------------------------------------------------
+
+    def stop_waiting(self) -> None:
+        """The server stops (safe in a signal handler): admin calls waiting for the workers
+        answer 503 at their next look, so they do not hold the shutdown up."""
+        self._stopping = True
+
+    def _check_stopping(self) -> None:
+        if self._stopping:
+            raise NotReady("the server is stopping: ask another, or again once it is back")
 
     async def load(
         self, name: str, version: int | None = None, *, replace: bool = False
     ) -> ModelVersion:
-        """The admin route's load: ``name``'s ``version`` stays chosen from now on (without
-        one, its pin or newest again); loaded beside what serves, then switched to. Answers
-        once it serves (the version before drains in the background). Shielded: a caller
-        that goes away does not stop it."""
+        """Have every worker serve ``name``'s ``version`` (without one: its pin, else its
+        newest) beside what serves; answers once the name serves it, or raises why the
+        workers gave it up (``ModelLoadFailed``, 507 ``ModelMemoryBudget``), or that it was
+        not served within the load deadline and this call's margin. ``replace``: unload
+        what serves first. Shielded: a caller that goes away does not stop it."""
         check_name(name)
-        if version is None:
-            self._admin.pop(name, None)
-        else:
-            self._admin[name] = version
         return await asyncio.shield(self._load(name, version, replace=replace))
 
     async def _load(self, name: str, number: int | None, *, replace: bool) -> ModelVersion:
         async with self._lock:
-            chosen = self.chosen(name) if number is None else number
-            if chosen is None:  # unloaded by the admin route, and asked without a version
-                raise ModelNotFound(f"no model named {name!r} is loaded")
-            return await self._load_version(name, chosen, replace=replace)
+            chosen = self.repository.chosen(name) if number is None else number
+            assert chosen is not None  # without the admin route's pin, never unloaded
+            try:
+                item = await asyncio.to_thread(self.read, name, chosen)
+            except ModelStoreError as exc:
+                reason = scrub(self.repository, str(exc))
+                raise ModelLoadFailed(
+                    f"{name} version {chosen}: verify: {reason}", "verify"
+                ) from None
+            self.registry.expect([name])  # 503, not 404, until it serves
+            if replace and self.registry.serving(name) is not None:
+                log.warning("replacing %s in place: it answers 503 until version %d serves",
+                            name, chosen)  # fmt: skip
+                self._coming.add(name)
+                try:
+                    await self._until_unheld(name, await self.control.pin(name, UNLOADED))
+                finally:
+                    self._coming.discard(name)
+            asked = await self.control.pin(name, number)
+            log.info("asked the workers to serve %s version %d", name, chosen)
+            return await self._until_served(name, chosen, item.manifest.model_id, asked)
 
-    async def _load_version(self, name: str, number: int, *, replace: bool) -> ModelVersion:
-        started = time.monotonic()
-        try:
-            item = await asyncio.to_thread(self.read, name, number)
-        except ModelStoreError as exc:
-            claimed = self.repository.claimed_id(name, number, self._dtype)
-            failed = self.registry.loading(name, number, claimed)
-            raise self._failed(failed, "verify", str(exc), started) from None
-        current = self.registry.serving(name)
-        held = self.registry.of_export(name, self.host.decided(item.spec).served_id)
-        if held is not None and held.state in (VersionState.SERVING, VersionState.DRAINING):
-            # Already this export (published again under another number), or a rollback to
-            # a version still draining: it serves, with no load.
-            self.registry.renumber(held, number)
-            self._drains.later(self.registry.switch(held))
-            self._observe(name, number, started, None)
-            return held
-        version = self.registry.loading(name, number, item.spec.served_id)
-        if replace and current is not None:
-            log.warning(
-                "replacing %s in place: the name answers 503 until %s serves",
-                current.label,
-                item.spec.served_id,
-            )
-            self.registry.retire(name, coming_back=True)
-            await self._drains.now(current)
-        try:
-            await self.host.load(item.spec)
-        except ServerError as exc:
-            step = exc.step if isinstance(exc, ModelLoadFailed) else "load"
-            raise self._failed(version, step, exc.message, started, budget=exc) from None
-        self._serve(version, item)
-        self._observe(name, number, started, None)
-        log.info(
-            "%s serves now (loaded in %.1f s)%s",
-            version.label,
-            time.monotonic() - started,
-            f"; {current.label} drains" if current is not None and not replace else "",
-        )
-        return version
+    async def _until_served(
+        self, name: str, number: int, model_id: str, asked: int
+    ) -> ModelVersion:
+        deadline = time.monotonic() + self._load_timeout_s + MARGIN_S
+        label = f"{name} version {number} ({model_id})"
+        while True:
+            self._check_stopping()
+            await self.control.refresh()
+            serving = self.registry.serving(name)
+            exported = serving is not None and split_served_id(serving.served_id)[0] == model_id
+            if serving is not None and exported and serving.version == number:
+                return serving  # the workers serve it, under this number (verified there)
+            # Only what the workers said after acting on this request counts: a failure
+            # from before is the last load's, not this one's.
+            workers = self.control.view.workers
+            if all(w.aimed >= asked for w in workers if w.alive and not w.draining):
+                failure = _failure(workers, name, number, self._min_workers)
+                if failure is not None:
+                    steps, reason = failure
+                    said = scrub(self.repository, f"{label}: {reason}")
+                    if steps == {"budget"}:
+                        raise ModelMemoryBudget(said)
+                    raise ModelLoadFailed(said, min(steps) if len(steps) == 1 else "load")
+            if time.monotonic() > deadline:
+                raise ModelLoadFailed(
+                    f"{label} was not served within {self._load_timeout_s + MARGIN_S:g} s "
+                    "(MB_WORKER_START_TIMEOUT and the time to switch): is every worker live, "
+                    "and does each see it on disk?",
+                    "timeout",
+                )
+            await asyncio.sleep(LOOK_S)
 
-    def _failed(
-        self,
-        version: ModelVersion,
-        step: str,
-        message: str,
-        started: float,
-        budget: ServerError | None = None,
-    ) -> ServerError:
-        """Record a failed load on its own row, log and count it; the error to answer."""
-        reason = self._scrub(message)
-        self.registry.failed(version, step, reason)
-        self._observe(version.name, version.version, started, step)
-        current = self.registry.serving(version.name)
-        log.error(
-            "loading %s failed: %s: %s; %s",
-            version.label,
-            step,
-            reason,
-            f"{current.label} still serves" if current else "nothing served it before",
-        )
-        said = f"{version.label}: {step}: {reason}"
-        if isinstance(budget, ModelMemoryBudget):  # keeps its own type (507)
-            return ModelMemoryBudget(said)
-        return ModelLoadFailed(said, step)
-
-    async def _unload_models(self, version: ModelVersion) -> None:
-        try:
-            await self.host.unload(version.served_id)
-        except ServerError as exc:
-            log.error("unloading %s failed: %s", version.label, exc.message)
-
-    async def unload(self, name: str) -> ModelVersion:
-        """Stop serving ``name`` (until the admin route loads it again): its version drains
-        (requests admitted for it finish), then its models are unloaded; answers once the
-        memory is given back. Shielded, as a load is."""
+    async def unload(self, name: str, number: int | None = None) -> ModelVersion:
+        """Have every worker drain and unload ``name`` (until the admin route loads it
+        again); answers once none holds a version of it. ``number``, if given, must be the
+        version serving (one serves at a time: an unload stops serving the name): else
+        ``InvalidRequest``. Shielded, as a load is."""
         check_name(name)
-        return await asyncio.shield(self._unload(name))
+        return await asyncio.shield(self._unload(name, number))
 
-    async def _unload(self, name: str) -> ModelVersion:
+    async def _unload(self, name: str, number: int | None) -> ModelVersion:
         async with self._lock:
-            version = self.registry.retire(name)
+            version = self.registry.serving(name)
             if version is None:
                 raise ModelNotFound(f"no model named {name!r} is loaded")
-            self._admin[name] = UNLOADED
-            await self._drains.now(version)
+            if number is not None and number != version.version:
+                raise InvalidRequest(
+                    f"{name} serves version {version.version}, not {number}: an unload stops "
+                    "serving the name (one version serves at a time); send no version, or "
+                    "the one serving"
+                )
+            await self._until_unheld(name, await self.control.pin(name, UNLOADED))
             return version
 
-    async def reload(self, *, automatic: bool = False) -> list[ModelVersion]:
-        """Load what is new on disk (``kill -HUP``, ``MB_REPOSITORY_POLL_S``): each name
-        whose chosen version is not the one serving. Failures are logged and counted, not
-        raised; ``automatic`` (a poll) does not retry a version that failed before."""
-        loaded = []
-        for name in self.repository.names():
-            async with self._lock:
-                try:
-                    number = self.chosen(name)
-                except ServerError as exc:
-                    log.error("reload: %s", exc.message)
-                    continue
-                current = self.registry.serving(name)
-                if number is None or (current is not None and current.version == number):
-                    continue
-                before = self.registry.get(name, number)
-                if automatic and before is not None and before.state is VersionState.FAILED:
-                    continue
-                try:
-                    loaded.append(await self._load_version(name, number, replace=False))
-                except ServerError:
-                    continue  # logged and counted by the load
-        return loaded
+    async def _until_unheld(self, name: str, asked: int) -> None:
+        deadline = time.monotonic() + self._drains.timeout_s + MARGIN_S
+        while True:
+            self._check_stopping()
+            await self.control.refresh()
+            workers = self.control.view.workers
+            held = any(m.name == name and m.state.holds_models for w in workers for m in w.models)
+            aimed = all(w.aimed >= asked for w in workers if w.alive and not w.draining)
+            if aimed and not held and self.registry.serving(name) is None:
+                return
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"the workers still hold a version of {name} after draining for "
+                    f"{self._drains.timeout_s + MARGIN_S:g} s"
+                )
+            await asyncio.sleep(LOOK_S)
+
+    async def reload(self, *, automatic: bool = False) -> None:
+        """Have the workers load what is new on disk (``kill -HUP``; ``automatic``: the
+        repository poll, which never retries a version that failed)."""
+        await self.control.reload(explicit=not automatic)
 
     async def poll(self, interval_s: float) -> None:
         """Look at the repository every ``interval_s`` and load what is new, forever."""
@@ -336,23 +323,27 @@ class ModelManager:
     # -- what there is ------------------------------------------------------------------------
 
     def index(self, workers: Sequence[WorkerStatus]) -> list[dict[str, Any]]:
-        """Every version on disk or known, by name and number (``app.services.index``)."""
-        return index_rows(self.repository, self.registry, workers)
+        """Every version on disk or known (``app.services.index``), with the rollouts the
+        workers gave up."""
+        gave_up = given_up(self.control.view.workers, self._min_workers)
+        return index_rows(self.repository, self.registry, workers, gave_up)
 
     async def aclose(self) -> None:
         await self._drains.aclose()
 
-    def _scrub(self, message: str) -> str:
-        return scrub(self.repository, message)
 
-    def _observe(self, name: str, number: int, started: float, step: str | None) -> None:
-        if self._on_load is not None:
-            self._on_load(name, number, time.monotonic() - started, step)
-
-
-def scrub(repository: Repository, message: str) -> str:
-    """A reason without this machine's paths (it goes into answers and /info)."""
-    root = repository.root
-    for where in (str(root.resolve()), str(root)):
-        message = message.replace(where, "<repository>")
-    return message
+def _failure(
+    workers: Sequence[WorkerView], name: str, number: int, min_workers: int | None
+) -> tuple[set[str], str] | None:
+    """The steps at which the workers failed ``name``'s ``number`` and why, once its
+    rollout is given up (``app.lifecycle.given_up``); None while it may still serve."""
+    reason = given_up(workers, min_workers).get((name, number))
+    if reason is None:
+        return None
+    steps = {
+        m.step
+        for w in workers
+        for m in w.models
+        if (m.name, m.version) == (name, number) and m.state is VersionState.FAILED
+    }
+    return steps, reason

@@ -17,7 +17,7 @@ it is released; only then may its models be unloaded.
 Versions are known by name and number: a version that failed its checks is its own row, even
 when its manifest claims the served id of another (a corrupted copy).
 
-No asyncio waits, no I/O: the manager (``app.services.models``) does the loading.
+No asyncio waits, no I/O: ``app.services.models`` moves it as the workers load and drain.
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ class ModelRegistry:
         return [
             v for v in self._versions.values() if v.served_id == served_id and v.state.holds_models
         ]
+
+    def in_use(self, served_id: str) -> bool:
+        """Whether requests here may still use ``served_id`` (a version of it serves, or
+        drains): its workers must not unload it yet."""
+        return bool(self.holders(served_id))
 
     def of_export(self, name: str, served_id: str) -> ModelVersion | None:
         """``name``'s version that is this export and holds its models, if any (under

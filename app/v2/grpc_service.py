@@ -48,7 +48,14 @@ from app.v2 import inference
 from app.v2.grpc_messages import infer_call, infer_response, parameter
 from app.v2.proto import inference_pb2 as pb
 from app.v2.proto import inference_pb2_grpc as pb_grpc
-from app.v2.server import EXTENSIONS, SERVER, config_of, load_asked, statistics_of
+from app.v2.server import (
+    EXTENSIONS,
+    SERVER,
+    config_of,
+    load_asked,
+    statistics_of,
+    unload_asked,
+)
 
 if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
     from app.engine import Engine
@@ -259,7 +266,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         async def work(call: Call) -> Any:
-            await self.engine.models.unload(request.model_name)
+            parameters = {key: parameter(value) for key, value in request.parameters.items()}
+            if isinstance(parameters.get("version"), int):  # as an int64_param: the number
+                parameters["version"] = str(parameters["version"])
+            number = unload_asked({"parameters": parameters})
+            await self.engine.models.unload(request.model_name, number)
             return pb.RepositoryModelUnloadResponse()
 
         return await self._answer(context, "RepositoryModelUnload", work, key="admin_api_key")

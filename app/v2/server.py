@@ -47,6 +47,31 @@ class LoadRequest(BaseModel):
     parameters: LoadParameters = Field(default_factory=LoadParameters)
 
 
+class UnloadParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(
+        None,
+        pattern=VERSION_PATTERN,
+        description="the version serving (optional: an unload stops serving the name, whose "
+        "one version serves at a time; another version is refused with 422)",
+    )
+
+
+class UnloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: UnloadParameters = Field(default_factory=UnloadParameters)
+
+
+def unload_asked(document: object) -> int | None:
+    """The version a repository unload names, if any (``{"parameters": {"version": "N"}}``,
+    as either protocol carries it)."""
+    request: UnloadRequest = validated(UnloadRequest, document)
+    version = request.parameters.version
+    return int(version) if version is not None else None
+
+
 def load_asked(document: object) -> LoadParameters:
     """What a repository load asks (``{"parameters": {"version": "N", "replace": bool}}``,
     as either protocol carries it). Triton's load may also carry a model configuration

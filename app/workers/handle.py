@@ -9,7 +9,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -22,7 +22,7 @@ from app.errors import (
     WorkerDied,
     WorkerStartError,
 )
-from app.lifecycle import ModelSpec, VersionState
+from app.lifecycle import HeldView, ModelSpec, VersionState
 from app.plan import WorkerConfig
 from app.workers import allocator
 from app.workers.buffer import InputBuffer
@@ -48,6 +48,11 @@ from app.workers.messages import (
 Reply = BatchDone | LoadDone | ModelUnloaded
 
 log = logging.getLogger("app.workers.pool")
+
+
+def _said(version: HeldView) -> str:
+    """Why a version failed (its step, then the reason) or drains."""
+    return f"{version.step}: {version.reason}" if version.step else version.reason
 
 
 def retrieve(future: asyncio.Future[Reply]) -> None:
@@ -158,14 +163,10 @@ class WorkerHandle:
         threads: int,
         config: WorkerConfig,
         buffer_size: int,
-        models: tuple[ModelSpec, ...],
     ) -> WorkerHandle:
-        """Start a worker process (it loads ``models`` in the background)."""
+        """Start a worker process: it holds no model until its host has it load some."""
         buffer = InputBuffer.create(buffer_size)
-        spec = WorkerSpec(
-            index, device, threads, config, buffer.path, buffer.size, models, os.getpid(),
-            config.load_delay_for(index),
-        )  # fmt: skip
+        spec = WorkerSpec(index, device, threads, config, buffer.path, buffer.size, os.getpid())
         parent, child = channel_pair()
         process = mp.get_context("spawn").Process(
             target=_worker_entry, args=(spec, child), name=f"model-worker-{index}", daemon=True
@@ -214,23 +215,28 @@ class WorkerHandle:
     def holds(self, served_id: str) -> bool:
         return self.alive and self.ready and served_id in self.models
 
-    def status(self, restarts: int = 0) -> WorkerStatus:
-        """This worker for ``/readyz``, ``/info`` and the metrics; ``restarts``: of its slot."""
-        held = [
-            HeldModel(
-                m.served_id, VersionState.READY.value, m.runtime, m.batch_size, m.memory_bytes,
-                name=m.name, version=m.version, skipped=m.skipped, slowdown=m.slowdown,
-                dtype=m.dtype, trials=m.trials,
-            )
-            for m in self.models.values()
-        ]  # fmt: skip
-        if self.loading is not None:
-            spec = self.loading
+    def status(self, restarts: int = 0, versions: Sequence[HeldView] = ()) -> WorkerStatus:
+        """This worker for ``/readyz``, ``/info`` and the metrics; ``restarts``: of its slot;
+        ``versions``: each version its host says it holds, loads or failed (by name and
+        number), with what this worker reported of the export each holds."""
+        held = []
+        for version in versions:
+            report = self.models.get(version.served_id)
+            state = version.state.shown
+            if report is None or version.state is VersionState.LOADING:
+                held.append(
+                    HeldModel(version.served_id, state, name=version.name,
+                              version=version.version, reason=_said(version))
+                )  # fmt: skip
+                continue
             held.append(
                 HeldModel(
-                    spec.served_id, VersionState.LOADING.value, name=spec.name, version=spec.version
+                    report.served_id, state, report.runtime, report.batch_size,
+                    report.memory_bytes, name=version.name, version=version.version,
+                    skipped=report.skipped, slowdown=report.slowdown, dtype=report.dtype,
+                    trials=report.trials, reason=_said(version),
                 )
-            )
+            )  # fmt: skip
         first = next(iter(self.models.values()), None)
         return WorkerStatus(
             index=self.index,
@@ -269,7 +275,6 @@ class WorkerHandle:
             )
         assert isinstance(message, Ready)
         self.ready = True
-        self.models = {model.served_id: model for model in message.models}
 
     def start_reading(
         self, on_idle: Callable[[WorkerHandle], None], on_exit: Callable[[WorkerHandle], None]

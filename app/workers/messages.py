@@ -21,8 +21,9 @@ from app.plan import WorkerConfig
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything one worker process needs to start, picklable for ``spawn``: among it the
-    models to load before it says ``Ready``."""
+    """Everything one worker process needs to start, picklable for ``spawn``. It holds no
+    model when it says ``Ready``: its host has it load each (``LoadModel``), start-up or
+    not."""
 
     index: int
     device: str
@@ -30,9 +31,7 @@ class WorkerSpec:
     config: WorkerConfig
     buffer_path: str
     buffer_size: int
-    models: tuple[ModelSpec, ...] = ()
     parent_pid: int = 0  # the pool's process: the worker dies with it (app.workers.lineage)
-    load_delay_s: float = 0.0  # testing only (MB_TEST_LOAD_DELAY_S)
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class LoadModel:
     batch_id: int
     spec: ModelSpec
     timeout_s: float = 0.0
+    delay_s: float = 0.0  # testing only (MB_TEST_LOAD_DELAY_S): the load sleeps this long
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,6 @@ class Ready:
     device: str
     threads: int
     pid: int
-    models: tuple[ModelLoaded, ...] = ()  # the WorkerSpec's, loaded
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,47 @@
 """The worker pool: model worker processes on this machine, as a ``Transport``.
 
 It fills ``app.batching.Transport``: ``start``/``aclose``, ``run_batch`` (the Streamer's
-batch function), ``capacity``, ``batch_size``, ``ready`` and ``worker_status()``; it hosts
-the models the registry asks for (``load``/``unload``: ``app.workers.hosting``), and keeps
-its workers running (``app.workers.supervision``). Replies are read by one asyncio task per
-worker: no thread waits on any worker. How it supervises and lends threads:
-``docs/design.md``; how versions come and go: ``docs/models.md``.
+batch function), ``capacity``, ``batch_size``, ``ready`` and ``worker_status()``; its
+``models`` (``app.workers.hosting.PoolHost``) load, hold and drain the model versions each
+worker holds, which it carries out (``load_on``, ``unload_on``); and it keeps its workers
+running (``app.workers.supervision``). Replies are read by one asyncio task per worker: no
+thread waits on any worker. How it supervises and lends threads: ``docs/design.md``; how
+versions come and go: ``docs/models.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from app import tracing
 from app.batching import BatchItem, QueueBacklog, WorkerStatus
-from app.errors import InferenceError, ModelVersionUnavailable, WorkerDied, WorkerStartError
+from app.errors import InferenceError, ModelLoadFailed, WorkerDied, WorkerStartError
 from app.jobs import BatchKey, ImageJob
 from app.lifecycle import ModelSpec
-from app.manifest import split_served_id
 from app.metrics import BatchRun
 from app.plan import ServingPlan, WorkerConfig
+from app.workers.choices import HostChoices
 from app.workers.handle import Reply, WorkerHandle, retrieve
-from app.workers.hosting import PoolModels
+from app.workers.hands import LoadObserver, PoolWorker
+from app.workers.hosting import PoolHost
 from app.workers.idle import IdleWorkers
 from app.workers.lending import batch_threads
-from app.workers.messages import BatchDone, ModelLoaded, RunBatch
+from app.workers.messages import (
+    BatchDone,
+    LoadDone,
+    LoadModel,
+    ModelLoaded,
+    RunBatch,
+    UnloadModel,
+)
 from app.workers.supervision import Supervision
 from app.workers.transfer import results, write_images
 
@@ -43,6 +53,9 @@ ENCODED_BYTES_PER_IMAGE = 128 * 1024
 # The buffer holds a full batch of at least this image, so a model loaded later with images
 # up to this size batches as fully as the ones loaded at start.
 COMMON_IMAGE_SHAPE = (224, 224, 3)
+# A worker that neither loads nor says it gave up (at MB_WORKER_START_TIMEOUT) within this
+# much more is stuck: it is killed, and restarts.
+STUCK_S = 30.0
 
 
 def buffer_bytes(config: WorkerConfig, image_shapes: Sequence[tuple[int, int, int]]) -> int:
@@ -55,19 +68,22 @@ def buffer_bytes(config: WorkerConfig, image_shapes: Sequence[tuple[int, int, in
 
 
 class WorkerPool:
-    """One worker process per device of ``plan.placement``, one batch each at a time, each
-    holding every model of ``models`` (and of later ``load`` calls).
+    """One worker process per device of ``plan.placement``, one batch each at a time. Its
+    host (``models``) has each worker load the versions of the model repository it is
+    attached to: at start (start-up is a load) and whenever asked.
 
     A worker that dies (or hangs on a batch past the plan's batch timeout and is killed)
     fails its in-flight batch with ``WorkerDied`` at once and is restarted with capped
-    exponential backoff, with the models the pool serves then, while the others keep
-    serving. ``on_run`` hears of every batch a worker ran (``app.metrics.BatchRun``).
+    exponential backoff, then loads what it should hold, while the others keep serving.
+    ``on_run`` hears of every batch a worker ran (``app.metrics.BatchRun``), ``on_load`` of
+    every load on a worker. ``models``: the versions it will serve first, whose images its
+    workers' buffers are sized for.
 
-    >>> # pool = WorkerPool([spec], plan_serving(settings))
-    >>> # await pool.start()
-    >>> # results = await pool.run_batch(BatchKey(Task.TAG, False, spec.served_id), items)
-    >>> # await pool.load(new_spec)       # one worker at a time; ModelLoadFailed if it fails
-    >>> # await pool.unload(spec.served_id)
+    >>> # pool = WorkerPool(specs, plan_serving(settings))
+    >>> # pool.models.attach(repository, "auto", on_view=..., in_use=...)
+    >>> # await pool.start()           # every worker loads its names' targets
+    >>> # results = await pool.run_batch(BatchKey(Task.TAG, False, served_id), items)
+    >>> # await pool.models.pin("tagger", 3)   # one worker at a time, then the name moves
     >>> # await pool.aclose()
     """
 
@@ -77,6 +93,7 @@ class WorkerPool:
         plan: ServingPlan,
         *,
         on_run: Callable[[BatchRun], None] | None = None,
+        on_load: LoadObserver | None = None,
     ) -> None:
         self.placement = plan.placement
         self.config: WorkerConfig = plan.worker
@@ -87,12 +104,11 @@ class WorkerPool:
         # Last in, first out: at low load the worker that just answered takes the next batch,
         # its caches and OpenMP threads still warm; under load every worker is busy anyway.
         self._idle: IdleWorkers[WorkerHandle] = IdleWorkers()
-        self._batch_ids = itertools.count()
-        buffer = buffer_bytes(self.config, [spec.image_shape for spec in models])
-        self.hosting = PoolModels(
-            models, lambda: self._workers, self.config, buffer, self._batch_ids,
-            self.start_timeout_s,
-        )  # fmt: skip
+        self._batch_ids = itertools.count()  # batches, loads and unloads: one counter
+        self.buffer_size = buffer_bytes(self.config, [spec.image_shape for spec in models])
+        self.host = PoolHost(
+            self, choices=HostChoices(plan.worker.state_dir), min_workers=None, on_load=on_load
+        )
         self.supervision = Supervision(self)
         self._closing = False
 
@@ -106,7 +122,7 @@ class WorkerPool:
     @property
     def batch_size(self) -> int:
         """The largest batch any model takes."""
-        sizes = [self._model_batch_size(served_id, False) for served_id in self.hosting.specs]
+        sizes = [self._model_batch_size(served_id, False) for served_id in self.host.held_ids()]
         return max(sizes, default=self.config.max_batch_size)
 
     def batch_size_for(self, key: Hashable) -> int:
@@ -118,10 +134,10 @@ class WorkerPool:
     def _model_batch_size(self, served_id: str, encoded: bool) -> int:
         wanted = [w.models[served_id].batch_size for w in self._workers if w.holds(served_id)]
         size = min(wanted) if wanted else self.config.max_batch_size
-        spec = self.hosting.specs.get(served_id)
+        spec = self.host.spec_of(served_id)
         if spec is not None and not encoded:  # a batch of pixels must fit the buffer
             per_image = int(np.prod(spec.image_shape))
-            size = min(size, max(1, self.hosting.buffer_size // per_image))
+            size = min(size, max(1, self.buffer_size // per_image))
         return size
 
     @property
@@ -137,13 +153,12 @@ class WorkerPool:
     def workers(self) -> Sequence[WorkerHandle]:
         return tuple(self._workers)
 
-    @property
-    def models(self) -> Mapping[str, ModelSpec]:
-        """The models every worker holds, by served id."""
-        return dict(self.hosting.specs)
-
     def worker_status(self) -> list[WorkerStatus]:
-        return [w.status(self.supervision.restarted[w.index]) for w in self._workers]
+        held = {int(k.name.rsplit(" ", 1)[-1]): k.held() for k in self.host.keepers.values()}
+        return [
+            w.status(self.supervision.restarted[w.index], held.get(w.index, ()))
+            for w in self._workers
+        ]
 
     async def backlog(self) -> QueueBacklog | None:
         return None  # every request waits in this process's Streamer
@@ -152,77 +167,111 @@ class WorkerPool:
         """Nothing to look at: the pool knows its workers as they change."""
 
     @property
-    def models_host(self) -> WorkerPool:
-        return self  # this process tells its workers what to load
+    def models(self) -> PoolHost:
+        """Its host: the versions each worker holds (``app.batching.VersionControl``)."""
+        return self.host
 
-    @property
-    def models_control(self) -> None:
-        return None
+    # -- what its host has the workers do ----------------------------------------------------
 
-    async def load(self, spec: ModelSpec) -> list[ModelLoaded]:
-        """``app.workers.hosting.PoolModels.load``."""
-        return await self.hosting.load(spec)
+    def host_workers(self) -> Sequence[WorkerHandle]:
+        return tuple(self._workers)
 
-    async def unload(self, served_id: str) -> None:
-        """``app.workers.hosting.PoolModels.unload``; batches still waiting for the model
-        then see that no worker holds it."""
-        await self.hosting.unload(served_id)
+    async def load_on(self, worker: PoolWorker, spec: ModelSpec) -> ModelLoaded:
+        """Load ``spec`` on ``worker`` beside the models it holds (it goes on with its
+        batches meanwhile); its report. ``ModelLoadFailed`` (or ``ModelMemoryBudget``) says
+        why not: what it held before is untouched."""
+        worker = cast(WorkerHandle, worker)  # its host has only this pool's
+        image_bytes = int(np.prod(spec.image_shape))
+        if image_bytes > self.buffer_size:
+            raise ModelLoadFailed(
+                f"one {'x'.join(map(str, spec.image_shape))} image takes {image_bytes} bytes; the "
+                f"workers' buffers hold {self.buffer_size} (sized at start for the models then "
+                "and MB_BATCH_SIZE): start the server with this model in the repository",
+                "load",
+            )
+        delay_s = 0.0 if self.host.starting else self.config.load_delay_for(worker.index)
+        message = LoadModel(next(self._batch_ids), spec, self.start_timeout_s, delay_s)
+        try:
+            reply = await self.ask(worker, message)
+        except ModelLoadFailed as exc:
+            if exc.step == "worker crash" and self.supervision.load_crashed(worker):
+                exc.step = "runtime crash"
+            raise
+        assert isinstance(reply, LoadDone)
+        report = reply.model
+        if self.config.auto_batch:
+            measured = ", ".join(f"{size}: {rate:.1f}" for size, rate in report.throughput.items())
+            log.info(
+                "worker %d on %s: MB_BATCH_SIZE=auto chose %d for %s (images/s by batch size: "
+                "%s)",
+                worker.index, worker.device, report.batch_size, report.served_id, measured,
+            )  # fmt: skip
+        return report
+
+    async def unload_on(self, worker: PoolWorker, served_id: str) -> None:
+        """Drop ``served_id`` from ``worker`` (its memory goes back to the kernel); batches
+        still waiting for it then see that no worker holds it."""
+        worker = cast(WorkerHandle, worker)
+        if worker.alive and served_id in worker.models:
+            with contextlib.suppress(WorkerDied, ModelLoadFailed):
+                await self.ask(worker, UnloadModel(next(self._batch_ids), served_id))
         self._idle.wake_all()
+
+    async def ask(self, worker: WorkerHandle, message: LoadModel | UnloadModel) -> Reply:
+        """Send a load or an unload to ``worker`` (it goes on with its batches); a worker
+        that dies meanwhile fails it, and one that neither answers nor gives up by the load
+        deadline (and ``STUCK_S`` more) is killed (it restarts)."""
+        what = "loading" if isinstance(message, LoadModel) else "unloading"
+        if not worker.alive:
+            raise ModelLoadFailed(
+                f"worker {worker.index} died before {what} the model", "worker crash"
+            )
+        future = worker.send(message)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.start_timeout_s + STUCK_S)
+        except WorkerDied:
+            raise ModelLoadFailed(
+                f"worker {worker.index} died while {what} the model", "worker crash"
+            ) from None
+        except TimeoutError:
+            log.error("worker %d is stuck %s a model: killing it", worker.index, what)
+            worker.kill()
+            future.add_done_callback(retrieve)
+            raise ModelLoadFailed(
+                f"worker {worker.index} took over {self.start_timeout_s:g} s {what} the model",
+                "timeout",
+            ) from None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _spawn(self, index: int) -> WorkerHandle:
         device, threads = self.placement.devices[index], self.placement.threads
-        models = tuple(self.hosting.specs.values())
-        return WorkerHandle.spawn(
-            index, device, threads, self.config, self.hosting.buffer_size, models
-        )
+        return WorkerHandle.spawn(index, device, threads, self.config, self.buffer_size)
 
     async def start(self) -> None:
-        """Spawn every worker and wait until each has loaded and warmed up its models. Under
-        ``MB_DTYPE=auto`` the first worker chooses each export's precision, then the others
-        start in it (one id per export on a host)."""
+        """Spawn every worker, wait until each is ready, then have each load its names'
+        targets (``PoolHost.start``): ``WorkerStartError`` saying why if that fails."""
         count = len(self.placement.devices)
-        deciding = any(spec.dtype == "auto" for spec in self.hosting.specs.values())
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                if deciding:
-                    self._workers = [self._spawn(0)]
-                    first = await self.supervision.wait_ready(0)
-                    self._adopt(first)
-                self._workers += [self._spawn(i) for i in range(len(self._workers), count)]
-                await asyncio.gather(
-                    *(self.supervision.wait_ready(w.index) for w in self._workers[deciding:])
-                )
+                self._workers = [self._spawn(i) for i in range(count)]
+                await asyncio.gather(*(self.supervision.wait_ready(i) for i in range(count)))
+            for worker in self._workers:
+                self.serve(worker)
+            await self.host.start(self.start_timeout_s)
         except TimeoutError:
             await self.aclose()
             raise WorkerStartError(
-                f"workers did not load within MB_WORKER_START_TIMEOUT={self.start_timeout_s:g} s"
+                f"workers did not start within MB_WORKER_START_TIMEOUT={self.start_timeout_s:g} s"
             ) from None
         except BaseException:
             await self.aclose()
             raise
-        for worker in self._workers:
-            self.serve(worker)
         log.info(
             "%d worker(s) ready: %s",
             len(self._workers),
             ", ".join(f"{w.device} ({w.threads} threads)" for w in self._workers),
         )
-
-    def _adopt(self, first: WorkerHandle) -> None:
-        """The specs as the first worker loaded them: in the precision it chose."""
-        reports = {split_served_id(m.served_id)[0]: m for m in first.models.values()}
-        specs = [
-            self.hosting.learn(spec, reports[split_served_id(spec.served_id)[0]])
-            for spec in self.hosting.specs.values()
-        ]
-        self.hosting.specs = {spec.served_id: spec for spec in specs}
-
-    def decided(self, spec: ModelSpec) -> ModelSpec:
-        """``spec`` in the precision this host's workers serve its export in (once one
-        chose it): its id in answers."""
-        return self.hosting.decided(spec)
 
     def serve(self, worker: WorkerHandle) -> None:
         """Route ``worker``'s replies from now on, and put it in the batch rotation."""
@@ -236,6 +285,7 @@ class WorkerPool:
     async def aclose(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (politely, then by force) and release its buffer."""
         self._closing = True
+        await self.host.aclose()
         await self.supervision.aclose()
         for worker in self._workers:
             worker.ask_to_stop()
@@ -263,9 +313,12 @@ class WorkerPool:
             )
         if key.encoded and not self.placement.decode.workers_decode:
             raise TypeError("the workers do not decode: submit decoded images (pixels)")
-        spec = self.hosting.specs.get(key.model)
-        if spec is None:
-            raise ModelVersionUnavailable(f"the workers hold no model {key.model!r}")
+        spec = self.host.spec_of(key.model)
+        if spec is None:  # admitted for it, so it served: the worker holding it died
+            raise WorkerDied(
+                f"no running worker holds {key.model}; a worker restarts with it",
+                retry_after_s=2,
+            )
         worker = await self._acquire(key.model)
         ids = tuple(item.id for item in items)
         top_ks = [item.payload.top_k for item in items]

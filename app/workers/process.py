@@ -24,8 +24,9 @@ import torch
 from app.batching import Trial
 from app.errors import ContentMismatch, WorkerStartError
 from app.lifecycle import ModelSpec
-from app.manifest import Manifest, read_manifest, served_model_id, split_served_id
+from app.manifest import Manifest, read_manifest, split_served_id
 from app.plan import WorkerConfig
+from app.settings_values import byte_unit, in_unit
 from app.workers.allocator import (
     ResidentBound,
     anonymous_bytes,
@@ -151,7 +152,6 @@ class PreparedWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.models: dict[str, PreparedModel] = {}
-        self.decisions: dict[str, str] = {}  # export (model id) -> the precision chosen here
         # Its memory's level once warmed up; serving loops call after_batch() once answered.
         self.memory = ResidentBound()
 
@@ -178,12 +178,14 @@ class PreparedWorker:
         except KeyError:
             raise KeyError(f"this worker holds no model {served_id!r}") from None
 
-    def load(self, spec: ModelSpec, *, hold: bool = True) -> PreparedModel:
+    def load(
+        self, spec: ModelSpec, *, hold: bool = True, delay_s: float | None = None
+    ) -> PreparedModel:
         """Verify, load, self-test and warm up ``spec`` beside the models held, and with
         ``hold`` serve it from now on; raises ``LoadFailure`` (saying at which step) and then
         holds nothing of it. Without ``hold`` it may run in a thread of its own while batches
-        run: the caller's ``hold`` puts it in service."""
-        spec = self.decided(spec)
+        run: the caller's ``hold`` puts it in service. ``delay_s`` (testing only): sleep
+        this long in it (None: ``load_delay_s``)."""
         if spec.served_id in self.models:
             return self.models[spec.served_id]
         store = Path(spec.store)
@@ -203,7 +205,8 @@ class PreparedWorker:
         release_freed_memory()
         before = anonymous_bytes()
         try:
-            prepared = self._prepare(spec, store, manifest)
+            delay = self.load_delay_s if delay_s is None else delay_s
+            prepared = self._prepare(spec, store, manifest, delay)
         except LoadFailure:
             release_freed_memory()
             raise
@@ -216,8 +219,6 @@ class PreparedWorker:
             del prepared
             release_freed_memory()
             raise
-        if spec.dtype == "auto":  # this worker's choice, for every later load of the export
-            self.decisions[manifest.model_id] = prepared.spec.dtype
         if hold:
             self.hold(prepared)
         log.info(
@@ -237,24 +238,22 @@ class PreparedWorker:
             return True
         return cpu_has_bf16() if self.config.bf16_units is None else self.config.bf16_units
 
-    def decided(self, spec: ModelSpec) -> ModelSpec:
-        """``spec`` in the precision this worker chose for its export before, if it did."""
-        model_id = split_served_id(spec.served_id)[0]
-        dtype = self.decisions.get(model_id) if spec.dtype == "auto" else None
-        return spec if dtype is None else spec.decided(dtype, served_model_id(model_id, dtype))
-
     def _check_budget(self, spec: ModelSpec, needs: int, how: str) -> None:
         budget = self.config.memory_budget_bytes
         held = self.held_bytes
         if budget is not None and held + needs > budget:
+            unit = byte_unit(budget)  # every figure in the unit the setting was written in
             raise LoadFailure(
                 spec,
                 "budget",
-                f"it needs {needs // MB} MB ({how}) and the models loaded hold {held // MB} MB: "
-                f"{(held + needs) // MB} MB is over MB_MODEL_MEMORY={budget // MB} MB",
+                f"it needs {in_unit(needs, unit)} ({how}) and the models loaded hold "
+                f"{in_unit(held, unit)}: {in_unit(held + needs, unit)} is over "
+                f"MB_MODEL_MEMORY={in_unit(budget, unit)}",
             )
 
-    def _prepare(self, spec: ModelSpec, store: Path, manifest: Manifest) -> PreparedModel:
+    def _prepare(
+        self, spec: ModelSpec, store: Path, manifest: Manifest, delay_s: float
+    ) -> PreparedModel:
         config, device = self.config, self.device
         bf16 = self.computes("bfloat16")
         dtypes = candidate_dtypes(manifest, spec.dtype, device, bf16)
@@ -267,12 +266,13 @@ class PreparedWorker:
             static_batches=(1,) if config.auto_batch else (1, config.max_batch_size),
         )
         try:
-            if self.load_delay_s:  # testing only: a slow load, on purpose
-                time.sleep(self.load_delay_s)
+            if delay_s:  # testing only: a slow load, on purpose
+                time.sleep(delay_s)
             choice = choose_runtime(
                 store, device, options, config.runtime, manifest,
                 [getattr(torch, dtype) for dtype in dtypes], bf16,
                 getattr(torch, config.fastest_dtype) if config.fastest_dtype else None,
+                getattr(torch, spec.incumbent) if spec.incumbent else None,
             )  # fmt: skip
         except WorkerStartError as exc:  # a runtime refused by its self-test, or absent
             raise LoadFailure(spec, "self-test", str(exc)) from None
@@ -338,23 +338,6 @@ class PreparedWorker:
             torch.cuda.empty_cache()
         self.memory.settle()
         log.info("unloaded %s from %s", served_id, self.device)
-
-
-def prepare(
-    config: WorkerConfig,
-    device_name: str,
-    threads: int,
-    models: tuple[ModelSpec, ...],
-    load_delay_s: float = 0.0,
-) -> PreparedWorker:
-    """A worker holding ``models``, each loaded, warmed up and measured. Raises what stops
-    it (``LoadFailure`` for a model); the caller reports it. ``load_delay_s`` (testing
-    only) slows the loads after these."""
-    worker = PreparedWorker(config, device_name, threads)
-    for spec in models:
-        worker.load(spec)
-    worker.load_delay_s = load_delay_s
-    return worker
 
 
 def start_failure(exc: BaseException) -> str:

@@ -47,6 +47,10 @@ TIMING_BATCH = 8
 TIMING_ROUNDS = 3
 TIMING_MIN_S = 0.1
 FAVOURED = 10.0  # testing only (MB_TEST_FASTEST_DTYPE): how much faster a favoured one times
+# MB_DTYPE=auto keeps the precision it would serve in anyway (the one chosen on this host
+# class before, else the export's own) unless another measures this many times faster: the
+# served id names the precision, and must not flip with the noise of a timing.
+DECISIVE = 1.25
 
 
 @dataclass
@@ -220,6 +224,10 @@ def candidate_dtypes(
     return ["float32", "bfloat16"] if has_bf16 else ["float32"]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _label(runtime: str, dtype: torch.dtype, home: torch.dtype) -> str:
     """A candidate's name: its runtime, and its precision unless it is the home one."""
     if dtype == home:
@@ -236,14 +244,17 @@ def choose_runtime(
     dtypes: Sequence[torch.dtype] = (),
     bf16_units: bool = False,
     favoured: torch.dtype | None = None,
+    incumbent: torch.dtype | None = None,
 ) -> RuntimeChoice:
     """The models to serve ``store`` with on ``device`` under ``MB_RUNTIME=setting``: in
     ``options.dtype``, or, given ``dtypes`` (``candidate_dtypes``: MB_DTYPE=auto), in the
     fastest of them that passes its gate (the first being the one to fall back to). With
     ``bf16_units``, an int8 model's layers left in float are tried in bf16 too.
-    ``manifest``: the store's, already read and verified by the caller. ``favoured``
-    (testing only, ``MB_TEST_FASTEST_DTYPE``): candidates in that precision are timed ten
-    times faster than measured."""
+    ``manifest``: the store's, already read and verified by the caller. Among the
+    precisions, the fastest serves only if it is ``DECISIVE``ly faster than ``incumbent``
+    (the one chosen on this host class before, with a log line when it changes) or, without
+    one, than the first of ``dtypes``. ``favoured`` (testing only, ``MB_TEST_FASTEST_DTYPE``):
+    candidates in that precision are timed ten times faster than measured."""
     dtypes = list(dtypes) or [options.dtype]
     home = dtypes[0]
     manifest = manifest or read_manifest(store)  # every file verified once, for every load
@@ -330,6 +341,25 @@ def choose_runtime(
         rate = images_per_s(models, device, timing) * (FAVOURED if dtype == favoured else 1)
         trials[label] = replace(trials[label], images_per_s=rate)
     choice = RuntimeChoice(fp32, torch.float32, trials, skipped)
-    fastest = max(choice.images_per_s, key=lambda label: choice.images_per_s[label])
-    _, choice.models, choice.dtype = next(c for c in passing if c[0] == fastest)
+    rates = choice.images_per_s
+    dtype_of = {label: dtype for label, _, dtype in passing}
+    fastest = max(rates, key=lambda label: rates[label])
+    kept = incumbent if incumbent in dtype_of.values() else home
+    best_kept = max((lb for lb in rates if dtype_of[lb] == kept), key=lambda lb: rates[lb])
+    chosen = fastest if rates[fastest] >= DECISIVE * rates[best_kept] else best_kept
+    if incumbent is not None and dtype_of[chosen] != incumbent:
+        why = (
+            f"measured {rates[chosen] / rates[best_kept]:.2f}x as fast as"
+            if incumbent == kept
+            else "passes its self-test here, and not"
+        )
+        log.warning(
+            "%s: %s %s %s, chosen on this host class before: serving in %s from now on",
+            manifest.model_id,
+            _dtype_name(dtype_of[chosen]),
+            why,
+            _dtype_name(incumbent),
+            _dtype_name(dtype_of[chosen]),
+        )
+    _, choice.models, choice.dtype = next(c for c in passing if c[0] == chosen)
     return choice.judge(manifest)

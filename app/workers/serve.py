@@ -1,9 +1,9 @@
 """A pool's worker process, once started (``worker_main``, spawned by ``app.workers.pool``):
-it loads the models it is given, says ``Ready``, then answers what the pool sends, in order
+it says ``Ready`` holding no model, then answers what the pool sends, in order
 (``app.workers.messages``): a batch to run (``app.workers.compute``), a model to unload,
 or a model to load, which loads in a thread of its own (``app.workers.loading``) while the
 batches that come meanwhile run as usual; ``LoadDone`` (or ``LoadFailed``) is sent when the
-load ends, or at its deadline.
+load ends, or at its deadline. Its first models load that way too: start-up is a load.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from app.logs import configure_logging
 from app.workers.allocator import anonymous_bytes
 from app.workers.buffer import InputBuffer
 from app.workers.compute import run_message
-from app.workers.loading import Loading
+from app.workers.loading import LoadSlot
 from app.workers.messages import (
     STOP,
     BatchDone,
@@ -33,7 +33,7 @@ from app.workers.messages import (
     UnloadModel,
     WorkerSpec,
 )
-from app.workers.process import PreparedWorker, prepare, start_failure
+from app.workers.process import PreparedWorker, start_failure
 
 log = logging.getLogger("app.worker")
 
@@ -43,14 +43,13 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     configure_logging(spec.config.log_level, spec.config.log_format)
     tracing.configure("worker")
     try:
-        worker = prepare(spec.config, spec.device, spec.threads, spec.models, spec.load_delay_s)
+        worker = PreparedWorker(spec.config, spec.device, spec.threads)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
     except BaseException as exc:
         conn.send(StartFailed(spec.index, start_failure(exc)))
         conn.close()
         return
-    reports = tuple(model.report for model in worker.models.values())
-    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid(), reports))
+    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid()))
     try:
         WorkerLoop(worker, buffer, conn).run()
     finally:
@@ -66,8 +65,8 @@ class WorkerLoop:
         self.buffer = buffer
         self.conn = conn
         self._wake_r, self._wake_w = os.pipe()  # a load's thread says it ended
-        self._loading: tuple[LoadModel, Loading] | None = None
-        self._late: list[Loading] = []  # given up at their deadline, still running
+        self._slot = LoadSlot(timeout_s=0)
+        self._asked: LoadModel | None = None  # the message of the running load
 
     def run(self) -> None:
         try:
@@ -79,7 +78,7 @@ class WorkerLoop:
 
     def _turn(self) -> bool:
         """Wait for a message or a load's end; handle what came. False once told to stop."""
-        ready = wait([self.conn, self._wake_r], timeout=self._due_in())
+        ready = wait([self.conn, self._wake_r], timeout=self._slot.due_in())
         if self._wake_r in ready:
             os.read(self._wake_r, 64)
         self._finish_loads()
@@ -115,44 +114,29 @@ class WorkerLoop:
         held = self.worker.models.get(message.spec.served_id)
         if held is not None:
             self.conn.send(LoadDone(message.batch_id, held.report))
-        elif self._loading is not None:  # the pool loads one at a time: a bug if it did not
+        elif self._slot.busy:  # the pool loads one at a time: a bug if it did not
             self.conn.send(
                 LoadFailed(message.batch_id, message.spec.served_id, "load", "already loading")
             )
         else:
-            self._loading = (message, Loading(self.worker, message.spec, wake=self._wake_w))
-
-    def _due_in(self) -> float | None:
-        """Seconds until the running load's deadline (None: no deadline to watch)."""
-        if self._loading is None or not self._loading[0].timeout_s:
-            return None
-        message, loading = self._loading
-        return max(0.0, message.timeout_s - loading.age_s())
+            self._asked = message
+            self._slot.start(
+                self.worker, message.spec, self._wake_w, message.delay_s, message.timeout_s
+            )
 
     def _finish_loads(self) -> None:
-        for late in [loading for loading in self._late if loading.done]:
-            self._late.remove(late)
-            late.drop()
-        if self._loading is None:
+        ended = self._slot.poll()
+        if ended is None:
             return
-        message, loading = self._loading
-        if loading.done:
-            self._loading = None
-            if loading.failure is not None:
-                failure = loading.failure
-                log.error("loading %s failed", failure.describe())
-                self.conn.send(
-                    LoadFailed(
-                        message.batch_id, message.spec.served_id, failure.step, failure.message
-                    )
-                )
-                return
-            assert loading.model is not None
-            self.worker.hold(loading.model)
-            self.conn.send(LoadDone(message.batch_id, loading.model.report))
-        elif message.timeout_s and loading.age_s() >= message.timeout_s:
-            self._loading = None
-            self._late.append(loading)
-            reason = f"not loaded after MB_WORKER_START_TIMEOUT={message.timeout_s:g} s"
-            log.error("loading %s: %s; giving it up", message.spec.served_id, reason)
-            self.conn.send(LoadFailed(message.batch_id, message.spec.served_id, "timeout", reason))
+        message, self._asked = self._asked, None
+        assert message is not None
+        if ended.failure is not None:
+            failure = ended.failure
+            log.error("loading %s failed", failure.describe())
+            self.conn.send(
+                LoadFailed(message.batch_id, message.spec.served_id, failure.step, failure.message)
+            )
+            return
+        assert ended.model is not None
+        self.worker.hold(ended.model)
+        self.conn.send(LoadDone(message.batch_id, ended.model.report))

@@ -1,24 +1,31 @@
 """Keeping a worker pool's processes running: a worker that dies (or hangs on a batch and is
 killed) fails its in-flight batch at once and is restarted with capped exponential backoff,
-with the models the pool serves then, while the others keep serving. A worker that crashes
-while it loads and self-tests its runtimes under ``MB_RUNTIME=auto`` is started again with
-TorchScript alone (native code that aborts on this host is caught no other way)."""
+while the others keep serving; once back, its host loads what it should hold, as for any
+worker that starts (``app.workers.hosting``). A worker that crashes while it loads and
+self-tests its runtimes under ``MB_RUNTIME=auto`` is started again with TorchScript alone
+(native code that aborts on this host is caught no other way)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import signal
 from collections.abc import Sequence
 from typing import Protocol
 
-from app.errors import ModelLoadFailed, WorkerDied, WorkerStartError
+from app.errors import WorkerStartError
 from app.plan import Placement, WorkerConfig
 from app.workers.backoff import RestartBackoff
-from app.workers.handle import WorkerCrashed, WorkerHandle
-from app.workers.hosting import PoolModels
+from app.workers.handle import WorkerHandle
+from app.workers.hosting import PoolHost
 
 log = logging.getLogger("app.workers.pool")
+
+# The exit codes of a process native code crashed: aborted, segfaulted, and the like.
+CRASHES = frozenset(
+    -sig for sig in (signal.SIGABRT, signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE)
+)
 
 
 class SupervisedPool(Protocol):
@@ -33,7 +40,7 @@ class SupervisedPool(Protocol):
     def start_timeout_s(self) -> float: ...
 
     @property
-    def hosting(self) -> PoolModels: ...
+    def host(self) -> PoolHost: ...
 
     @property
     def workers(self) -> Sequence[WorkerHandle]: ...
@@ -66,42 +73,33 @@ class Supervision:
         await asyncio.gather(*self._restarts.values(), return_exceptions=True)
 
     async def wait_ready(self, index: int) -> WorkerHandle:
-        """Wait until worker ``index`` is ready, and return it. Under ``MB_RUNTIME=auto`` a
-        worker that crashes while it loads and self-tests the runtimes (native code that
-        aborts on this host, which no self-test can catch in-process) is started again with
-        TorchScript alone, and so is every later start of this pool."""
+        """Wait until worker ``index`` is ready (it starts holding nothing: its host loads
+        its models next), and return it."""
         worker = self.pool.workers[index]
-        try:
-            await worker.wait_ready()
-        except WorkerCrashed as exc:
-            if self.pool.config.runtime != "auto":
-                raise
-            log.error(
-                "worker %d on %s crashed while loading its runtimes (%s); a runtime other than "
-                "TorchScript may crash on this host: this pool serves with TorchScript only",
-                index,
-                worker.device,
-                exc,
-            )
-            self.pool.config = dataclasses.replace(self.pool.config, runtime="torchscript")
-            await worker.stop(0.0, "crashed during start-up")
-            worker = self.pool.replace(index)
-            await worker.wait_ready()
-        if self.pool.config.auto_batch:
-            for model in worker.models.values():
-                measured = ", ".join(
-                    f"{size}: {rate:.1f}" for size, rate in model.throughput.items()
-                )
-                log.info(
-                    "worker %d on %s: MB_BATCH_SIZE=auto chose %d for %s (images/s by batch "
-                    "size: %s)",
-                    worker.index,
-                    worker.device,
-                    model.batch_size,
-                    model.served_id,
-                    measured,
-                )
+        await worker.wait_ready()
         return worker
+
+    def load_crashed(self, worker: WorkerHandle) -> bool:
+        """``worker`` died while it loaded a model. Under ``MB_RUNTIME=auto``, if it crashed
+        (a signal native code dies of: an abort, a segfault; not a kill, which is the OOM
+        killer's or an operator's), a runtime other than TorchScript may crash on this host,
+        which no self-test can catch in-process: from now on this pool serves with
+        TorchScript only, and True says a load may then work; otherwise False."""
+        if self.pool.config.runtime != "auto":
+            return False
+        worker.process.join(timeout=2)
+        if worker.process.exitcode not in CRASHES:
+            return False
+        log.error(
+            "worker %d on %s crashed while loading its runtimes (exit code %s); a runtime "
+            "other than TorchScript may crash on this host: this pool serves with TorchScript "
+            "only",
+            worker.index,
+            worker.device,
+            worker.process.exitcode,
+        )
+        self.pool.config = dataclasses.replace(self.pool.config, runtime="torchscript")
+        return True
 
     def on_exit(self, worker: WorkerHandle) -> None:
         """``worker``'s socket closed: an ordinary exit when the pool closes, else a death:
@@ -122,6 +120,7 @@ class Supervision:
         )
         worker.mark_dead(f"model worker {worker.index} died")
         pool.forget(worker)
+        pool.host.wake()
         self._restarts[worker.index] = asyncio.create_task(
             self._restart(worker), name=f"restart-{worker.index}"
         )
@@ -148,11 +147,7 @@ class Supervision:
                 log.info(
                     "worker %d on %s restarted (pid %s)", index, dead.device, worker.process.pid
                 )
-                try:  # under the lock: after any load or unload that ran meanwhile
-                    await pool.hosting.catch_up(worker)
-                except (ModelLoadFailed, WorkerDied) as exc:
-                    log.error("worker %d could not catch up on the models: %s", index, exc)
-                    worker.kill()
+                pool.host.wake()  # it loads what it should hold, as any worker that starts
                 return
         finally:
             if self._restarts.get(index) is asyncio.current_task():

@@ -54,8 +54,8 @@ pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "admin-secret"
 IMAGES = distinct_images(16, size=40)
-# A broker front end does not count its workers' model loads (app.engine gives BrokerModels
-# no load observer): the load-failure counter never has a series there.
+# A broker front end does not count its workers' model loads (only a pool's host hears of
+# each, app.workers.hosting): the load-failure counter never has a series there.
 IN_PROCESS_ONLY = frozenset({"microbatch_model_load_failures_total"})
 
 

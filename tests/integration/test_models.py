@@ -18,6 +18,7 @@ from app.images import preprocess
 from app.jobs import BatchKey, Task
 from app.manifest import read_manifest, sha256_file
 from app.plan import plan_serving
+from app.repository import Repository
 from app.settings import load_settings
 from app.workers.models import load_models
 from app.workers.pool import WorkerPool
@@ -95,8 +96,10 @@ async def test_worker_start_failure_is_a_clear_error(tiny_store: Path, tmp_path:
     )
     plan = plan_serving(settings)
     pool = WorkerPool(models_to_serve(plan), plan)
-    with pytest.raises(WorkerStartError, match="worker 0 on cpu failed to start"):
-        await pool.start()
+    repository = Repository.of_plan(plan.repository)
+    pool.models.attach(repository, plan.worker.dtype, lambda view: None, lambda served: False)
+    with pytest.raises(WorkerStartError, match=r"worker 0 on cpu failed to start: .*load"):
+        await pool.start()  # start-up is a load: it fails as a load does, saying why
     assert pool.worker_status() == []
 
 

@@ -236,7 +236,9 @@ def test_an_int8_export_has_an_id_of_its_own(int8_store: Path, tmp_path: Path) -
     assert int8.served_id("auto") == f"{int8.model_id}+int8"
     openvino = int8.runtimes["openvino"]
     for role in ("embedding+int8", "embedding+int8.bin"):
-        other = openvino.files | {role: openvino.files[role].model_copy(update={"sha256": "0" * 64})}
+        other = openvino.files | {
+            role: openvino.files[role].model_copy(update={"sha256": "0" * 64})
+        }
         requantized = int8.model_copy(
             update={"runtimes": {"openvino": openvino.model_copy(update={"files": other})}}
         )

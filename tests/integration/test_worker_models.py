@@ -3,6 +3,7 @@ the others, measured, bounded by MB_MODEL_MEMORY, and unloaded with its memory g
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +59,16 @@ def test_the_budget_refuses_before_loading_and_names_both_figures(tmp_path: Path
     with pytest.raises(LoadFailure) as failure:
         worker.load(spec(heavy, "heavy"))
     assert failure.value.step == "budget"
-    assert f"it needs 48 MB (its model files) and the models loaded hold {held // MB} MB" in str(
-        failure.value
-    )
-    assert "over MB_MODEL_MEMORY=32 MB" in str(failure.value)
+    said = str(failure.value)
+    assert re.search(r"it needs 48\.\dMiB \(its model files\) and the models loaded hold ", said)
+    assert f"hold {held / MB:.1f}MiB" in said or f"hold {held // MB}MiB" in said
+    assert "over MB_MODEL_MEMORY=32MiB" in said  # quoted as it was set
     assert set(worker.models) == {spec(small).served_id}
+    # Set in decimal megabytes, it is quoted so (it was "648 MB" for MB_MODEL_MEMORY=680MB).
+    decimal = PreparedWorker(WorkerConfig(max_batch_size=4, memory_budget_bytes=680 * 10**6),
+                             "cpu", 1)  # fmt: skip
+    with pytest.raises(LoadFailure, match=r"over MB_MODEL_MEMORY=680MB"):
+        decimal._check_budget(spec(heavy, "heavy"), 700 * 10**6, "measured once loaded")
 
 
 def test_an_unloaded_model_gives_its_memory_back(tmp_path: Path) -> None:

@@ -52,3 +52,25 @@ def test_codes_are_unique() -> None:
 )
 def test_rejection_reasons(error: errors.ServerError, reason: str | None) -> None:
     assert error.reject_reason == reason
+
+
+def test_the_grpc_codes_docs_api_gives_are_the_codes_the_table_gives() -> None:
+    """docs/api.md says which gRPC status each refusal ends a call with; every pair it
+    names is the table's (a failed load is FAILED_PRECONDITION, not INVALID_ARGUMENT)."""
+    from pathlib import Path
+
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "api.md").read_text().split())
+    pairs = {
+        errors.ModelLoadFailed("x", "verify"): "422 `model_load_failed`, `FAILED_PRECONDITION`",
+        errors.ModelMemoryBudget("x"): "507 `model_memory_budget` `RESOURCE_EXHAUSTED`",
+        errors.ModelVersionUnavailable("x"): "409 `FAILED_PRECONDITION`",
+        errors.ModelNotFound("x"): "404s `NOT_FOUND`",
+        errors.InvalidRequest("x"): "other 4xx `INVALID_ARGUMENT`",
+        errors.Unauthorized("x"): "401 `UNAUTHENTICATED`",
+        errors.PayloadTooLarge("x"): "413 `RESOURCE_EXHAUSTED`",
+        errors.NotReady("x"): "503s `UNAVAILABLE`",
+        errors.DeadlineExceeded("x"): "504 `DEADLINE_EXCEEDED`",
+    }
+    for error, said in pairs.items():
+        assert said in docs, said
+        assert said.split("`")[-2] == errors.grpc_status(error), said

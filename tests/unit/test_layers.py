@@ -24,7 +24,8 @@ MODULES = {  # dotted name -> file
     for path in APP.rglob("*.py")
 }
 LEAVES = {
-    "plan", "settings", "settings_values", "errors", "jobs", "manifest", "repository",
+    "plan", "settings", "settings_values", "settings_testing", "errors", "jobs", "manifest",
+    "repository",
     "lifecycle", "images", "logs",
 }  # fmt: skip
 BELOW = {"batching", *LEAVES}  # what every layer above batching may import
@@ -62,7 +63,8 @@ def layer_imports(layer: str) -> set[str]:
     [
         ("batching", {"errors", "lifecycle"}),
         ("lifecycle", {"errors"}),
-        ("settings", {"errors", "settings_values"}),
+        ("settings", {"errors", "settings_values", "settings_testing"}),
+        ("settings_testing", set()),
         ("settings_values", set()),
         ("errors", set()),
         ("tracing", {"errors"}),

@@ -18,19 +18,22 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from app.batching import ClusterView
 from app.broker.front.routes import decode_routes, encode_route
-from app.broker.wire.control import decode_pins, set_pin
+from app.broker.wire.control import bump, decode_pins, set_pin
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
 from app.errors import BrokerUnavailable
 from app.lifecycle import UNLOADED, AdminPin, Route, routes
+
+if TYPE_CHECKING:
+    from app.repository import Repository
 
 log = logging.getLogger("app.broker.transport")
 
@@ -54,7 +57,6 @@ class Monitor:
         scale_from_zero: bool = False,
         own_routes: Mapping[str, Route] | None = None,
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
-        on_view: Callable[[ClusterView], None] | None = None,
         on_restart: Callable[[], None] | None = None,
         after_look: Callable[[], None] | None = None,
     ) -> None:
@@ -63,7 +65,7 @@ class Monitor:
         self.scale_from_zero = scale_from_zero
         self._own_routes = dict(own_routes or {})
         self._on_workers = on_workers  # each look: the live workers' heartbeats
-        self._on_view = on_view  # each look: what the front end's models follow
+        self._on_view: Callable[[ClusterView], None] | None = None  # each look (attach)
         self._on_restart = on_restart  # Redis came back empty: waiting requests are lost
         self._after_look = after_look  # each look that reached Redis
         self._live = LiveWorkers(keys)
@@ -104,13 +106,25 @@ class Monitor:
 
     # -- the admin routes' control -----------------------------------------------------------
 
-    async def pin(self, name: str, pin: AdminPin | None) -> None:
+    def attach(
+        self,
+        repository: Repository,
+        dtype: str,
+        on_view: Callable[[ClusterView], None],
+        in_use: Callable[[str], bool],
+    ) -> None:
+        """Who hears each look's view (the workers read the repository themselves, and
+        drain a version by its streams)."""
+        self._on_view = on_view
+
+    async def pin(self, name: str, pin: AdminPin | None) -> int:
         """Set what the admin route chose for ``name`` (None: clear it), and have every
-        worker act on it (``app.broker.wire.control``)."""
+        worker act on it (``app.broker.wire.control``); the request's number, which each
+        worker's heartbeat says it acted on (``aimed``)."""
         if self.client is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         try:
-            await set_pin(self.client, self.keys, name, pin)
+            asked = await set_pin(self.client, self.keys, name, pin)
         except (RedisError, OSError) as exc:
             self.unreachable(exc)
             raise BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}") from exc
@@ -119,6 +133,19 @@ class Monitor:
             if pin is not None
             else {n: p for n, p in self.pins.items() if n != name}
         )
+        return asked
+
+    async def reload(self, *, explicit: bool) -> int:
+        """``explicit`` (SIGHUP on a front end): every worker of the fleet reads the
+        repository again and retries what failed. A poll is the workers' own
+        (``MB_REPOSITORY_POLL_S`` where they run): nothing to ask."""
+        if not explicit or self.client is None:
+            return 0
+        try:
+            return await bump(self.client, self.keys)
+        except (RedisError, OSError) as exc:
+            self.unreachable(exc)
+            raise BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}") from exc
 
     async def refresh(self) -> None:
         await self.look_again()

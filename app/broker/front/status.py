@@ -18,8 +18,9 @@ def worker_status(w: WorkerInfo) -> WorkerStatus:
         models=tuple(
             HeldModel(
                 m.served_id, m.state.shown, m.runtime, m.batch_size, m.memory_bytes,
-                m.reason, m.name, m.version, tuple(m.skipped.items()), m.slowdown,
-                m.dtype, tuple(Trial(**t.model_dump()) for t in m.trials),
+                f"{m.step}: {m.reason}" if m.step else m.reason, m.name, m.version,
+                tuple(m.skipped.items()), m.slowdown, m.dtype,
+                tuple(Trial(**t.model_dump()) for t in m.trials),
             )
             for m in w.models
         ),

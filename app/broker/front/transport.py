@@ -38,10 +38,7 @@ from redis.exceptions import RedisError, ResponseError
 from app import tracing
 from app.batching import (
     BatchItem,
-    ClusterView,
-    ModelHost,
     QueueBacklog,
-    VersionControl,
     WorkerStatus,
 )
 from app.broker.front.backlog import count_backlog
@@ -93,7 +90,6 @@ class BrokerTransport:
         max_queue: int,
         switch_min_workers: int | None = None,
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
-        on_view: Callable[[ClusterView], None] | None = None,
         scale_from_zero: bool = False,
         own_routes: Mapping[str, Route] | None = None,
     ) -> None:
@@ -106,7 +102,6 @@ class BrokerTransport:
             scale_from_zero=scale_from_zero,
             own_routes=own_routes,
             on_workers=on_workers,
-            on_view=on_view,
             on_restart=lambda: self._waiting.fail(BrokerUnavailable("Redis restarted")),
             after_look=lambda: self._waiting.fail_orphaned(self._held),
         )
@@ -152,11 +147,8 @@ class BrokerTransport:
         return self.monitor.queue_depth
 
     @property
-    def models_host(self) -> ModelHost | None:
-        return None  # the workers choose their versions themselves
-
-    @property
-    def models_control(self) -> VersionControl:
+    def models(self) -> Monitor:
+        """The workers' versions, as Redis says them, and the admin route's way to ask."""
         return self.monitor
 
     def worker_status(self) -> list[WorkerStatus]:

@@ -75,6 +75,13 @@ async def set_pin(client: aioredis.Redis, keys: Keys, name: str, pin: AdminPin |
     return int(answers[-1])
 
 
+async def bump(client: aioredis.Redis, keys: Keys) -> int:
+    """Have every worker read the pins and the repository again now, as on ``SIGHUP`` (a
+    failed version is tried again): the sequence is bumped, the pins stay. Returns the new
+    sequence number. Raises ``RedisError`` or ``OSError``."""
+    return int(await client.hincrby(keys.pins_seq, SEQ, 1))
+
+
 class PinReader:
     """A worker's reader of the pins: ``changed()`` (one round trip) says whether they
     moved since the last ``read()``.
@@ -91,6 +98,11 @@ class PinReader:
     def _seq(self) -> int:
         raw = self.client.hget(self.keys.pins_seq, SEQ)
         return int(raw) if raw is not None else 0
+
+    @property
+    def seen(self) -> int:
+        """The sequence number of the pins at the last ``read`` (0 before any)."""
+        return self._seen or 0
 
     def changed(self) -> bool:
         """Whether an admin call changed the pins since the last read. Raises

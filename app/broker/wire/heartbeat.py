@@ -58,6 +58,7 @@ class WorkerInfo(BaseModel):
     name: str = Field(pattern=TOKEN.pattern)
     models: list[AdvertisedModel] = Field(default_factory=list, max_length=256)
     draining: bool = False  # told to stop: it finishes what it holds and takes nothing new
+    aimed: int = Field(0, ge=0)  # the admin route's last request it acted on (pins' seq)
     host: str = Field(max_length=128)
     index: int = Field(ge=0)
     pid: int = Field(ge=0)

@@ -93,9 +93,12 @@ class Consumer:
         switch_min_workers: int | None = None,
         poll_s: float | None = None,
         on_beat: Callable[[], None] | None = None,
+        on_started: Callable[[], None] | None = None,
+        load_delay_s: float = 0.0,
     ) -> None:
         self.client = client
         self._on_beat = on_beat  # each turn of the heartbeat thread, Redis reachable or not
+        self._on_started = on_started  # once its first loads ended
         self.keys = keys
         self.name = name
         self.worker = worker
@@ -116,7 +119,7 @@ class Consumer:
         self.versions = WorkerVersions(
             client, keys, name, worker, repository, host=host, load_timeout_s=load_timeout_s,
             min_workers=switch_min_workers, poll_s=poll_s, ensure_groups=self._ensure_groups,
-            on_error=self._trouble.error,
+            on_error=self._trouble.error, load_delay_s=load_delay_s,
         )  # fmt: skip
         self._replier = Replier(client, keys, self._stop, self._trouble)
         self.claims = OrphanClaims(
@@ -137,11 +140,10 @@ class Consumer:
         (``WorkerVersions.drained``); then finish the batch being run and the one read
         ahead, send the last answers, and take this worker out of the heartbeats."""
         self._stop = self._replier.stop = self.claims.stop = stop
-        self._ensure_groups()
         if not self._presence.join(stop):
             return
+        self.versions.start()  # once it is the one worker under its name: its first loads
         beat = vital_thread(self._beat, "heartbeat")
-        self.claims.recover(own=True)  # what this worker's last life left pending
         fetch = vital_thread(self._fetch, "fetcher")
         next_round = time.monotonic() + RECLAIM_S
         while True:
@@ -175,6 +177,10 @@ class Consumer:
                 return True
         self.claims.recover(own=False)
         self.versions.turn(view, stopping=stop.is_set())
+        if self.versions.started.is_set():  # its last life's entries, once it holds models
+            self.claims.recover(own=True)
+            if self._on_started is not None:
+                self._on_started()
         return False
 
     def _look(self) -> LiveView | None:
@@ -361,7 +367,8 @@ class Consumer:
             "model_id": first.get("served_id"),
             "runtime": first.get("runtime"),
             "draining": self.draining_since is not None,
-            "ready": True,
+            "aimed": self.versions.aimed,
+            "ready": any(m["state"] == "ready" for m in advertised),
             "alive": True,
             "running": self._running,
             "rss_bytes": rss_bytes(os.getpid()),

@@ -67,6 +67,7 @@ class OrphanClaims:
         self.replier = replier
         self.process = process
         self.held_streams = held_streams
+        self.own_recovered = False  # its last life's entries taken back (once)
         self.redis_now_ms = redis_now_ms
         self.trouble = trouble
         self.max_image_bytes = max_image_bytes
@@ -78,10 +79,14 @@ class OrphanClaims:
 
     def recover(self, *, own: bool) -> None:
         """Claim and run, one at a time, the entries left pending by this worker's last life
-        (``own``), by workers that stopped sending heartbeats, or stuck here (an answer Redis
-        refused) for twice ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken:
-        a hung worker ends its own life (``app.broker.worker.consumer``) and stops its
-        heartbeats."""
+        (``own``: once, when it holds its models again, as it starts with none), by workers
+        that stopped sending heartbeats, or stuck here (an answer Redis refused) for twice
+        ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken: a hung worker ends
+        its own life (``app.broker.worker.consumer``) and stops its heartbeats."""
+        if own:
+            if self.own_recovered:
+                return
+            self.own_recovered = True
         try:
             self._recover_once(own=own)
         except ResponseError as exc:

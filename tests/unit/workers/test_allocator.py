@@ -80,11 +80,15 @@ def test_a_worker_tunes_its_allocator_before_anything_else(
     monkeypatch.setattr(process, "choose_runtime", fail_to_load)
     ours, theirs = multiprocessing.Pipe()
     config = WorkerConfig(max_batch_size=8)
-    model = ModelSpec("unused", 1, "unused", "unused@000000000000")
-    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0, (model,))
-    serve.worker_main(spec, theirs)
+    spec = WorkerSpec(0, "cpu", torch.get_num_threads(), config, "unused", 0)
+    serve.worker_main(spec, theirs)  # its buffer does not open: it stops, tuned all the same
     assert isinstance(ours.recv(), StartFailed)
-    assert calls == ["allocator", "load_models"]
+    assert calls == ["allocator"]
+    # Its first model loads as any later one does (start-up is a load): after the tuning.
+    worker = process.PreparedWorker(config, "cpu", torch.get_num_threads())
+    with pytest.raises(process.LoadFailure):
+        worker.load(ModelSpec("unused", 1, "unused", "unused@000000000000"))
+    assert calls == ["allocator", "allocator", "load_models"]
 
 
 def _report_malloc(queue: multiprocessing.Queue[tuple[str, str | None, str]]) -> None:

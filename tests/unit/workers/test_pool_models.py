@@ -1,14 +1,16 @@
-"""``WorkerPool.load``/``unload`` against fake worker handles (no processes): a worker that
-dies in the middle of a load or an unload comes back with exactly the models served."""
+"""A pool's host (``app.workers.hosting.PoolHost``) against fake worker handles (no
+processes): a worker that dies in the middle of a load or an unload comes back holding
+exactly what it should, loaded as any worker that starts."""
 
 from __future__ import annotations
 
 import asyncio
 import types
+from pathlib import Path
 from typing import Any
 
 from app.errors import WorkerDied
-from app.lifecycle import ModelSpec
+from app.lifecycle import UNLOADED, AdminPin, ModelSpec
 from app.workers.messages import LoadDone, LoadModel, ModelLoaded, ModelUnloaded
 from app.workers.pool import WorkerPool
 
@@ -88,17 +90,38 @@ class FakeHandle:
         self.mark_dead(reason)
 
 
-def fake_pool(models: list[ModelSpec]) -> WorkerPool:
+class Disk:
+    """A repository of one model, ``t``, with versions 1 and 2 (``ModelSpec``s above)."""
+
+    root = Path("/nowhere")
+
+    def names(self) -> list[str]:
+        return ["t"]
+
+    def chosen(self, name: str, admin: AdminPin | None = None) -> int | None:
+        return None if admin == UNLOADED else (admin if isinstance(admin, int) else 1)
+
+    def targets(self, pins: dict[str, AdminPin], on_error: Any) -> dict[str, int | None]:
+        return {name: self.chosen(name, pins.get(name)) for name in self.names()}
+
+    def spec(self, name: str, version: int, dtype: str, *, verify: bool) -> ModelSpec:
+        return {1: V1, 2: V2}[version]
+
+
+def fake_pool() -> WorkerPool:
     plan: Any = types.SimpleNamespace(
         placement=types.SimpleNamespace(devices=("cpu", "cpu"), threads=1, decode=None),
         worker=types.SimpleNamespace(
-            max_batch_size=8, decode_threads=0, runtime="torchscript", auto_batch=False
+            max_batch_size=8, decode_threads=0, runtime="torchscript", auto_batch=False,
+            state_dir=None, load_delay_for=lambda index: 0.0,
         ),
         limits=types.SimpleNamespace(start_timeout_s=5, batch_timeout_s=5),
-    )
-    pool = WorkerPool(models, plan)
+    )  # fmt: skip
+    pool = WorkerPool([V1], plan)
     pool.supervision.backoff.next_delay = lambda index: 0.05  # type: ignore[method-assign]
-    pool._spawn = lambda index: FakeHandle(index, tuple(pool.hosting.specs.values()))  # type: ignore[assignment, method-assign, return-value]
+    pool._spawn = lambda index: FakeHandle(index, ())  # type: ignore[assignment, method-assign, return-value]
+    repository: Any = Disk()
+    pool.models.attach(repository, "float32", on_view=lambda view: None, in_use=lambda sid: False)
     return pool
 
 
@@ -106,27 +129,32 @@ def holdings(pool: WorkerPool) -> list[set[str]]:
     return [set(worker.models) for worker in pool.workers if worker.alive]
 
 
-async def test_a_worker_that_restarts_during_a_load_catches_up_on_it() -> None:
-    pool = fake_pool([V1])
-    await pool.start()
-    load = asyncio.create_task(pool.load(V2))
+async def until_held(pool: WorkerPool, wanted: list[set[str]]) -> None:
+    async with asyncio.timeout(10):
+        while holdings(pool) != wanted:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_worker_that_restarts_during_a_load_loads_what_it_should_hold() -> None:
+    pool = fake_pool()
+    await pool.start()  # start-up is a load: each worker loads version 1
+    assert holdings(pool) == [{"t@v1"}, {"t@v1"}]
+    await pool.models.pin("t", 2)
     await asyncio.sleep(0.05)
     pool.workers[1].die()  # type: ignore[attr-defined]  # while worker 0 loads version 2
-    await load
-    await asyncio.sleep(1.0)  # restarted, then caught up under the pool's lock
-    assert holdings(pool) == [{"t@v1", "t@v2"}, {"t@v1", "t@v2"}]
-    await pool.unload("t@v1")
-    assert holdings(pool) == [{"t@v2"}, {"t@v2"}]
+    # Restarted, it loads what the others serve, then the target; once version 2 is ready
+    # on both, version 1 drains and is unloaded (no request here uses it).
+    await until_held(pool, [{"t@v2"}, {"t@v2"}])
+    assert pool.models.view.routes["t"].version == 2
     await pool.aclose()
 
 
 async def test_an_unload_goes_on_past_a_worker_that_dies_during_it() -> None:
-    pool = fake_pool([V1, V2])
+    pool = fake_pool()
     await pool.start()
-    unload = asyncio.create_task(pool.unload("t@v1"))
+    await pool.models.pin("t", UNLOADED)
     await asyncio.sleep(0.05)
     pool.workers[0].die()  # type: ignore[attr-defined]  # while it unloads
-    await unload  # no error: the other worker was told too
-    await asyncio.sleep(1.0)
-    assert holdings(pool) == [{"t@v2"}, {"t@v2"}]  # the dead one restarted without it
+    await until_held(pool, [set(), set()])  # the dead one restarted without it
+    assert "t" not in pool.models.view.routes
     await pool.aclose()
