@@ -6,6 +6,9 @@ import asyncio
 import io
 import json
 import logging
+import re
+import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -13,7 +16,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.logs import JsonFormatter
+from app.logs import REPEAT_INTERVAL_S, JsonFormatter
 from tests.conftest import distinct_images, running_app
 
 pytestmark = pytest.mark.slow
@@ -149,6 +152,45 @@ async def test_json_logs_cover_the_worker_processes(poison_store: Path) -> None:
     worker = [r for r in records if r["logger"] == "app.worker" and "poison image" in r["message"]]
     assert worker, "the worker's traceback is missing"
     assert "Traceback" in worker[0]["message"]
+
+
+def test_json_logs_cover_the_libraries_and_hold_back_their_repeats(tiny_store: Path) -> None:
+    """With tracing on and the collector down, the OpenTelemetry exporter of the server and of
+    its worker fails every second or two: every line is still JSON, and each message comes at
+    most once an interval from each process."""
+    from tests.server import ServerProcess, free_port
+
+    env = {
+        "LOG_FORMAT": "json",
+        "MB_WORKER_NUM": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "2",  # an export retries once, then gives up
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    image = distinct_images(1)[0]
+    started = time.monotonic()
+    with ServerProcess(MODEL_STORE=str(tiny_store), **env) as server:
+        until = time.monotonic() + 8  # spans to export all along: failures every 2 s or so
+        while time.monotonic() < until:
+            answer = httpx.post(
+                f"{server.base_url}/predict/tag", files={"image": ("x.png", image)}, timeout=30
+            )
+            assert answer.status_code == 200
+            time.sleep(0.2)
+        server.stop()
+    intervals = 1 + int((time.monotonic() - started) // REPEAT_INTERVAL_S)
+    records = [json.loads(line) for line in server.output.splitlines() if line.strip()]
+    exporter = [r for r in records if r["logger"].startswith("opentelemetry.exporter")]
+    transient = [r for r in exporter if r["message"].startswith("Transient error")]
+    assert transient, "the exporter's failures are missing"
+    processes = 2  # the server and its worker, each with its own exporter
+    assert len(transient) <= processes * intervals, transient
+    # A library's message differs from its repeats in its numbers (the delay before a retry).
+    libraries = [r for r in records if r["logger"].partition(".")[0] not in ("app", "uvicorn")]
+    same = Counter(
+        (r["logger"], re.sub(r"0x[0-9a-fA-F]+|\d+", "#", r["message"])) for r in libraries
+    )
+    assert max(same.values()) <= processes * intervals, same.most_common(3)
 
 
 def test_json_logs_cover_the_batch_job(tiny_store: Path, tmp_path: Path) -> None:
