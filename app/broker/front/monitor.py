@@ -30,7 +30,8 @@ from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
 from app.errors import BrokerUnavailable
-from app.lifecycle import UNLOADED, AdminPin, Route, routes
+from app.lifecycle import UNLOADED, AdminPin, Route, VersionState, routes
+from app.lifecycle.keeper import export_of
 
 if TYPE_CHECKING:
     from app.repository import Repository
@@ -91,8 +92,18 @@ class Monitor:
         return ClusterView(tuple(self.workers), dict(self.routes), dict(self.pins))
 
     def served(self, served_id: str) -> bool:
-        """Whether a live worker reads ``served_id``'s streams."""
-        return any(worker.holds(served_id) for worker in self.workers)
+        """Whether a live worker reads ``served_id``'s streams, or is loading its export (a
+        worker restarted after dying starts holding nothing: it reads them once loaded, and
+        takes back what its last life left pending)."""
+        export = export_of(served_id)
+        return any(
+            worker.holds(served_id)
+            or any(
+                m.state is VersionState.LOADING and export_of(m.served_id) == export
+                for m in worker.models
+            )
+            for worker in self.workers
+        )
 
     def retry_after(self, waiting: int) -> float:
         return float(max(1, math.ceil(waiting / self.rate))) if self.rate > 0 else 2.0

@@ -14,7 +14,7 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from app.broker.wire.keys import GROUP, STALE_S, Keys
-from app.broker.wire.live import LiveWorkers
+from app.broker.wire.live import LiveView, LiveWorkers
 from app.broker.wire.parsing import text
 from app.broker.wire.reply import encode_error
 from app.broker.wire.request import MAX_TTL_MS, decode_request
@@ -22,6 +22,7 @@ from app.broker.worker.health import TroubleLog
 from app.broker.worker.replies import Entry, Replier
 from app.broker.worker.stats import ConsumerStats
 from app.errors import InferenceError
+from app.lifecycle import VersionState
 
 log = logging.getLogger("app.worker")
 
@@ -120,8 +121,8 @@ class OrphanClaims:
                     idle = int(entry["time_since_delivered"])
                     if consumer == self.name:
                         orphaned = own or idle >= stuck_ms
-                    else:
-                        orphaned = consumer not in live
+                    else:  # dead, or restarted and not (yet) reading it: holding nothing
+                        orphaned = consumer not in live or not self._reads(view, consumer, stream)
                     if orphaned:
                         self._take_over(
                             stream, text(entry["message_id"]), idle, int(entry["times_delivered"])
@@ -132,6 +133,18 @@ class OrphanClaims:
         if not own and time.monotonic() - self._last_cleanup > FORGET_S:
             self._last_cleanup = time.monotonic()
             self._forget_the_long_gone(view.now_ms)
+
+    def _reads(self, view: LiveView, consumer: str, stream: str) -> bool:
+        """Whether live worker ``consumer`` reads ``stream`` (its heartbeat says it holds the
+        stream's version, ready or draining): a worker restarted after dying starts holding
+        nothing, and its last life's entries must not wait for its loads."""
+        info = view.worker(consumer)
+        if info is None:  # its heartbeat does not check: its entries are its own
+            return True
+        reading = (VersionState.READY, VersionState.DRAINING)
+        return any(
+            stream in self.keys.streams(m.served_id) for m in info.models if m.state in reading
+        )
 
     def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
         claimed = self.client.xclaim(stream, GROUP, self.name, idle_ms, [entry_id])
