@@ -150,12 +150,14 @@ def build_repository(root: Path, arch: str) -> dict[str, Path]:
 
 
 def served_ids(store: Path) -> frozenset[str]:
-    """The ids a server may give ``store``'s answers: this tree's, and a tree's from before
-    the content digest (the first 12 hex of the manifest's sha256)."""
-    from app.manifest import read_manifest
+    """The ids a server may give ``store``'s answers: this tree's, in fp32 or in bf16 (what
+    MB_DTYPE=auto chooses on a CPU with bf16 units), and a tree's from before the content
+    digest (the first 12 hex of the manifest's sha256)."""
+    from app.manifest import read_manifest, served_model_id
 
     manifest = read_manifest(store)
-    return frozenset({manifest.served_id("auto"), f"{manifest.arch}@{manifest.digest[:12]}"})
+    ids = {served_model_id(manifest.model_id, dtype) for dtype in ("float32", "bfloat16")}
+    return frozenset({*ids, f"{manifest.arch}@{manifest.digest[:12]}"})
 
 
 def references(stores: dict[str, Path], images: list[bytes]) -> dict[str, npt.NDArray[np.float32]]:
