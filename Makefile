@@ -10,6 +10,10 @@ MODEL_STORE ?= model_store
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
 FRONT_ENDS ?= 2
+# make chaos: how many random sequences of how many steps the model-based lifecycle test runs
+# in each deployment (make test runs one fixed program and a short derandomized exploration).
+LIFECYCLE_EXAMPLES ?= 3
+LIFECYCLE_STEPS ?= 10
 WORKERS ?= 2
 REDIS_PORT ?= 6379
 
@@ -74,8 +78,10 @@ soak-quick: install-dev $(MODEL_STORE)/manifest.json  ## the same, 10,000 reques
 	$(PY) -m bench.soak --mode broker --requests 10000 --every 2500
 
 # Faults in broker mode, one kind of process at a time, under load: every invariant must hold.
-chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py, about 12 min)
+chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py), then random lifecycle sequences (about 40 min)
 	$(PY) -m bench.chaos
+	LIFECYCLE_EXAMPLES=$(LIFECYCLE_EXAMPLES) LIFECYCLE_STEPS=$(LIFECYCLE_STEPS) $(PY) -m pytest \
+		-p no:cacheprovider tests/integration/test_lifecycle_model.py -k random
 
 rollout: install-dev redis-server  ## versions swapped under load: in-process, broker, slow loads, reloads (about 40 min)
 	$(PY) -m bench.rollout

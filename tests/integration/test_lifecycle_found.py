@@ -357,3 +357,21 @@ def test_a_restart_keeps_every_served_id_and_says_so_when_it_changes(
     recorded = json.loads((tmp_path / "state" / "precisions.json").read_text())
     assert list(recorded.values()) == [{export.model_id: "float32"}]
     assert read_manifest(export.store).model_id == export.model_id
+
+
+def test_a_broker_worker_loads_the_precision_the_fleet_recorded_without_measuring(
+    deploy: Any, bf16: Catalog
+) -> None:
+    """Of a host's two workers, the first to load the export measures the precisions and
+    records its choice; the second reads the record before it loads, and loads that one
+    alone (it measured its own, then loaded again in the fleet's: 9 s + 6 s)."""
+    deployment = deploy(Config("broker", 2, "bf16"), bf16)
+    assert deployment.workers is not None
+    trials = [
+        {trial["label"] for model in beat["models"] for trial in model["trials"]}
+        for beat in deployment.workers.own().values()
+    ]
+    measured = [labels for labels in trials if "torchscript+bf16" in labels]
+    assert len(measured) == 1, trials  # fp32 and bf16 tried: the first to load
+    (other,) = [labels for labels in trials if labels not in measured]
+    assert other == {"torchscript"}, trials  # bf16 only, the fleet's: its one candidate
