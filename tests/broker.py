@@ -17,10 +17,24 @@ from typing import Any
 import pytest
 import redis
 
+from app.broker.wire.keys import HEARTBEAT_S, STALE_S
 from app.broker.wire.parsing import text
+from app.broker.worker.consumer import RECLAIM_S
 from tests.server import ChildProcess, free_port
 
 PREFIX = "mbtest"
+# A batch that outlasts a heartbeat (one every HEARTBEAT_S), for the slow test model: a
+# heartbeat shows the batch running, and a test that looks for it (every 0.1 s or so) acts
+# on it before the batch ends.
+OUTLASTS_A_HEARTBEAT_S = 2 * HEARTBEAT_S
+
+
+def recovery_s(batch_s: float, entries: int) -> float:
+    """The longest the ``entries`` of a worker killed mid-batch wait for their answers when
+    a batch takes ``batch_s``: its heartbeat goes stale (STALE_S), a survivor's next look
+    for orphans (every RECLAIM_S) finds them once its own batch ended, and it runs them one
+    at a time (a poison input among them takes no batch-mate with it)."""
+    return STALE_S + RECLAIM_S + (1 + entries) * batch_s
 
 
 def require_redis_server() -> str:
