@@ -20,6 +20,7 @@ import redis
 from app.broker.wire.keys import HEARTBEAT_S, STALE_S
 from app.broker.wire.parsing import text
 from app.broker.worker.consumer import RECLAIM_S
+from tests.children import start
 from tests.server import ChildProcess, free_port
 
 PREFIX = "mbtest"
@@ -69,7 +70,7 @@ class RedisServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
-        self.process = subprocess.Popen(
+        self.process = start(
             [
                 self.binary,
                 "--port", str(self.port),
@@ -150,7 +151,7 @@ class Workers(ChildProcess):
         self.output = ""
 
     def start(self, timeout_s: float = 90) -> Workers:
-        self.spawn(self.command, self.env, start_new_session=True)
+        self.spawn(self.command, self.env)
         assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while not self.started():

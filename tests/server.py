@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from tests.children import start
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,11 +49,12 @@ def shm_files() -> set[str]:
 
 class ChildProcess:
     """A process a test started: ``stop()`` it, or leave its ``with`` block, and nothing of
-    it is left running (its whole process group, when it has one of its own)."""
+    it is left running (its whole process group, when it has one of its own); it dies with
+    the test run, however that ends (``tests.children``)."""
 
     process: subprocess.Popen[str] | None = None
     output = ""
-    own_group = False  # started with start_new_session=True
+    own_group = False  # started in a session and process group of its own
     name = "process"
 
     def spawn(self, command: list[str], env: dict[str, str], **popen: Any) -> None:
@@ -60,9 +63,9 @@ class ChildProcess:
         a process that logs every request would then block on its next line."""
         # Closed with the object (a test may read its output after the process ended).
         self._log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-            **popen,
+        self.process = start(
+            command, own_group=self.own_group, cwd=REPO, env=env, stdout=self._log,
+            stderr=subprocess.STDOUT, text=True, **popen,
         )  # fmt: skip
 
     def _collect(self, timeout_s: float | None = None) -> None:

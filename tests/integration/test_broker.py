@@ -40,6 +40,7 @@ from tests.broker import (
     stream_state,
 )
 from tests.checks import Expectation, mixed_jobs
+from tests.children import dies_with_run, group_guard, start
 from tests.conftest import SlowModels, distinct_images, normalised_pixels
 from tests.models import POISON_RGB, TINY_DIM, TinyEmbedding, export_test_model
 from tests.server import ServerProcess, on_jemalloc
@@ -637,37 +638,35 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
 
         log_path = tmp_path / "front-ends.log"
         with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, *commands[launcher], *bind],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                start_new_session=True,
-            )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            await wait_for(
-                lambda: _ready(base) or process.poll() is not None, timeout_s=60, what="ready"
-            )
-            assert process.poll() is None, log_path.read_text()
-            # A new connection per request, until both processes have served some (the
-            # second may still be starting when the first answers /readyz).
-            close = [("Connection", "close")]
-            requests = [
-                multipart_request("127.0.0.1", port, "/predict/embedding", data, headers=close)
-                for data in distinct_images(50)
-            ]
-            statuses: Counter[int] = Counter()
-            deadline = time.monotonic() + 60
-            while len(_pids(metrics_dir)) < 2 and time.monotonic() < deadline:
-                result = await closed_loop("127.0.0.1", port, requests, clients=16, total=50)
-                statuses += result.statuses
-            grpc_answers = [await _grpc_infer(grpc_port, data) for data in distinct_images(8)]
-            metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
+            process = start(
+                [sys.executable, *commands[launcher], *bind], own_group=True, cwd=REPO,
+                env=env, stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+        # uvicorn's workers do not watch their parent: their group dies whole with the run.
+        with group_guard(process):
+            try:
+                base = f"http://127.0.0.1:{port}"
+                await wait_for(
+                    lambda: _ready(base) or process.poll() is not None, timeout_s=60, what="ready"
+                )
+                assert process.poll() is None, log_path.read_text()
+                # A new connection per request, until both processes have served some (the
+                # second may still be starting when the first answers /readyz).
+                close = [("Connection", "close")]
+                requests = [
+                    multipart_request("127.0.0.1", port, "/predict/embedding", data, headers=close)
+                    for data in distinct_images(50)
+                ]
+                statuses: Counter[int] = Counter()
+                deadline = time.monotonic() + 60
+                while len(_pids(metrics_dir)) < 2 and time.monotonic() < deadline:
+                    result = await closed_loop("127.0.0.1", port, requests, clients=16, total=50)
+                    statuses += result.statuses
+                grpc_answers = [await _grpc_infer(grpc_port, data) for data in distinct_images(8)]
+                metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            finally:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=30)
     assert [list(a.outputs[0].shape) for a in grpc_answers] == [[1, TINY_DIM]] * 8
     by_grpc = [
         line for line in metrics.splitlines()
@@ -726,6 +725,7 @@ def test_the_worker_command_refuses_to_start_without_a_broker(tiny_store: Path) 
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=dies_with_run(),
     )
     assert done.returncode == 2 and "MB_BROKER" in done.stderr
     np.testing.assert_equal(done.stdout, "")
@@ -734,8 +734,6 @@ def test_the_worker_command_refuses_to_start_without_a_broker(tiny_store: Path) 
 async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path) -> None:
     """``make run-cluster``: Redis, 2 front ends and 2 workers from one command; SIGTERM
     stops them all (front ends, then workers, then Redis) and nothing is left running."""
-    import subprocess
-
     import psutil
 
     from tests.broker import require_redis_server
@@ -754,7 +752,7 @@ async def test_the_one_machine_cluster_serves_and_stops_cleanly(tiny_store: Path
         "LOG_LEVEL": "warning",
     }
     command = [sys.executable, "-m", "app.broker.cluster", "--redis-port", str(redis_port)]
-    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+    process = start(command, own_group=True, cwd=REPO, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         await wait_for(lambda: _ready(base), timeout_s=90, what="the cluster to be ready")
