@@ -17,10 +17,30 @@ from typing import Any
 import pytest
 import redis
 
+from app.broker.wire.keys import HEARTBEAT_S, STALE_S
 from app.broker.wire.parsing import text
+from app.broker.worker.consumer import RECLAIM_S
+from tests.children import start
 from tests.server import ChildProcess, free_port
 
 PREFIX = "mbtest"
+# A batch that outlasts a heartbeat (one every HEARTBEAT_S), for the slow test model: a
+# heartbeat shows the batch running, and a test that looks for it (every 0.1 s or so) acts
+# on it before the batch ends.
+OUTLASTS_A_HEARTBEAT_S = 2 * HEARTBEAT_S
+# How much longer than alone a batch may take while workers (one of them loading again after
+# a kill), a front end and the test share the cores: with another test run beside it on 2
+# cores, the kill test's batches took twice as long.
+SHARED_CORES_SLOWDOWN = 2.0
+
+
+def recovery_s(batch_s: float, entries: int) -> float:
+    """The longest the ``entries`` of a worker killed mid-batch wait for their answers when
+    a batch takes ``batch_s`` alone: its heartbeat goes stale (STALE_S), a survivor's next
+    look for orphans (every RECLAIM_S) finds them once its own batch ended, and it runs them
+    one at a time (a poison input among them takes no batch-mate with it), each batch up to
+    SHARED_CORES_SLOWDOWN times slower than alone."""
+    return STALE_S + RECLAIM_S + (1 + entries) * SHARED_CORES_SLOWDOWN * batch_s
 
 
 def require_redis_server() -> str:
@@ -50,7 +70,7 @@ class RedisServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
-        self.process = subprocess.Popen(
+        self.process = start(
             [
                 self.binary,
                 "--port", str(self.port),
@@ -131,7 +151,7 @@ class Workers(ChildProcess):
         self.output = ""
 
     def start(self, timeout_s: float = 90) -> Workers:
-        self.spawn(self.command, self.env, start_new_session=True)
+        self.spawn(self.command, self.env)
         assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while not self.started():

@@ -36,9 +36,32 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny(tmp_path_factory.mktemp("tiny_store"))
 
 
+SlowModels = Callable[[float], Path]
+
+
 @pytest.fixture(scope="session")
-def slow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_slow(tmp_path_factory.mktemp("slow_store"))
+def slow_models(tmp_path_factory: pytest.TempPathFactory) -> SlowModels:
+    """``slow_models(seconds)``: a store of the slow test model whose one call takes
+    ``seconds`` on this host (``tests.models.export_slow``), exported once per test run for
+    each duration asked for. Tests only read it (copy it to change it)."""
+    stores: dict[float, Path] = {}
+
+    def store(seconds: float) -> Path:
+        if seconds not in stores:
+            stores[seconds] = export_slow(tmp_path_factory.mktemp("slow_store"), seconds)
+        return stores[seconds]
+
+    return store
+
+
+SLOW_STORE_S = 0.25
+
+
+@pytest.fixture(scope="session")
+def slow_store(slow_models: SlowModels) -> Path:
+    """The slow test model at SLOW_STORE_S a call: long enough for a test to act while a
+    batch runs (each test that uses it says why it needs that long)."""
+    return slow_models(SLOW_STORE_S)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ requests in flight) and a model that fails on a marker image."""
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -110,15 +112,15 @@ def _seeded() -> torch.Generator:
 
 
 class SlowEmbedding(TinyEmbedding):
-    """TinyEmbedding plus a fixed amount of matrix work per call (not per image), so a batch
-    takes a predictable while regardless of its size; the output is unchanged."""
-
-    weight: torch.Tensor  # a buffer, registered in __init__
+    """TinyEmbedding plus ``rounds`` of matrix work per call (not per image), so a batch takes
+    a predictable while regardless of its size; the output is unchanged. Served scripted (see
+    ``export_slow``): a trace would unroll the loop, and every step of the export and of the
+    worker's load would then walk thousands of matrix products."""
 
     def __init__(self, rounds: int) -> None:
         super().__init__()
         self.rounds = rounds
-        self.register_buffer("weight", torch.randn(384, 384) / 384**0.5)
+        self.weight = nn.Parameter(torch.randn(384, 384) / 384**0.5, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Tied to the input so that freezing the model cannot precompute the work.
@@ -127,6 +129,39 @@ class SlowEmbedding(TinyEmbedding):
             state = torch.tanh(state @ self.weight)
         pooled: torch.Tensor = self.pool(x)
         return pooled.flatten(1) + 0.0 * state.mean()
+
+
+TIMED_ROUNDS = 20
+
+
+@functools.cache
+def slow_round_s() -> float:
+    """Seconds one round of SlowEmbedding takes on this host, measured once per test run: on
+    one thread, as the workers the tests start run it (MB_WORKER_THREADS=1), and loaded as
+    they load it (scripted, frozen, optimised). The best of five timings: interference from
+    other processes only ever slows one down."""
+    scripted = torch.jit.script(SlowEmbedding(TIMED_ROUNDS).eval())
+    model = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
+    x = torch.rand(1, 3, TINY_INPUT.crop_size, TINY_INPUT.crop_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for _ in range(2):  # the TorchScript executor optimises on its first calls
+                model(x)
+            timings = []
+            for _ in range(5):
+                started = time.perf_counter()
+                model(x)
+                timings.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return min(timings) / TIMED_ROUNDS
+
+
+def slow_rounds(seconds: float) -> int:
+    """The rounds that make one call of SlowEmbedding take ``seconds`` on this host's CPU."""
+    return max(1, round(seconds / slow_round_s()))
 
 
 class PoisonEmbedding(nn.Module):
@@ -192,8 +227,13 @@ def export_scaled(out: Path, scale: float, runtimes: Collection[str] = ()) -> Pa
     return export_test_model(out, ScaledEmbedding(scale), runtimes=runtimes)
 
 
-def export_slow(out: Path, rounds: int = 150) -> Path:
-    return export_test_model(out, SlowEmbedding(rounds), arch="slow-test")
+def export_slow(out: Path, seconds: float) -> Path:
+    """The slow test model, sized so that one call (a batch of any size) takes ``seconds``
+    on one thread of this host's CPU (at least that: a worker that shares its core runs
+    slower). Sized by time, not by a count of rounds: a count tuned on one CPU lasted
+    several times longer on another, and its test ran into its deadline there."""
+    embedding = torch.jit.script(SlowEmbedding(slow_rounds(seconds)).eval())
+    return export_test_model(out, embedding, arch="slow-test")
 
 
 def export_poison(out: Path) -> Path:

@@ -32,6 +32,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.children import start
 from tests.server import REPO, ChildProcess, free_port
 
 DASHBOARD = REPO / "deploy" / "grafana" / "microbatch.json"
@@ -184,7 +185,7 @@ class PrometheusServer(ChildProcess):
             ],
         }
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.process = subprocess.Popen(
+        self.process = start(
             [
                 self.binary,
                 f"--config.file={self.dir / 'prometheus.yml'}",

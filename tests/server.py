@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from tests.children import start
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,11 +49,12 @@ def shm_files() -> set[str]:
 
 class ChildProcess:
     """A process a test started: ``stop()`` it, or leave its ``with`` block, and nothing of
-    it is left running (its whole process group, when it has one of its own)."""
+    it is left running (its whole process group, when it has one of its own); it dies with
+    the test run, however that ends (``tests.children``)."""
 
     process: subprocess.Popen[str] | None = None
     output = ""
-    own_group = False  # started with start_new_session=True
+    own_group = False  # started in a session and process group of its own
     name = "process"
 
     def spawn(self, command: list[str], env: dict[str, str], **popen: Any) -> None:
@@ -60,9 +63,9 @@ class ChildProcess:
         a process that logs every request would then block on its next line."""
         # Closed with the object (a test may read its output after the process ended).
         self._log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-            **popen,
+        self.process = start(
+            command, own_group=self.own_group, cwd=REPO, env=env, stdout=self._log,
+            stderr=subprocess.STDOUT, text=True, **popen,
         )  # fmt: skip
 
     def _collect(self, timeout_s: float | None = None) -> None:
@@ -131,7 +134,10 @@ class ServerProcess(ChildProcess):
         self.process: subprocess.Popen[str] | None = None
         self.output = ""
 
-    def start(self, ready_timeout_s: float = 90) -> ServerProcess:
+    def start(self, ready_timeout_s: float = 90, *, ready: bool = True) -> ServerProcess:
+        """Start the server and wait until /readyz answers 200 (``ready=False``: answers at
+        all, for a server that must not become ready); one that does not within
+        ``ready_timeout_s`` is killed."""
         self.spawn([sys.executable, "-m", "app"], self.env)
         assert self.process is not None
         deadline = time.monotonic() + ready_timeout_s
@@ -140,7 +146,8 @@ class ServerProcess(ChildProcess):
                 self._collect()
                 raise AssertionError(f"server exited during start:\n{self.output}")
             try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
+                answer = httpx.get(f"{self.base_url}/readyz", timeout=1)
+                if answer.status_code == 200 or not ready:
                     return self
             except httpx.TransportError:
                 pass

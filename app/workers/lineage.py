@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -29,12 +30,17 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_S = 0.5  # where the parent is watched by polling
 
 
+@functools.cache
+def _prctl() -> Any:
+    """libc's ``prctl``, looked up once (``preexec`` does it before the fork)."""
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """In a child of ``parent_pid``: get ``sig`` when the parent dies; exit at once if it
     already has."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        if _prctl()(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     else:  # pragma: no cover - the servers run on Linux
         threading.Thread(target=_watch, args=(parent_pid, sig), daemon=True).start()
@@ -52,6 +58,10 @@ def preexec(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A ``preexec_fn`` for ``subprocess.Popen``: the program started dies (``sig``) with the
     process that starts it."""
     parent = os.getpid()
+    if sys.platform.startswith("linux"):
+        # Looked up here, before the fork: between the fork and the exec, where another
+        # thread of the parent may have held the dynamic loader's lock, the child only calls.
+        _prctl()
 
     def in_the_child() -> None:
         with contextlib.suppress(OSError):  # no prctl: the child still runs, unguarded

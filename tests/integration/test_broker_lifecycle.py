@@ -189,7 +189,9 @@ async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
     """The only host dies (kill -9 of its supervisor: its worker dies with it) while its
     worker loads a new version (serving meanwhile): the requests it had taken, and those
     queued for it, are answered 503 ``worker_died`` within seconds (before: they waited for
-    their deadline, or for a restart that loads again), and so are new ones."""
+    their deadline, or for a restart that loads again), and so are new ones. slow_store's
+    batch (SLOW_STORE_S, 0.25 s) keeps the 8 callers' requests in the worker's hands
+    and queued for it, when it dies."""
     repository = tmp_path / "models"
     shutil.copytree(slow_store, repository / "slow" / "1")
     with (

@@ -275,6 +275,7 @@ def test_the_worker_command_refuses_a_health_port_in_use(tiny_store: Path) -> No
     import subprocess
     import sys
 
+    from tests.children import dies_with_run
     from tests.server import REPO
 
     with socket.socket() as taken, RedisServer() as redis_server:
@@ -289,6 +290,7 @@ def test_the_worker_command_refuses_a_health_port_in_use(tiny_store: Path) -> No
         done = subprocess.run(
             [sys.executable, "-m", "app.broker.worker"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+            preexec_fn=dies_with_run(),
         )  # fmt: skip
     assert done.returncode == 2
     assert f"health port {port}" in done.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,12 +14,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from app.broker.wire.parsing import text
 from app.workers.lineage import stop_child
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
+from tests.children import start
 from tests.server import REPO, ServerProcess, alive, free_port
 
 pytestmark = pytest.mark.slow
@@ -50,7 +53,7 @@ def test_a_child_dies_with_its_parent_and_a_late_one_exits_at_once(tmp_path: Pat
         time.sleep(60)
         """
     )
-    with subprocess.Popen(
+    with start(
         [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
     ) as parent:
         assert parent.stdout is not None
@@ -68,9 +71,9 @@ def test_a_child_dies_with_its_parent_and_a_late_one_exits_at_once(tmp_path: Pat
 
 
 def test_stop_child_terminates_and_kills_one_that_ignores_sigterm() -> None:
-    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    polite = start([sys.executable, "-c", "import time; time.sleep(60)"])
     assert stop_child(polite, timeout_s=10) == -signal.SIGTERM
-    stubborn = subprocess.Popen(
+    stubborn = start(
         [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
          "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
@@ -130,9 +133,9 @@ def test_a_second_process_under_a_live_workers_name_does_not_join(tiny_store: Pa
                                           MB_WORKER_NUM="1", MB_WORKER_THREADS="1")}  # fmt: skip
         log_path = Path(redis_server.dir) / "second.log"
         with log_path.open("w") as log:
-            second = subprocess.Popen(
-                [sys.executable, "-m", "app.broker.worker"], cwd=REPO, env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+            second = start(
+                [sys.executable, "-m", "app.broker.worker"], own_group=True, cwd=REPO, env=env,
+                stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         try:
             deadline = time.monotonic() + 60
@@ -159,7 +162,7 @@ def test_a_cluster_killed_takes_every_process_with_it(tiny_store: Path) -> None:
     env = {**os.environ, **broker_env("unused", tiny_store), "HOST": "127.0.0.1",
            "PORT": str(port), "MB_WORKER_THREADS": "1"}  # fmt: skip
     env.pop("MB_BROKER")
-    launcher = subprocess.Popen(
+    launcher = start(
         [sys.executable, "-m", "app.broker.cluster", "--redis-port", str(free_port())],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -180,3 +183,59 @@ def test_a_cluster_killed_takes_every_process_with_it(tiny_store: Path) -> None:
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_every_process_a_test_starts_dies_with_the_test_run(tiny_store: Path) -> None:
+    """However the test run ends (pytest's timeout ends it with ``os._exit``, CI with
+    ``kill -9``, and no clean-up runs), nothing it started is left: a process that plays the
+    test run starts what tests start, Redis, a worker supervisor and a server, the server
+    from a thread that has ended by then (as ``asyncio.to_thread`` does), and a process group
+    whose member does not watch its parent (as ``uvicorn --workers``' do) under its guard,
+    and is killed with -9. Every process under it, the supervisor's and the server's
+    workers too, goes."""
+    script = textwrap.dedent(
+        """
+        import json, sys, threading, time
+        from pathlib import Path
+        from tests.broker import RedisServer, Workers
+        from tests.children import group_guard, start
+        from tests.server import ServerProcess
+        store = Path(sys.argv[1])
+        redis_server = RedisServer().start()
+        workers = Workers(redis_server, store, count=1).start()
+        server = ServerProcess(MODEL_STORE=str(store), MB_WORKER_NUM="1")
+        starting = threading.Thread(target=server.start)
+        starting.start()
+        starting.join()
+        loose = start(["sh", "-c", "sleep 600 & wait"], own_group=True)
+        with group_guard(loose):
+            print(json.dumps({
+                "redis": redis_server.process.pid, "redis_dir": redis_server.dir,
+                "supervisor": workers.process.pid, "server": server.pid, "loose": loose.pid,
+                "url": server.base_url,
+            }), flush=True)
+            time.sleep(600)
+        """
+    )
+    with start(
+        [sys.executable, "-c", script, str(tiny_store)], cwd=REPO, stdout=subprocess.PIPE,
+        text=True,
+    ) as test_run:  # fmt: skip
+        try:
+            assert test_run.stdout is not None
+            line = test_run.stdout.readline()
+            assert line, f"the test run exited ({test_run.wait()}) before it started them all"
+            started = json.loads(line)
+            family = psutil.Process(test_run.pid).children(recursive=True)
+            parents = {p.pid: p.ppid() for p in family}
+            for role in ("redis", "supervisor", "server", "loose"):
+                assert parents[started[role]] == test_run.pid, role
+            for role in ("supervisor", "server", "loose"):  # each with a child of its own
+                assert started[role] in parents.values(), f"the {role} has no child"
+            # The server outlived the thread that started it.
+            assert httpx.get(f"{started['url']}/readyz", timeout=5).status_code == 200
+        finally:
+            test_run.kill()
+            test_run.wait()
+    assert gone_within(list(parents), 5.0) == []
+    shutil.rmtree(started["redis_dir"], ignore_errors=True)

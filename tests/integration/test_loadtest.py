@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.children import dies_with_run
 from tests.server import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -42,6 +43,7 @@ def test_locust_runs_headless_with_zero_failures(tiny_store: Path, tmp_path: Pat
             capture_output=True,
             text=True,
             timeout=90,
+            preexec_fn=dies_with_run(),
         )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     with (tmp_path / "run_stats.csv").open() as handle:

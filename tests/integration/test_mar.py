@@ -23,6 +23,7 @@ from skimage import data
 from torchvision import transforms
 
 from app.export import main as export_main
+from tests.children import dies_with_run
 from tests.conftest import jpeg
 from tests.server import REPO, ServerProcess
 from tests.unit.test_mar import Pooled
@@ -81,7 +82,9 @@ def archive(folder: Path, name: str, model: torch.nn.Module, classes: object) ->
         "--extra-files", str(work / "index_to_name.json"),
         "--export-path", str(folder),
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        command, check=True, capture_output=True, timeout=300, preexec_fn=dies_with_run()
+    )
     return folder / f"{name}.mar"
 
 

@@ -197,6 +197,7 @@ def test_json_logs_cover_the_batch_job(tiny_store: Path, tmp_path: Path) -> None
     import subprocess
     import sys
 
+    from tests.children import dies_with_run
     from tests.server import REPO
 
     photos = tmp_path / "photos"
@@ -213,6 +214,7 @@ def test_json_logs_cover_the_batch_job(tiny_store: Path, tmp_path: Path) -> None
         [sys.executable, "-m", "app.bulk", str(photos), "--task", "embedding",
          "--out", str(tmp_path / "out.jsonl"), "--no-progress"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        preexec_fn=dies_with_run(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]

@@ -14,7 +14,7 @@ from app.export import main as export_main
 from app.manifest import read_manifest
 from tests.answers import error_of
 from tests.conftest import distinct_images, expected_for, images_run, running_app
-from tests.models import export_embedding_only, export_slow, export_tiny
+from tests.models import export_embedding_only, export_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -109,9 +109,9 @@ async def test_an_embedding_only_model_embeds_and_says_it_cannot_tag(tmp_path: P
 
 
 async def test_the_same_export_keeps_its_id_and_another_export_gets_another(
-    tmp_path: Path,
+    tmp_path: Path, slow_store: Path
 ) -> None:
-    first, other = export_tiny(tmp_path / "a"), export_slow(tmp_path / "b")
+    first, other = export_tiny(tmp_path / "a"), slow_store  # another model, not its timing
     ids = []
     for store in (first, first, other):  # the first export served twice, then another
         async with running_app(model_store=store, cuda_devices="cpu", mb_worker_num=1) as (

@@ -29,7 +29,7 @@ from tests.transports import Watched, wait_queued
 pytestmark = pytest.mark.slow
 
 
-# The slow test model takes ~0.25 s a batch on one thread: long enough to act mid-batch.
+# One worker on one thread, as slow_store's model is sized (SLOW_STORE_S a batch, 0.25 s).
 SLOW_ONE_WORKER = {"MB_WORKER_NUM": "1", "MB_WORKER_THREADS": "1"}
 
 
@@ -201,7 +201,9 @@ async def test_killed_workers_under_load_give_only_200_or_503_and_come_back(
 async def test_only_worker_dying_gives_fast_503s_and_readiness_503_until_restarted(
     slow_store: Path,
 ) -> None:
-    with ServerProcess(MODEL_STORE=str(slow_store), MB_WORKER_NUM="1") as server:
+    # SLOW_STORE_S (0.25 s) a batch: the test sees the request in flight (it looks every
+    # 5 ms) and kills its worker long before the batch could end.
+    with ServerProcess(MODEL_STORE=str(slow_store), **SLOW_ONE_WORKER) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             in_flight = asyncio.create_task(
                 client.post("/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])})
@@ -231,7 +233,8 @@ async def test_only_worker_dying_gives_fast_503s_and_readiness_503_until_restart
 
 
 async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -> None:
-    # The slow model needs ~0.25 s a batch; a 0.05 s batch timeout makes every batch "hang".
+    # SLOW_STORE_S (0.25 s) a batch, five times the batch timeout of 0.05 s: every batch
+    # "hangs".
     with ServerProcess(
         MODEL_STORE=str(slow_store), MB_BATCH_TIMEOUT="0.05", **SLOW_ONE_WORKER
     ) as server:
@@ -253,6 +256,8 @@ async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -
 
 
 async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: Path) -> None:
+    # SLOW_STORE_S (0.25 s) a batch of 4: the first batch still runs when the next 4
+    # requests are queued (the test looks every 10 ms), and SIGTERM comes then.
     shm_before = shm_files()
     images = distinct_images(12)
     server = ServerProcess(MODEL_STORE=str(slow_store), MB_BATCH_SIZE="4", **SLOW_ONE_WORKER)
@@ -303,6 +308,8 @@ def _multipart_request(port: int, data: bytes) -> bytes:
 
 
 async def test_a_thousand_disconnects_leave_nothing_queued_or_computed(slow_store: Path) -> None:
+    # SLOW_STORE_S (0.25 s) a batch of 8: while the waves of 200 queue and hang up (a second
+    # or so each), the worker can compute a few dozen batches at most, far from 1000 images.
     image = distinct_images(1)[0]
     with ServerProcess(
         MODEL_STORE=str(slow_store), MB_BATCH_SIZE="8", MB_MAX_QUEUE="2000", **SLOW_ONE_WORKER

@@ -308,11 +308,12 @@ def test_a_version_loads_and_unloads_twenty_times_and_signals_still_land(
     import subprocess
     import sys
 
+    from tests.children import dies_with_run
     from tests.server import REPO
 
     done = subprocess.run(
         [sys.executable, "-c", LOAD_UNLOAD_SIGNAL, str(tiny_openvino), runtime],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=dies_with_run(),
     )  # fmt: skip
     assert done.returncode == 0, f"exit code {done.returncode}: {done.stderr[-2000:]}"
 

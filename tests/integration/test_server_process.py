@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from app.workers.allocator import jemalloc_library
+from tests.children import dies_with_run
 from tests.conftest import distinct_images
 from tests.server import REPO, ServerProcess, alive, free_port, on_jemalloc, shm_files
 
@@ -64,6 +65,7 @@ def test_bad_configuration_fails_at_start_with_a_clear_message(
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=dies_with_run(),
     )
     assert result.returncode != 0
     assert message in result.stdout + result.stderr

@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 async def test_a_lone_batch_borrows_the_threads_of_idle_workers(slow_store: Path) -> None:
     """Two 1-thread workers: a batch that finds the other worker idle (for a while) runs on 2
     threads; one that starts while the other computes keeps its own thread. Answers stay the
-    same. An idle server hands consecutive batches to the same worker."""
+    same. An idle server hands consecutive batches to the same worker. slow_store's batch
+    (SLOW_STORE_S, 0.25 s on one thread) outlasts the test's look at the workers (every
+    1 ms) and the next request's decoding and sending, so that it finds the other busy."""
     images = distinct_images(3)
     runs: list[BatchRun] = []
     pools: list[WorkerPool] = []

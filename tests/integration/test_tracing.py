@@ -18,9 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.broker import RedisServer, Workers, broker_env
-from tests.conftest import distinct_images
-from tests.models import export_slow
+from tests.broker import OUTLASTS_A_HEARTBEAT_S, RedisServer, Workers, broker_env, recovery_s
+from tests.conftest import SlowModels, distinct_images
 from tests.otlp import Received, Receiver, by_id, children, receiving, tracing_env
 from tests.server import ServerProcess
 
@@ -131,17 +130,23 @@ def test_broker_mode_carries_the_trace_through_redis_to_a_worker_process(
 
 
 async def test_a_batch_reclaimed_after_its_worker_died_says_it_is_a_retry(
-    receiver: Receiver, tmp_path: Path
+    receiver: Receiver, slow_models: SlowModels
 ) -> None:
-    slow = export_slow(tmp_path / "slow", rounds=1500)
+    # Each batch outlasts a heartbeat, so that one shows a worker running its batch, and the
+    # kill lands in the middle of it.
+    slow = slow_models(OUTLASTS_A_HEARTBEAT_S)
+    images = distinct_images(8)
+    # A deadline past the longest the victim's entries wait (as test_broker.py's kill test
+    # sets it): they are answered, not dropped unrun at their deadline.
+    deadline_s = recovery_s(OUTLASTS_A_HEARTBEAT_S, len(images)) + 10
     env = tracing_env(receiver)
     with (
         RedisServer() as redis_server,
         Workers(redis_server, slow, count=2, environment=env) as workers,
     ):
-        with ServerProcess(**broker_env(redis_server.url, slow, **env)) as front:
+        front_env = broker_env(redis_server.url, slow, MB_REQUEST_TIMEOUT=f"{deadline_s:.1f}")
+        with ServerProcess(**front_env, **env) as front:
             await asyncio.to_thread(traced_post, front.base_url, distinct_images(1)[0], "1" * 32)
-            images = distinct_images(8)
             trace_ids = [f"{index + 2:032x}" for index in range(len(images))]
             requests = [
                 asyncio.create_task(asyncio.to_thread(traced_post, front.base_url, image, trace))
