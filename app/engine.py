@@ -15,7 +15,7 @@ from app import tracing
 from app.batching import ClusterView, QueueBacklog, Streamer, Transport
 from app.errors import NotReady
 from app.jobs import BatchKey, ImageJob
-from app.lifecycle import ModelSpec, Route, VersionState
+from app.lifecycle import ModelSpec, Route
 from app.manifest import Manifest
 from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
@@ -136,16 +136,9 @@ class Engine:
         names = self.registry.names()
         if not (self.transport.ready and names):
             return False
-        ready = VersionState.READY
-        held = {
-            m.served_id
-            for w in self.transport.models.view.workers
-            if w.alive and not w.draining
-            for m in w.models
-            if m.state is ready
-        }
+        view = self.transport.models.view
         return all(
-            version is not None and version.served_id in held
+            version is not None and view.answers(version.served_id)
             for version in (self.registry.serving(name) for name in names)
         )
 

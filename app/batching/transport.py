@@ -13,11 +13,11 @@ any of them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from app.lifecycle import AdminPin, Route, WorkerView
+from app.lifecycle import AdminPin, Route, VersionState, WorkerView
 
 if TYPE_CHECKING:
     from app.repository import Repository
@@ -124,11 +124,32 @@ class BatchItem(Generic[T]):
 class ClusterView:
     """What the workers hold and serve, as last seen: each worker's versions (its heartbeat,
     or its pool's record of it), the version each name serves by ``app.lifecycle.routes``,
-    and what the admin route set."""
+    and what the admin route set; scaling from zero (broker mode), the served ids whose
+    requests queue for workers to come (``queued``).
+
+    >>> from types import SimpleNamespace as Seen
+    >>> ready = Seen(served_id="tiny@2", state=VersionState.READY)
+    >>> worker = Seen(alive=True, draining=False, models=(ready,))
+    >>> view = ClusterView((worker,), queued=frozenset({"tiny@1"}))  # type: ignore[arg-type]
+    >>> view.answers("tiny@2"), view.answers("tiny@1"), view.answers("tiny@3")
+    (True, True, False)
+    """
 
     workers: Sequence[WorkerView] = ()
     routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
     pins: Mapping[str, AdminPin] = dataclasses.field(default_factory=dict)
+    queued: Set[str] = frozenset()
+
+    def answers(self, served_id: str) -> bool:
+        """Whether a request for ``served_id`` sent now is answered: a live worker that is
+        not draining holds it ready (a worker that died takes its hold with it), or its
+        requests queue for workers to come."""
+        return served_id in self.queued or any(
+            m.served_id == served_id and m.state is VersionState.READY
+            for w in self.workers
+            if w.alive and not w.draining
+            for m in w.models
+        )
 
 
 class VersionControl(Protocol):

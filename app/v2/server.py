@@ -56,6 +56,11 @@ class UnloadParameters(BaseModel):
         description="the version serving (optional: an unload stops serving the name, whose "
         "one version serves at a time; another version is refused with 422)",
     )
+    unload_dependents: bool = Field(
+        False,
+        description="Triton's: also unload the ensembles that use the model (tritonclient "
+        "sends it with every unload); no model here depends on another, so there are none",
+    )
 
 
 class UnloadRequest(BaseModel):

@@ -89,7 +89,13 @@ class Monitor:
 
     @property
     def view(self) -> ClusterView:
-        return ClusterView(tuple(self.workers), dict(self.routes), dict(self.pins))
+        return ClusterView(tuple(self.workers), dict(self.routes), dict(self.pins), self.queued)
+
+    @property
+    def queued(self) -> frozenset[str]:
+        """Scaling from zero, the served ids the names route to: their requests queue for
+        workers to come, held or not (their deadline bounds the wait)."""
+        return frozenset(r.served_id for r in self.routes.values() if self.scale_from_zero)
 
     def served(self, served_id: str) -> bool:
         """Whether a live worker reads ``served_id``'s streams, or is loading its export (a

@@ -220,20 +220,13 @@ class BrokerTransport:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         if not self.monitor.served(key.model):
             await self.monitor.look_again()
-            if not self.monitor.served(key.model) and not self._waits_for(key.model):
+            if not self._held(key.model):
                 raise WorkerDied(f"no live model worker holds {key.model}", retry_after_s=2)
         return {item.id: await self._one(key.model, key.task, item) for item in items}
 
     def _held(self, served_id: str) -> bool:
         """Whether a live worker holds ``served_id``, or its requests wait for one."""
-        return self.monitor.served(served_id) or self._waits_for(served_id)
-
-    def _waits_for(self, served_id: str) -> bool:
-        """Scaling from zero, a request for a routed version no live worker holds yet
-        queues for it (its deadline bounds the wait)."""
-        return self.scale_from_zero and any(
-            r.served_id == served_id for r in self.monitor.routes.values()
-        )
+        return self.monitor.served(served_id) or served_id in self.monitor.queued
 
     async def backlog(self) -> QueueBacklog:
         """The work waiting for workers (``app.broker.front.backlog``), over the streams of every
