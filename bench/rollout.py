@@ -19,8 +19,9 @@ between its two versions, per scenario (``SCENARIOS``):
 - with a second model under load beside it, in each mode.
 
 Every answer is checked against the reference vector of the version it says computed it
-(``X-Model-Id``), computed here with TorchScript: cosine at least 0.999 (the runtimes agree
-to 0.9999 or better; the two versions' vectors are nowhere near). Per run: answers by status
+(``X-Model-Id``), computed here with TorchScript in fp32: cosine at least ``MIN_COSINE`` for
+the precision the id names (0.999 in fp32; each id's lowest is reported; the two versions'
+vectors are nowhere near). Per run: answers by status
 (anything but 200 is a failure) and by served id before the first swap and after the last,
 answers that do not match their id's reference (must be 0), worker deaths (must be 0),
 latency (p50, p99, worst) and throughput while a version loads against steady load, the time
@@ -54,12 +55,17 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+from app.manifest import split_served_id
 from bench.loadgen import Connection, multipart_request
 from bench.memory import Sample, rows, table
 
 HOST = "127.0.0.1"
 ADMIN_KEY = "bench-admin"
-MIN_COSINE = 0.999
+# The least cosine an answer has with its served id's reference (TorchScript in fp32), by the
+# precision its id names: fp32 runtimes agree to 0.9999 or better; bf16 and int8 answers are
+# further off by design (each served only past its gate, on the mean of its golden images).
+# The two versions' vectors are nowhere near, so a version's answers under another's id fail.
+MIN_COSINE = {"float32": 0.999, "bfloat16": 0.98, "float16": 0.98, "int8": 0.95}
 FLAT_PCT = 5.0
 
 
@@ -104,6 +110,7 @@ class Answer:
     model: str  # the model asked
     served_id: str
     matched: bool
+    cosine: float | None = None  # with its served id's reference (200s of a known id)
 
 
 @dataclass
@@ -223,13 +230,21 @@ async def drive(
                     run.answers.append(Answer(sent, time.monotonic() - sent, 0, model, "", False))
                     continue
                 served = response.headers.get("x-model-id", "")
-                matched = False
+                cosine = None
                 if response.status == 200 and served in refs:
                     vector = np.frombuffer(response.body, dtype="<f4")
                     cosine = float(vector @ refs[served][image] / np.linalg.norm(vector))
-                    matched = cosine >= MIN_COSINE
+                matched = cosine is not None and cosine >= MIN_COSINE[split_served_id(served)[1]]
                 run.answers.append(
-                    Answer(sent, time.monotonic() - sent, response.status, model, served, matched)
+                    Answer(
+                        sent,
+                        time.monotonic() - sent,
+                        response.status,
+                        model,
+                        served,
+                        matched,
+                        cosine,
+                    )
                 )
         finally:
             await connection.close()
@@ -376,6 +391,15 @@ def rate(answers: list[Answer], windows: list[tuple[float, float]]) -> float | N
     return round(inside / seconds, 1) if seconds > 0 else None
 
 
+def lowest_cosines(answers: list[Answer]) -> dict[str, float]:
+    """Each served id's lowest cosine with its reference, over its answers."""
+    lowest: dict[str, float] = {}
+    for a in answers:
+        if a.cosine is not None:
+            lowest[a.served_id] = round(min(lowest.get(a.served_id, 1.0), a.cosine), 5)
+    return lowest
+
+
 def summary(run: Run) -> dict[str, Any]:
     scenario = run.scenario
     main = [a for a in run.answers if a.model == "main"]
@@ -415,6 +439,7 @@ def summary(run: Run) -> dict[str, Any]:
         "mismatched": mismatched,
         "worker_deaths": run.deaths,
         "by_served_id": dict(Counter(a.served_id for a in run.answers if a.status == 200)),
+        "lowest_cosine_by_served_id": lowest_cosines(run.answers),
         "before_first_swap": {
             run.ids[0]: before.get(run.ids[0], 0),
             "other ids": sum(before.values()) - before.get(run.ids[0], 0),
