@@ -33,6 +33,19 @@ class InputSpec(BaseModel):
     # pixels). False: at full size, as torchvision's transforms after PIL.Image.open see it
     # (an imported TorchServe archive answers as its stock handler does).
     reduced_decode: bool = True
+    # How the crop is made. "window": the source region that becomes the centre crop is
+    # resampled in one pass (Pillow, or torch's uint8 kernel in the workers: fast).
+    # "pil-resize-then-crop": torchvision's Resize(resize_size) then CenterCrop(crop_size)
+    # on a Pillow image, with its rounding of the long side and of the offsets: the whole
+    # image resized by Pillow, then cropped (an imported TorchServe archive: what its stock
+    # handler computes, to the pixel). Pillow only, at full size.
+    resize: Literal["window", "pil-resize-then-crop"] = "window"
+
+    @model_validator(mode="after")
+    def _stock_resize_decodes_at_full_size(self) -> InputSpec:
+        if self.resize == "pil-resize-then-crop" and self.reduced_decode:
+            raise ValueError("pil-resize-then-crop decodes at full size: reduced_decode false")
+        return self
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -43,7 +56,8 @@ class InputSpec(BaseModel):
 def _defaults_left_out(spec: InputSpec) -> set[str]:
     """InputSpec fields left out of an identity at their default: a store exported before
     they existed keeps its served id."""
-    return {"reduced_decode"} if spec.reduced_decode else set()
+    left_out = {"reduced_decode"} if spec.reduced_decode else set()
+    return left_out | ({"resize"} if spec.resize == "window" else set())
 
 
 class FileEntry(BaseModel):
