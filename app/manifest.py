@@ -105,26 +105,37 @@ DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 class Agreement(BaseModel):
     """How models in a precision below fp32 agree with the fp32 models on the same real
     images: the share of images given the same top-1 class, the mean overlap of the top-5
-    classes (both None without a classifier), and the cosine of the embeddings."""
+    classes, the share of images given the same top 5 in the same order (None without a
+    classifier, or measured before it was), and the cosine of the embeddings."""
 
     images: int = Field(gt=0)
     top1: float | None = Field(None, ge=0, le=1)
     top5: float | None = Field(None, ge=0, le=1)
+    top5_same: float | None = Field(None, ge=0, le=1)
     cosine_mean: float
     cosine_min: float
 
 
 class Gate(BaseModel):
-    """The least agreement with fp32 (``Agreement``) an export accepts for a precision."""
+    """The least agreement with fp32 (``Agreement``) an export accepts for a precision;
+    ``top5_same``, where set, the least share of images that keep fp32's top 5 in order."""
 
     top1: float = Field(ge=0, le=1)
     cosine_mean: float = Field(ge=-1, le=1)
+    top5_same: float | None = Field(None, ge=0, le=1)
 
     def failures(self, measured: Agreement) -> list[str]:
         """What ``measured`` falls short of (nothing: it passes)."""
         short = []
         if measured.top1 is not None and measured.top1 < self.top1:
             short.append(f"top-1 agreement {measured.top1:.3f} < {self.top1}")
+        if (
+            self.top5_same is not None
+            and measured.top5_same is not None
+            and measured.top5_same < self.top5_same
+        ):
+            same = measured.top5_same
+            short.append(f"top 5 the same, in order, on {same:.3f} < {self.top5_same}")
         if measured.cosine_mean < self.cosine_mean:
             short.append(f"mean embedding cosine {measured.cosine_mean:.4f} < {self.cosine_mean}")
         return short
@@ -228,6 +239,14 @@ class Manifest(BaseModel):
     @property
     def has_classifier(self) -> bool:
         return "classifier" in self.files
+
+    @property
+    def top5_contract(self) -> bool:
+        """Whether a precision below fp32 may serve this export only where it keeps fp32's
+        top 5, in order, on every image it is checked on (the export's gate, a worker's
+        self-test). An imported TorchServe archive's: its answers are its handler's top 5
+        with their probabilities, which a swapped fifth class already changes."""
+        return self.imported is not None and self.has_classifier
 
     @property
     def int8_files(self) -> dict[str, FileEntry]:

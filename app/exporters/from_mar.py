@@ -18,6 +18,9 @@
   never imported: its archive imports only with the preprocessing given by hand, made the
   same way. TorchServe's other stock handlers (segmentation, detection, text) are refused:
   their models answer no image's classes.
+- Precision: an imported archive's answers are its handler's top 5, so a precision below
+  fp32 serves it only where it keeps the top 5 of fp32, in order, on the images it is
+  checked on (``Manifest.top5_contract``).
 """
 
 from __future__ import annotations

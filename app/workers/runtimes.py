@@ -38,7 +38,9 @@ log = logging.getLogger("app.worker")
 # top-5 classes. Below fp32, on a store whose export measured that precision on its golden
 # images: what the export measured, less SLACK_COSINE and one image's top-1 (the host's
 # instruction set may round differently); on any other store: embeddings within
-# MIN_COSINE_BELOW_FP32 and the same top-1 class (lower precisions may swap near-ties).
+# MIN_COSINE_BELOW_FP32 and the same top-1 class (lower precisions may swap near-ties). An
+# imported TorchServe archive below fp32 keeps, besides, fp32's top 5 in order on every image
+# (``Manifest.top5_contract``), or as many as its export measured.
 MIN_COSINE_FP32 = 0.9999
 MIN_COSINE_BELOW_FP32 = 0.99
 SLACK_COSINE = 0.01
@@ -140,22 +142,27 @@ def self_test_images(
 @dataclass(frozen=True)
 class SelfTest:
     """What a runtime is checked on in one precision: the images, and for a precision below
-    fp32 the agreement its export measured on them (None: the fixed thresholds)."""
+    fp32 the agreement its export measured on them (None: the fixed thresholds), and whether
+    it must keep fp32's top 5 in order there (``Manifest.top5_contract``)."""
 
     images: npt.NDArray[np.uint8]
     dtype: torch.dtype
     expected: Agreement | None = None
+    keep_top5: bool = False
+    what: str = "synthetic self-test images"
 
     @classmethod
     def for_store(cls, store: Path, manifest: Manifest, dtype: torch.dtype) -> SelfTest:
         """The store's golden images (real photos) where its export saved some, else
         synthetic ones; the export's measured agreement where it measured this ``dtype``."""
         calibration = manifest.calibration
+        keep_top5 = manifest.top5_contract
         if calibration is None:
-            return cls(self_test_images(manifest.input.image_shape), dtype)
+            return cls(self_test_images(manifest.input.image_shape), dtype, keep_top5=keep_top5)
         images = np.load(store / calibration.golden.path, allow_pickle=False)
         same = DTYPES[calibration.precision] == str(dtype).removeprefix("torch.")
-        return cls(images, dtype, calibration.golden_agreement if same else None)
+        expected = calibration.golden_agreement if same else None
+        return cls(images, dtype, expected, keep_top5, "golden images")
 
     def failure(self, measured: Agreement) -> str | None:
         """Why ``measured`` does not pass; None if it does."""
@@ -166,6 +173,15 @@ class SelfTest:
             if measured.top5 is not None and measured.top5 < 1.0:
                 return "top-5 classes differ from TorchScript's"
             return None
+        if self.keep_top5 and measured.top5_same is not None:
+            expected = self.expected.top5_same if self.expected is not None else None
+            least = 1.0 if expected is None else expected
+            if measured.top5_same < least - 1e-9:
+                changed = round((1 - measured.top5_same) * measured.images)
+                return (
+                    f"top 5 not fp32's, in order, on {changed} of {measured.images} {self.what}: "
+                    "an imported TorchServe archive serves below fp32 only where it keeps them"
+                )
         if self.expected is not None:
             least = self.expected.cosine_mean - SLACK_COSINE
             if measured.cosine_mean < least:

@@ -200,6 +200,7 @@ def test_an_unsplit_model_serves_tags_only_and_says_so(tmp_path: Path) -> None:
     assert not manifest.embedding_served and manifest.num_classes == 10
     # The stock transform, to the pixel: Pillow at full size, resized whole, then cropped.
     assert manifest.input.resize == "pil-resize-then-crop" and not manifest.input.reduced_decode
+    assert manifest.top5_contract
     assert manifest.embedding_dim == 10  # the logits, never answered as an embedding
     assert manifest.imported is not None
     assert manifest.imported.preprocessing == "stock image_classifier"
