@@ -28,17 +28,11 @@ class InputSpec(BaseModel):
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    # True: a large JPEG is decoded at 1/2..1/8 scale while both sides stay at least
-    # resize_size (Pillow's draft, libjpeg's DCT scaling: much faster, nearly the same
-    # pixels). False: at full size, as torchvision's transforms after PIL.Image.open see it
-    # (an imported TorchServe archive answers as its stock handler does).
+    # reduced_decode: a large JPEG decoded at 1/2..1/8 scale (libjpeg's DCT scaling, both
+    # sides >= resize_size: faster, nearly the same pixels), or at full size. resize: "window"
+    # resamples the crop's source window in one pass (fast); "pil-resize-then-crop" is, to the
+    # pixel, torchvision's Resize then CenterCrop on a Pillow image (a TorchServe import's).
     reduced_decode: bool = True
-    # How the crop is made. "window": the source region that becomes the centre crop is
-    # resampled in one pass (Pillow, or torch's uint8 kernel in the workers: fast).
-    # "pil-resize-then-crop": torchvision's Resize(resize_size) then CenterCrop(crop_size)
-    # on a Pillow image, with its rounding of the long side and of the offsets: the whole
-    # image resized by Pillow, then cropped (an imported TorchServe archive: what its stock
-    # handler computes, to the pixel). Pillow only, at full size.
     resize: Literal["window", "pil-resize-then-crop"] = "window"
 
     @model_validator(mode="after")
@@ -56,8 +50,8 @@ class InputSpec(BaseModel):
 def _defaults_left_out(spec: InputSpec) -> set[str]:
     """InputSpec fields left out of an identity at their default: a store exported before
     they existed keeps its served id."""
-    left_out = {"reduced_decode"} if spec.reduced_decode else set()
-    return left_out | ({"resize"} if spec.resize == "window" else set())
+    defaults = {"reduced_decode": True, "resize": "window"}
+    return {name for name, value in defaults.items() if getattr(spec, name) == value}
 
 
 class FileEntry(BaseModel):
@@ -103,10 +97,8 @@ DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
 class Agreement(BaseModel):
-    """How models in a precision below fp32 agree with the fp32 models on the same real
-    images: the share of images given the same top-1 class, the mean overlap of the top-5
-    classes, the share of images given the same top 5 in the same order (None without a
-    classifier, or measured before it was), and the cosine of the embeddings."""
+    """How a precision below fp32 agrees with fp32 on the same real images: the shares given
+    the same top 1 and top 5 in order, the top-5 overlap (None without a classifier), cosine."""
 
     images: int = Field(gt=0)
     top1: float | None = Field(None, ge=0, le=1)
@@ -117,8 +109,7 @@ class Agreement(BaseModel):
 
 
 class Gate(BaseModel):
-    """The least agreement with fp32 (``Agreement``) an export accepts for a precision;
-    ``top5_same``, where set, the least share of images that keep fp32's top 5 in order."""
+    """The least agreement with fp32 (``Agreement``) an export accepts for a precision."""
 
     top1: float = Field(ge=0, le=1)
     cosine_mean: float = Field(ge=-1, le=1)
@@ -129,13 +120,8 @@ class Gate(BaseModel):
         short = []
         if measured.top1 is not None and measured.top1 < self.top1:
             short.append(f"top-1 agreement {measured.top1:.3f} < {self.top1}")
-        if (
-            self.top5_same is not None
-            and measured.top5_same is not None
-            and measured.top5_same < self.top5_same
-        ):
-            same = measured.top5_same
-            short.append(f"top 5 the same, in order, on {same:.3f} < {self.top5_same}")
+        if self.top5_same is not None and (measured.top5_same or 0.0) < self.top5_same:
+            short.append(f"top 5 kept in order on {measured.top5_same} < {self.top5_same}")
         if measured.cosine_mean < self.cosine_mean:
             short.append(f"mean embedding cosine {measured.cosine_mean:.4f} < {self.cosine_mean}")
         return short
@@ -242,10 +228,7 @@ class Manifest(BaseModel):
 
     @property
     def top5_contract(self) -> bool:
-        """Whether a precision below fp32 may serve this export only where it keeps fp32's
-        top 5, in order, on every image it is checked on (the export's gate, a worker's
-        self-test). An imported TorchServe archive's: its answers are its handler's top 5
-        with their probabilities, which a swapped fifth class already changes."""
+        """Below fp32, keep fp32's top 5 in order on every image checked (TorchServe's)."""
         return self.imported is not None and self.has_classifier
 
     @property

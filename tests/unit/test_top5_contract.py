@@ -58,7 +58,7 @@ def test_only_an_imported_archive_is_held_to_its_top5() -> None:
     imported, own = gate_for(manifest(True), "bf16"), gate_for(manifest(False), "bf16")
     assert own == GATES["bf16"] and imported.top5_same == 1.0
     assert own.failures(agreement(0.75)) == []
-    assert imported.failures(agreement(0.75)) == ["top 5 the same, in order, on 0.750 < 1.0"]
+    assert imported.failures(agreement(0.75)) == ["top 5 kept in order on 0.75 < 1.0"]
     assert imported.failures(agreement(1.0)) == []
 
 
