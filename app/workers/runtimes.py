@@ -25,6 +25,7 @@ import torch
 
 from app.batching import Trial
 from app.errors import WorkerStartError
+from app.images import preprocess
 from app.manifest import DTYPES, PRECISION_TAGS, Agreement, Manifest, read_manifest
 from app.plan.serving import RuntimeSetting
 from app.workers.agreement import measure
@@ -45,6 +46,9 @@ MIN_COSINE_FP32 = 0.9999
 MIN_COSINE_BELOW_FP32 = 0.99
 SLACK_COSINE = 0.01
 SELF_TEST_IMAGES = 4
+# Real photos (scikit-image's, public domain or CC0, views of them at 256 px): the self-test
+# of a store held to its top 5 that saved no golden images of its own.
+GOLDEN = sorted((Path(__file__).resolve().parent.parent / "golden").glob("*.jpg"))
 TIMING_BATCH = 8
 TIMING_ROUNDS = 3
 TIMING_MIN_S = 0.1
@@ -154,11 +158,16 @@ class SelfTest:
     @classmethod
     def for_store(cls, store: Path, manifest: Manifest, dtype: torch.dtype) -> SelfTest:
         """The store's golden images (real photos) where its export saved some, else
-        synthetic ones; the export's measured agreement where it measured this ``dtype``."""
+        synthetic ones (for an imported archive, the photos shipped in ``app/golden``: its
+        top 5 are held to real photos, which synthetic ones let bf16 pass too easily); the
+        export's measured agreement where it measured this ``dtype``."""
         calibration = manifest.calibration
         keep_top5 = manifest.top5_contract
+        if calibration is None and keep_top5:
+            photos = np.stack([preprocess(p.read_bytes(), manifest.input) for p in GOLDEN])
+            return cls(photos, dtype, keep_top5=True, what="golden photos (app/golden)")
         if calibration is None:
-            return cls(self_test_images(manifest.input.image_shape), dtype, keep_top5=keep_top5)
+            return cls(self_test_images(manifest.input.image_shape), dtype)
         images = np.load(store / calibration.golden.path, allow_pickle=False)
         same = DTYPES[calibration.precision] == str(dtype).removeprefix("torch.")
         expected = calibration.golden_agreement if same else None
