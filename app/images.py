@@ -25,6 +25,9 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 DEFAULT_MAX_PIXELS = 40_000_000
 ORIENTATION_TAG = 0x0112  # EXIF
 _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+# The most pixels the stock transform's first step (the whole image resized) may make: what
+# an image up to 256 times longer than wide needs at a short side of 256.
+MAX_RESIZED_PIXELS = 1 << 24
 
 
 # Formats we refuse, recognised by their first bytes only: naming them needs no decoder.
@@ -129,11 +132,38 @@ def center_crop_box(width: int, height: int, spec: InputSpec) -> tuple[int, int,
     return (round(left), round(top), round(left + crop_w), round(top + crop_h))
 
 
+def resized_size(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
+    """``(width, height)`` after torchvision's ``Resize(spec.resize_size)``: the shorter side
+    at ``resize_size``, the longer one scaled and truncated to whole pixels, as torchvision
+    rounds it.
+
+    >>> spec = InputSpec(crop_size=224, resize_size=256, mean=(0, 0, 0), std=(1, 1, 1))
+    >>> resized_size(1600, 90, spec), resized_size(97, 1300, spec), resized_size(31, 31, spec)
+    ((4551, 256), (256, 3430), (256, 256))
+    """
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(spec.resize_size * long / short)
+    return (spec.resize_size, new_long) if width <= height else (new_long, spec.resize_size)
+
+
+def center_crop_offsets(width: int, height: int, spec: InputSpec) -> tuple[int, int]:
+    """``(left, top)`` of torchvision's ``CenterCrop(spec.crop_size)`` in a ``width`` x
+    ``height`` image: half the margin, rounded as torchvision rounds it (Python's ``round``,
+    halves to even).
+
+    >>> spec = InputSpec(crop_size=224, resize_size=256, mean=(0, 0, 0), std=(1, 1, 1))
+    >>> center_crop_offsets(341, 256, spec), center_crop_offsets(343, 256, spec)
+    ((58, 16), (60, 16))
+    """
+    return round((width - spec.crop_size) / 2.0), round((height - spec.crop_size) / 2.0)
+
+
 def preprocess(
     data: bytes, spec: InputSpec, *, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> npt.NDArray[np.uint8]:
     """Encoded image bytes -> uint8 array ``[crop, crop, 3]``: resize the shorter side to
-    ``spec.resize_size`` and take the centre crop, in one resampling pass."""
+    ``spec.resize_size`` and take the centre crop, in one resampling pass, or as
+    torchvision's Resize and CenterCrop do on a Pillow image (``spec.resize``)."""
     image = _open_checked(data, max_pixels)
     try:
         with warnings.catch_warnings():
@@ -143,6 +173,8 @@ def preprocess(
                 image.draft("RGB", (spec.resize_size, spec.resize_size))
             ImageOps.exif_transpose(image, in_place=True)  # copies nothing unless it turns
             image = _to_rgb(image)
+            if spec.resize == "pil-resize-then-crop":
+                return _resize_then_crop(image, spec)
             return _resize_center_crop(image, spec)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise PayloadTooLarge("the image has too many pixels") from None
@@ -171,3 +203,20 @@ def _resize_center_crop(image: Image.Image, spec: InputSpec) -> npt.NDArray[np.u
         box=center_crop_box(*image.size, spec),
     )
     return np.asarray(resized, dtype=np.uint8)
+
+
+def _resize_then_crop(image: Image.Image, spec: InputSpec) -> npt.NDArray[np.uint8]:
+    """torchvision's ``Resize(resize_size)`` then ``CenterCrop(crop_size)`` on ``image``: the
+    whole image resized by Pillow, then cropped. Where the resized image would be larger than
+    ``MAX_RESIZED_PIXELS`` (an image far longer than wide), Pillow resamples only the crop's
+    window, at the same geometry to a fraction of a pixel, instead."""
+    width, height = resized_size(*image.size, spec)
+    left, top = center_crop_offsets(width, height, spec)
+    crop = spec.crop_size
+    if width * height <= MAX_RESIZED_PIXELS:
+        resized = image.resize((width, height), _RESAMPLE[spec.interpolation])
+        return np.asarray(resized.crop((left, top, left + crop, top + crop)), dtype=np.uint8)
+    scale_x, scale_y = image.size[0] / width, image.size[1] / height
+    box = (left * scale_x, top * scale_y, (left + crop) * scale_x, (top + crop) * scale_y)
+    window = image.resize((crop, crop), _RESAMPLE[spec.interpolation], box=box)
+    return np.asarray(window, dtype=np.uint8)

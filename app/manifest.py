@@ -28,11 +28,18 @@ class InputSpec(BaseModel):
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    # True: a large JPEG is decoded at 1/2..1/8 scale while both sides stay at least
-    # resize_size (Pillow's draft, libjpeg's DCT scaling: much faster, nearly the same
-    # pixels). False: at full size, as torchvision's transforms after PIL.Image.open see it
-    # (an imported TorchServe archive answers as its stock handler does).
+    # reduced_decode: a large JPEG decoded at 1/2..1/8 scale (libjpeg's DCT scaling, both
+    # sides >= resize_size: faster, nearly the same pixels), or at full size. resize: "window"
+    # resamples the crop's source window in one pass (fast); "pil-resize-then-crop" is, to the
+    # pixel, torchvision's Resize then CenterCrop on a Pillow image (a TorchServe import's).
     reduced_decode: bool = True
+    resize: Literal["window", "pil-resize-then-crop"] = "window"
+
+    @model_validator(mode="after")
+    def _stock_resize_decodes_at_full_size(self) -> InputSpec:
+        if self.resize == "pil-resize-then-crop" and self.reduced_decode:
+            raise ValueError("pil-resize-then-crop decodes at full size: reduced_decode false")
+        return self
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -43,7 +50,8 @@ class InputSpec(BaseModel):
 def _defaults_left_out(spec: InputSpec) -> set[str]:
     """InputSpec fields left out of an identity at their default: a store exported before
     they existed keeps its served id."""
-    return {"reduced_decode"} if spec.reduced_decode else set()
+    defaults = {"reduced_decode": True, "resize": "window"}
+    return {name for name, value in defaults.items() if getattr(spec, name) == value}
 
 
 class FileEntry(BaseModel):
@@ -89,13 +97,13 @@ DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
 class Agreement(BaseModel):
-    """How models in a precision below fp32 agree with the fp32 models on the same real
-    images: the share of images given the same top-1 class, the mean overlap of the top-5
-    classes (both None without a classifier), and the cosine of the embeddings."""
+    """How a precision below fp32 agrees with fp32 on the same real images: the shares given
+    the same top 1 and top 5 in order, the top-5 overlap (None without a classifier), cosine."""
 
     images: int = Field(gt=0)
     top1: float | None = Field(None, ge=0, le=1)
     top5: float | None = Field(None, ge=0, le=1)
+    top5_same: float | None = Field(None, ge=0, le=1)
     cosine_mean: float
     cosine_min: float
 
@@ -105,12 +113,15 @@ class Gate(BaseModel):
 
     top1: float = Field(ge=0, le=1)
     cosine_mean: float = Field(ge=-1, le=1)
+    top5_same: float | None = Field(None, ge=0, le=1)
 
     def failures(self, measured: Agreement) -> list[str]:
         """What ``measured`` falls short of (nothing: it passes)."""
         short = []
         if measured.top1 is not None and measured.top1 < self.top1:
             short.append(f"top-1 agreement {measured.top1:.3f} < {self.top1}")
+        if self.top5_same is not None and (measured.top5_same or 0.0) < self.top5_same:
+            short.append(f"top 5 kept in order on {measured.top5_same} < {self.top5_same}")
         if measured.cosine_mean < self.cosine_mean:
             short.append(f"mean embedding cosine {measured.cosine_mean:.4f} < {self.cosine_mean}")
         return short
@@ -214,6 +225,11 @@ class Manifest(BaseModel):
     @property
     def has_classifier(self) -> bool:
         return "classifier" in self.files
+
+    @property
+    def top5_contract(self) -> bool:
+        """Below fp32, keep fp32's top 5 in order on every image checked (TorchServe's)."""
+        return self.imported is not None and self.has_classifier
 
     @property
     def int8_files(self) -> dict[str, FileEntry]:

@@ -79,6 +79,24 @@ def default_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def lite0_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trained model's TorchServe archive imported: the pretrained EfficientNet-Lite0,
+    traced and archived by the real torch-model-archiver with the stock image_classifier
+    handler (``tests.torchserve.lite0_archive``), then ``python -m app.export --from-mar``
+    into a model repository, as ``lite0``. Built once per test run; the archive's own
+    TorchScript file is ``<repository>/../lite0/lite0.pt``. Tests only read it."""
+    from app.export import main as export_main
+    from tests.torchserve import LITE0, lite0_archive
+
+    folder = tmp_path_factory.mktemp("lite0_mar")
+    mar = lite0_archive(folder)
+    repository = folder / "repository"
+    args = ["--from-mar", str(mar), "--repository", str(repository), "--name", LITE0]
+    assert export_main(args) == 0
+    return repository
+
+
 def jpeg(array: np.ndarray, quality: int = 92) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format="JPEG", quality=quality)

@@ -10,9 +10,17 @@
   ``trust_code``: then ``app.exporters.mar_script`` imports its model file in a subprocess,
   loads the weights with ``weights_only=True``, scripts the model and saves it; the server
   never runs archive code.
-- Preprocessing: the stock ``image_classifier`` handler's (resize 256, center crop 224,
-  ImageNet mean and std, bilinear), its softmax and top 5. A custom handler is never
-  imported: its archive imports only with the preprocessing given by hand.
+- Preprocessing: the stock ``image_classifier`` handler's transform, to the pixel: the
+  image decoded by Pillow at full size, torchvision's ``Resize(256)`` (Pillow's bilinear,
+  the long side truncated as torchvision does), ``CenterCrop(224)`` (its offsets rounded as
+  torchvision does), ``ToTensor`` and ``Normalize`` with ImageNet's mean and std
+  (``InputSpec.resize`` "pil-resize-then-crop"); its softmax and top 5. A custom handler is
+  never imported: its archive imports only with the preprocessing given by hand, made the
+  same way. TorchServe's other stock handlers (segmentation, detection, text) are refused:
+  their models answer no image's classes.
+- Precision: an imported archive's answers are its handler's top 5, so a precision below
+  fp32 serves it only where it keeps the top 5 of fp32, in order, on the images it is
+  checked on (``Manifest.top5_contract``).
 """
 
 from __future__ import annotations
@@ -42,9 +50,9 @@ from app.manifest import Imported, InputSpec, Manifest
 
 log = logging.getLogger("app.export")
 
-# The stock image_classifier handler's transform (ts/torch_handler/image_classifier.py):
-# PIL.Image.open (a JPEG at full size), Resize(256), CenterCrop(224), ToTensor,
-# Normalize(ImageNet), torchvision's bilinear.
+# The stock image_classifier handler's transform (ts/torch_handler/image_classifier.py,
+# TorchServe 0.12): PIL.Image.open (a JPEG at full size), Resize(256), CenterCrop(224),
+# ToTensor, Normalize(ImageNet); torchvision's default interpolation, bilinear.
 STOCK_INPUT = InputSpec(
     crop_size=224,
     resize_size=256,
@@ -52,6 +60,7 @@ STOCK_INPUT = InputSpec(
     mean=IMAGENET_MEAN,
     std=IMAGENET_STD,
     reduced_decode=False,
+    resize="pil-resize-then-crop",
 )
 SPLIT_TOLERANCE = 1e-4  # relative to the logits' scale
 SCRIPT_TIMEOUT_S = 600
@@ -81,6 +90,12 @@ def import_mar(
     with tempfile.TemporaryDirectory(prefix="mar-") as scratch:
         archive = unpack(path, Path(scratch) / "archive", max_bytes=max_bytes)
         given = bool(preprocessing)
+        if archive.other_stock_answer is not None:
+            raise ExportError(
+                f"{path.name}'s handler is TorchServe's stock {archive.handler!r}: its model "
+                f"answers {archive.other_stock_answer}, not an image's classes, which is what "
+                "this server serves (with the stock image_classifier handler's answers)"
+            )
         if not archive.stock_handler:
             if not given:
                 raise ExportError(

@@ -24,6 +24,13 @@ MANIFEST = "MAR-INF/MANIFEST.json"
 CLASSES = "index_to_name.json"
 # TorchServe's stock handler for image classification, by its short and its module name.
 STOCK_HANDLERS = frozenset({"image_classifier", "ts.torch_handler.image_classifier"})
+# TorchServe's other stock handlers (ts/torch_handler/, 0.12), and what their models answer
+# instead of an image's classes: nothing this server serves.
+OTHER_STOCK_HANDLERS = {
+    "image_segmenter": "a score per class and pixel (segmentation)",
+    "object_detector": "boxes, labels and scores (detection)",
+    "text_classifier": "the classes of a text",
+}
 MAX_BYTES = 4 << 30  # unpacked, by default: the largest models people serve are ~2 GB
 CHUNK = 1 << 20
 # What model-config.yaml may say about batching and workers, and this server's setting for it.
@@ -52,6 +59,12 @@ class Archive:
     @property
     def stock_handler(self) -> bool:
         return self.handler in STOCK_HANDLERS
+
+    @property
+    def other_stock_answer(self) -> str | None:
+        """What the archive's model answers, where its handler is one of TorchServe's other
+        stock handlers (``OTHER_STOCK_HANDLERS``); None otherwise."""
+        return OTHER_STOCK_HANDLERS.get(self.handler.removeprefix("ts.torch_handler."))
 
     def suggestions(self) -> list[str]:
         """This server's settings for what model-config.yaml asked of TorchServe."""

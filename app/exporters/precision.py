@@ -55,6 +55,14 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".ti
 CPU = torch.device("cpu")
 
 
+def gate_for(manifest: Manifest, precision: str) -> Gate:
+    """The gate ``manifest``'s export is held to in ``precision``: ``GATES``', and every
+    held-back image's top 5 kept in order where the export answers its top 5 as they are
+    (``Manifest.top5_contract``: an imported TorchServe archive)."""
+    gate = GATES[precision]
+    return gate.model_copy(update={"top5_same": 1.0}) if manifest.top5_contract else gate
+
+
 @dataclass(frozen=True)
 class PrecisionRequest:
     """What ``--precision``, ``--calibrate`` and ``--accept-accuracy-loss`` ask for."""
@@ -219,7 +227,7 @@ def lower_precision(
     if pixels is None:  # bf16 with nothing to measure on: the workers' self-test is the check
         return manifest.model_copy(update=update)
     fp32 = load_models(out, CPU, LoadOptions(threads=torch.get_num_threads()))
-    gate = request.gate or GATES[request.precision]
+    gate = request.gate or gate_for(manifest, request.precision)
     if request.precision == "bf16":
         measured_on, calibrated = pixels, 0
         runtime: Runtime = "openvino" if "openvino" in manifest.runtimes else "torchscript"
@@ -269,13 +277,16 @@ def _report(tried: _Tried, gate: Gate, calibrated: int) -> None:
     agreement = tried.agreement
     log.info(
         "%s, against fp32 on %d held-back images (%d calibrated with): top-1 agreement %s "
-        "(gate %s), top-5 overlap %s, embedding cosine mean %.4f (gate %s), min %.4f%s",
+        "(gate %s), top-5 overlap %s, top 5 the same in order %s%s, embedding cosine mean "
+        "%.4f (gate %s), min %.4f%s",
         tried.method,
         agreement.images,
         calibrated,
         share(agreement.top1),
         gate.top1,
         share(agreement.top5),
+        share(agreement.top5_same),
+        f" (gate {gate.top5_same})" if gate.top5_same is not None else "",
         agreement.cosine_mean,
         gate.cosine_mean,
         agreement.cosine_min,

@@ -59,7 +59,7 @@ def _compare(
             f"embedding shape {tuple(features.shape)}, expected {tuple(ref_features.shape)}"
         )
     cosine = torch.nn.functional.cosine_similarity(features, ref_features)
-    top1 = top5 = None
+    top1 = top5 = top5_same = None
     if ref_logits is not None and logits is not None:
         if logits.shape != ref_logits.shape:
             shapes = tuple(logits.shape), tuple(ref_logits.shape)
@@ -69,10 +69,12 @@ def _compare(
         top1 = float((expected[:, 0] == got[:, 0]).float().mean())
         overlap = (expected.unsqueeze(2) == got.unsqueeze(1)).any(dim=2).float().sum(dim=1) / k
         top5 = float(overlap.mean())
+        top5_same = float((expected == got).all(dim=1).float().mean())
     return Agreement(
         images=len(cosine),
         top1=top1,
         top5=top5,
+        top5_same=top5_same,
         cosine_mean=float(cosine.mean()),
         cosine_min=float(cosine.min()),
     )

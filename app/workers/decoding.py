@@ -9,13 +9,16 @@ where Pillow's resampling is not). Every other format, a CMYK JPEG, and a JPEG l
 refuses go through the server's own ``preprocess`` (Pillow), which also gives a bad upload
 its 4xx. Both resample the same window (``center_crop_box``) with the same filter; their
 pixels differ by rounding detail only, which ``tests/integration/test_decode_accuracy.py``
-bounds in a real model's answers.
+bounds in a real model's answers. A store whose preprocessing is torchvision's resize then
+crop (``InputSpec.resize``: an imported TorchServe archive) goes through ``preprocess``
+whatever its format (``turbo_decodes``): its answers are the stock handler's, not nearly.
 
 ``DeviceDecoder`` (``MB_DECODE=device``) decodes JPEGs with ``torchvision.io.decode_jpeg`` on
 the worker's device (nvJPEG on a GPU, in one batched call; libjpeg-turbo on the CPU), then
 turns them upright, resizes and centre-crops them with tensor ops there. Pixels never cross
-the PCIe bus, only the encoded bytes do. Other formats, and JPEGs the decoder cannot take
-(CMYK), go through ``Decoder``. Its pixels differ from Pillow's by resampling detail only:
+the PCIe bus, only the encoded bytes do. Other formats, JPEGs the decoder cannot take
+(CMYK), and every upload of a store that ``turbo_decodes`` leaves to Pillow go through
+``Decoder``. Its pixels differ from Pillow's by resampling detail only:
 Pillow may decode a large JPEG at 1/2 to 1/8 scale (draft mode), while here the JPEG is
 decoded at full size.
 """
@@ -72,7 +75,7 @@ class Decoder:
         upload's ``(error class, message)``."""
         try:
             header = read_header(data, max_pixels=self.max_pixels)
-            if not (header.format == "JPEG" and header.mode in TURBO_JPEG_MODES):
+            if not turbo_decodes(header, self.spec):
                 out[...] = preprocess(data, self.spec, max_pixels=self.max_pixels)
                 return None
             try:
@@ -129,6 +132,15 @@ def _serial_torch() -> None:
 # Pillow modes of the JPEGs libjpeg-turbo decodes to RGB here and on a device: YCbCr
 # (reported as RGB) and greyscale. CMYK and YCCK go through Pillow.
 TURBO_JPEG_MODES = ("RGB", "L")
+
+
+def turbo_decodes(header: Header, spec: InputSpec) -> bool:
+    """Whether an upload takes the fast path (libjpeg-turbo, then torch's resize, on the CPU
+    or a device) rather than Pillow's ``preprocess``: a JPEG libjpeg-turbo decodes to RGB,
+    for a store that crops a window in one pass. A store with torchvision's resize-then-crop
+    (an imported TorchServe archive) decodes and resizes with Pillow only: its pixels are
+    then the stock handler's own."""
+    return spec.resize == "window" and header.format == "JPEG" and header.mode in TURBO_JPEG_MODES
 
 
 def draft_factor(width: int, height: int, spec: InputSpec) -> int:
@@ -234,7 +246,7 @@ class DeviceDecoder:
             except ServerError as exc:
                 errors[position] = (type(exc).__name__, str(exc))
                 continue
-            if header.format == "JPEG" and header.mode in TURBO_JPEG_MODES:
+            if turbo_decodes(header, self.spec):
                 jpegs.append((position, header))
             else:
                 others.append(position)

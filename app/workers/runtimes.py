@@ -25,6 +25,7 @@ import torch
 
 from app.batching import Trial
 from app.errors import WorkerStartError
+from app.images import preprocess
 from app.manifest import DTYPES, PRECISION_TAGS, Agreement, Manifest, read_manifest
 from app.plan.serving import RuntimeSetting
 from app.workers.agreement import measure
@@ -38,11 +39,16 @@ log = logging.getLogger("app.worker")
 # top-5 classes. Below fp32, on a store whose export measured that precision on its golden
 # images: what the export measured, less SLACK_COSINE and one image's top-1 (the host's
 # instruction set may round differently); on any other store: embeddings within
-# MIN_COSINE_BELOW_FP32 and the same top-1 class (lower precisions may swap near-ties).
+# MIN_COSINE_BELOW_FP32 and the same top-1 class (lower precisions may swap near-ties). An
+# imported TorchServe archive below fp32 keeps, besides, fp32's top 5 in order on every image
+# (``Manifest.top5_contract``), or as many as its export measured.
 MIN_COSINE_FP32 = 0.9999
 MIN_COSINE_BELOW_FP32 = 0.99
 SLACK_COSINE = 0.01
 SELF_TEST_IMAGES = 4
+# Real photos (scikit-image's, public domain or CC0, views of them at 256 px): the self-test
+# of a store held to its top 5 that saved no golden images of its own.
+GOLDEN = sorted((Path(__file__).resolve().parent.parent / "golden").glob("*.jpg"))
 TIMING_BATCH = 8
 TIMING_ROUNDS = 3
 TIMING_MIN_S = 0.1
@@ -140,22 +146,32 @@ def self_test_images(
 @dataclass(frozen=True)
 class SelfTest:
     """What a runtime is checked on in one precision: the images, and for a precision below
-    fp32 the agreement its export measured on them (None: the fixed thresholds)."""
+    fp32 the agreement its export measured on them (None: the fixed thresholds), and whether
+    it must keep fp32's top 5 in order there (``Manifest.top5_contract``)."""
 
     images: npt.NDArray[np.uint8]
     dtype: torch.dtype
     expected: Agreement | None = None
+    keep_top5: bool = False
+    what: str = "synthetic self-test images"
 
     @classmethod
     def for_store(cls, store: Path, manifest: Manifest, dtype: torch.dtype) -> SelfTest:
         """The store's golden images (real photos) where its export saved some, else
-        synthetic ones; the export's measured agreement where it measured this ``dtype``."""
+        synthetic ones (for an imported archive, the photos shipped in ``app/golden``: its
+        top 5 are held to real photos, which synthetic ones let bf16 pass too easily); the
+        export's measured agreement where it measured this ``dtype``."""
         calibration = manifest.calibration
+        keep_top5 = manifest.top5_contract
+        if calibration is None and keep_top5:
+            photos = np.stack([preprocess(p.read_bytes(), manifest.input) for p in GOLDEN])
+            return cls(photos, dtype, keep_top5=True, what="golden photos (app/golden)")
         if calibration is None:
             return cls(self_test_images(manifest.input.image_shape), dtype)
         images = np.load(store / calibration.golden.path, allow_pickle=False)
         same = DTYPES[calibration.precision] == str(dtype).removeprefix("torch.")
-        return cls(images, dtype, calibration.golden_agreement if same else None)
+        expected = calibration.golden_agreement if same else None
+        return cls(images, dtype, expected, keep_top5, "golden images")
 
     def failure(self, measured: Agreement) -> str | None:
         """Why ``measured`` does not pass; None if it does."""
@@ -166,6 +182,15 @@ class SelfTest:
             if measured.top5 is not None and measured.top5 < 1.0:
                 return "top-5 classes differ from TorchScript's"
             return None
+        if self.keep_top5 and measured.top5_same is not None:
+            expected = self.expected.top5_same if self.expected is not None else None
+            least = 1.0 if expected is None else expected
+            if measured.top5_same < least - 1e-9:
+                changed = round((1 - measured.top5_same) * measured.images)
+                return (
+                    f"top 5 not fp32's, in order, on {changed} of {measured.images} {self.what}: "
+                    "an imported TorchServe archive serves below fp32 only where it keeps them"
+                )
         if self.expected is not None:
             least = self.expected.cosine_mean - SLACK_COSINE
             if measured.cosine_mean < least:

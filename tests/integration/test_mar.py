@@ -1,98 +1,34 @@
 """TorchServe archives made by the real ``torch-model-archiver``, imported with
 ``python -m app.export --from-mar`` and served: the answers equal what TorchServe's stock
-``image_classifier`` handler computes for the same photos (its documented transform,
-softmax and top 5, written below from its documentation), through TorchServe's own
-inference API and through ``/predict/tag``."""
+``image_classifier`` handler computes for the same photos and odd uploads (its transform,
+softmax and top 5, run in-process: ``tests.torchserve``), through TorchServe's own
+inference API and through ``/predict/tag``. These archives have random weights (a split
+ResNet-18, a CNN served whole); a trained model's: ``test_mar_trained.py``."""
 
 from __future__ import annotations
 
-import io
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
 import torchvision
-from PIL import Image
-from skimage import data
-from torchvision import transforms
 
 from app.export import main as export_main
-from tests.children import dies_with_run
-from tests.conftest import jpeg
-from tests.server import REPO, ServerProcess
+from tests.server import ServerProcess
+from tests.torchserve import ODD, PHOTOS, TOLERANCE, archive, imagenet_classes, stock_handler
 from tests.unit.test_mar import Pooled
 
 pytestmark = pytest.mark.slow
 
-IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-STOCK_TRANSFORM = transforms.Compose(
-    [
-        transforms.Resize(256),
-        transforms.CenterCrop(224),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ]
-)
-TOLERANCE = 1e-4  # fp32 probabilities
 References = dict[str, tuple[torch.jit.ScriptModule, list[str]]]
-
-
-def png(pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-PHOTOS = {
-    "cat.jpg": jpeg(data.chelsea()),  # type: ignore[no-untyped-call]
-    "espresso.jpg": jpeg(data.coffee()),  # type: ignore[no-untyped-call]
-    "astronaut.jpg": jpeg(data.astronaut()),  # type: ignore[no-untyped-call]  # 512 px: 1/2 DCT
-    "cat.png": png(data.chelsea()),  # type: ignore[no-untyped-call]
-}
-
-
-def stock_handler(
-    model: torch.jit.ScriptModule, classes: list[str], photo: bytes
-) -> dict[str, float]:
-    """What TorchServe's image_classifier answers: PIL, its transform, softmax, top 5."""
-    image = Image.open(io.BytesIO(photo)).convert("RGB")
-    with torch.inference_mode():
-        probabilities = torch.softmax(model(STOCK_TRANSFORM(image).unsqueeze(0)), dim=1)[0]
-    values, indices = probabilities.topk(min(5, len(classes)))
-    return {classes[int(i)]: float(v) for v, i in zip(values, indices, strict=True)}
-
-
-def archive(folder: Path, name: str, model: torch.nn.Module, classes: object) -> Path:
-    """A .mar made by torch-model-archiver from ``model`` scripted, with its classes."""
-    work = folder / name
-    work.mkdir()
-    torch.jit.save(torch.jit.script(model.eval()), str(work / f"{name}.pt"))
-    (work / "index_to_name.json").write_text(json.dumps(classes))
-    command = [
-        sys.executable, "-m", "model_archiver.model_packaging",
-        "--model-name", name, "--version", "1.0",
-        "--serialized-file", str(work / f"{name}.pt"),
-        "--handler", "image_classifier",
-        "--extra-files", str(work / "index_to_name.json"),
-        "--export-path", str(folder),
-    ]  # fmt: skip
-    subprocess.run(
-        command, check=True, capture_output=True, timeout=300, preexec_fn=dies_with_run()
-    )
-    return folder / f"{name}.mar"
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, References]]:
     folder = tmp_path_factory.mktemp("mar")
     torch.manual_seed(0)
-    imagenet = [line.strip() for line in (REPO / "imagenet_classes.txt").read_text().splitlines()]
+    imagenet = imagenet_classes()
     resnet = torchvision.models.resnet18().eval()  # random weights, 1000 classes
     cnn = Pooled(classes=10).eval()  # no linear head: served whole
     models = {
@@ -123,7 +59,7 @@ def test_the_predictions_api_answers_as_the_stock_handler(
 ) -> None:
     base_url, references = served
     model, classes = references[name]
-    for photo_name, photo in PHOTOS.items():
+    for photo_name, photo in (PHOTOS | ODD).items():
         expected = stock_handler(model, classes, photo)
         for answer in (
             httpx.post(f"{base_url}/predictions/{name}", content=photo),  # curl --data-binary

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import app.images
 from app.errors import InvalidImage, PayloadTooLarge, UnsupportedImageFormat
 from app.images import preprocess
 from app.manifest import InputSpec
@@ -106,3 +107,66 @@ def test_pixel_limit_is_checked_before_decoding() -> None:
 def test_same_bytes_same_pixels() -> None:
     data = encode(gradient(), "JPEG")
     assert np.array_equal(preprocess(data, SPEC), preprocess(data, SPEC))
+
+
+STOCK = InputSpec(
+    crop_size=224,
+    resize_size=256,
+    mean=(0, 0, 0),
+    std=(1, 1, 1),
+    reduced_decode=False,
+    resize="pil-resize-then-crop",
+)
+
+
+def noise(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize(
+    "size",
+    [(451, 300), (300, 451), (1600, 90), (97, 1300), (31, 31), (257, 700), (333, 257), (900, 601)],
+)
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_the_stock_resize_is_torchvisions_resize_and_center_crop_to_the_pixel(
+    size: tuple[int, int], interpolation: str
+) -> None:
+    """torchvision's Resize then CenterCrop on the Pillow image (TorchServe's stock
+    transform), its rounding of the long side and of the offsets included."""
+    from torchvision import transforms
+
+    mode = transforms.InterpolationMode(interpolation)
+    stock = transforms.Compose([transforms.Resize(256, mode), transforms.CenterCrop(224)])
+    image = noise(*size)
+    spec = STOCK.model_copy(update={"interpolation": interpolation})
+    for data in (encode(image, "PNG"), encode(image, "JPEG", quality=90)):
+        expected = np.asarray(stock(Image.open(io.BytesIO(data))))
+        assert np.array_equal(preprocess(data, spec), expected), (size, interpolation)
+
+
+def test_an_image_too_long_to_resize_whole_is_resampled_in_its_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4000x1: resized whole, it would be a billion pixels; Pillow resamples the crop's window
+    instead, at the same geometry, which differs from the whole resize by rounding only."""
+    from torchvision import transforms
+
+    assert preprocess(encode(noise(4000, 1), "PNG"), STOCK).shape == (224, 224, 3)
+    narrow = encode(noise(4000, 60), "PNG")  # small enough to compare with the whole resize
+    stock = transforms.Compose([transforms.Resize(256), transforms.CenterCrop(224)])
+    expected = np.asarray(stock(Image.open(io.BytesIO(narrow)))).astype(int)
+    assert np.array_equal(preprocess(narrow, STOCK), expected)
+    monkeypatch.setattr(app.images, "MAX_RESIZED_PIXELS", 0)
+    assert np.abs(preprocess(narrow, STOCK).astype(int) - expected).max() <= 1
+
+
+def test_the_stock_resize_needs_a_full_size_decode() -> None:
+    with pytest.raises(ValueError, match="full size"):
+        InputSpec(
+            crop_size=224,
+            resize_size=256,
+            mean=(0, 0, 0),
+            std=(1, 1, 1),
+            resize="pil-resize-then-crop",
+        )

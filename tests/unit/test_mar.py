@@ -198,6 +198,9 @@ def test_an_unsplit_model_serves_tags_only_and_says_so(tmp_path: Path) -> None:
     )
     manifest, archive = import_mar(mar, tmp_path / "store", runtimes=())
     assert not manifest.embedding_served and manifest.num_classes == 10
+    # The stock transform, to the pixel: Pillow at full size, resized whole, then cropped.
+    assert manifest.input.resize == "pil-resize-then-crop" and not manifest.input.reduced_decode
+    assert manifest.top5_contract
     assert manifest.embedding_dim == 10  # the logits, never answered as an embedding
     assert manifest.imported is not None
     assert manifest.imported.preprocessing == "stock image_classifier"
@@ -230,3 +233,18 @@ def test_a_custom_handler_needs_its_preprocessing_given_by_hand(
     assert manifest.imported.preprocessing == "given by hand"
     assert manifest.input.crop_size == 160 and manifest.input.mean == (0.5, 0.5, 0.5)
     assert manifest.imported.handler == "handler.py"
+
+
+@pytest.mark.parametrize(
+    "handler", ["image_segmenter", "ts.torch_handler.object_detector", "text_classifier"]
+)
+def test_torchserves_other_stock_handlers_are_refused_saying_what_they_answer(
+    tmp_path: Path, handler: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mar = write_mar(
+        tmp_path / "m.mar", {"m.pt": scripted_bytes(Linear(), tmp_path)}, {"handler": handler}
+    )
+    args = ["--from-mar", str(mar), "--out", str(tmp_path / "store"), "--runtimes", "none"]
+    assert export_main(args) == 2
+    error = capsys.readouterr().err
+    assert f"TorchServe's stock {handler!r}" in error and "not an image's classes" in error

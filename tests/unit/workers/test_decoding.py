@@ -12,7 +12,7 @@ from PIL import Image
 
 from app.images import preprocess, read_header
 from app.manifest import InputSpec
-from app.workers.decoding import Decoder, draft_factor
+from app.workers.decoding import Decoder, draft_factor, turbo_decodes
 from tests.unit.test_images import SPEC, encode, gradient
 from tests.unit.workers.test_device_decode import jpeg, mean_abs_diff, photo
 
@@ -121,3 +121,20 @@ def test_the_dct_scale_is_the_one_pillows_draft_picks(size: tuple[int, int]) -> 
     factor = draft_factor(*size, MODEL_SPEC)
     assert image.size == (-(-size[0] // factor), -(-size[1] // factor))
     assert read_header(upload).width == size[0]
+
+
+def test_a_store_with_torchvisions_resize_decodes_every_upload_with_pillow() -> None:
+    """An imported TorchServe archive's store: JPEGs too go through Pillow's ``preprocess``
+    (the stock transform, to the pixel), never libjpeg-turbo and torch's resize."""
+    stock = MODEL_SPEC.model_copy(
+        update={
+            "interpolation": "bilinear",
+            "reduced_decode": False,
+            "resize": "pil-resize-then-crop",
+        }
+    )
+    uploads = [jpeg(photo(451, 300)), jpeg(photo().convert("L")), encode(photo(), "PNG")]
+    for upload in uploads:
+        assert not turbo_decodes(read_header(upload), stock)
+        assert np.array_equal(decode_one(upload, stock), preprocess(upload, stock))
+    assert turbo_decodes(read_header(uploads[0]), MODEL_SPEC)

@@ -153,3 +153,20 @@ def test_gpu_decode_matches_cpu_decode() -> None:  # pragma: no cover - GPU mach
     assert gpu_errors == {} and on_gpu.device.type == "cuda"
     # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a little.
     assert mean_abs_diff(on_gpu.cpu().numpy(), on_cpu.numpy()) < 2.0
+
+
+def test_a_store_with_torchvisions_resize_leaves_every_upload_to_pillow() -> None:
+    """MB_DECODE=device on an imported TorchServe archive's store: no JPEG is decoded on the
+    device; every row is Pillow's stock transform, bit for bit."""
+    stock = SPEC.model_copy(
+        update={
+            "reduced_decode": False,
+            "resize": "pil-resize-then-crop",
+            "interpolation": "bilinear",
+        }
+    )
+    uploads = [jpeg(photo()), jpeg(photo().convert("L")), encode(photo(200, 260), "PNG")]
+    pixels, errors = decoder(stock).decode(uploads)
+    assert errors == {}
+    for row, upload in enumerate(uploads):
+        assert np.array_equal(pixels[row].numpy(), preprocess(upload, stock)), row
