@@ -10,6 +10,9 @@ MODEL_STORE ?= model_store
 PIP    := $(PY) -m pip install --disable-pip-version-check --progress-bar off
 
 FRONT_ENDS ?= 2
+# make test: pytest processes (pytest-xdist); most of the suite's time is servers waiting on
+# each other, and its timing-sensitive tests allow for another run beside them.
+TEST_PROCESSES ?= 2
 # make chaos: how many random sequences of how many steps the model-based lifecycle test runs
 # in each deployment (make test runs one fixed program and a short derandomized exploration).
 LIFECYCLE_EXAMPLES ?= 3
@@ -42,7 +45,7 @@ run-cluster: install redis-server $(SERVED_MODEL)  ## broker mode on one machine
 test: install-dev redis-server prometheus  ## whole test suite (CPU only) plus lint
 	$(PY) -m ruff check app tests bench .ci
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_PROCESSES)
 
 # The Helm chart (deploy/helm/microbatch-server), rendered with every profile in its ci/ folder:
 # helm lint --strict, each document against the Kubernetes 1.25 and 1.37 schemas (strict), the

@@ -73,6 +73,7 @@ CONFIGS = [
     Config("inprocess", 1, "bf16"),
     Config("inprocess", 2, "fp32", poll=True),
     Config("inprocess", 2, "int8"),
+    Config("broker", 2, "fp32"),
     Config("broker", 2, "bf16", poll=True),
     Config("broker", 2, "int8"),
 ]
