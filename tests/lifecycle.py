@@ -399,48 +399,46 @@ def predictions(http: httpx.Client, image: int) -> Answer:
     return answer
 
 
-def triton_binary(url: str, image: int) -> Answer:
-    """tritonclient.http, binary tensors (its default), as Triton's users send them."""
-    import tritonclient.http as triton_http
-    from tritonclient.utils import InferenceServerException
-
-    client = triton_http.InferenceServerClient(url.removeprefix("http://"))
-    try:
-        given = triton_http.InferInput("image", [1, 1], "BYTES")
-        given.set_data_from_numpy(np.array([[IMAGES[image]]], dtype=np.object_))
-        wanted = [triton_http.InferRequestedOutput("embedding")]
-        try:
-            result = client.infer(NAME, [given], outputs=wanted)
-        except InferenceServerException as exc:
-            return Answer("v2 binary", int(exc.status() or 0), image=image, message=str(exc))
-        answer = Answer("v2 binary", 200, image=image)
-        answer.embedding = result.as_numpy("embedding")[0]
-        answer.version = result.get_response()["model_version"]
-        return answer
-    finally:
-        client.close()
-
-
 GRPC_CODES = {"NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "UNAVAILABLE": 503}
 
 
+def triton_binary(url: str, image: int) -> Answer:
+    """tritonclient.http, binary tensors (its default), as Triton's users send them."""
+    import tritonclient.http as triton_http
+
+    return _triton(triton_http, "v2 binary", url.removeprefix("http://"), image)
+
+
 def triton_grpc(url: str, image: int) -> Answer:
+    """tritonclient.grpc, as Triton's users send over gRPC."""
     import tritonclient.grpc as triton_grpc_client
+
+    return _triton(triton_grpc_client, "grpc", url, image)
+
+
+def _triton(module: Any, protocol: str, url: str, image: int) -> Answer:
+    """One infer of image ``image`` by tritonclient's ``module`` (``http`` or ``grpc``); a
+    refusal is its HTTP status (gRPC's code mapped by ``GRPC_CODES``)."""
     from tritonclient.utils import InferenceServerException
 
-    client = triton_grpc_client.InferenceServerClient(url)
+    client = module.InferenceServerClient(url)
     try:
-        given = triton_grpc_client.InferInput("image", [1, 1], "BYTES")
+        given = module.InferInput("image", [1, 1], "BYTES")
         given.set_data_from_numpy(np.array([[IMAGES[image]]], dtype=np.object_))
-        wanted = [triton_grpc_client.InferRequestedOutput("embedding")]
+        wanted = [module.InferRequestedOutput("embedding")]
         try:
             result = client.infer(NAME, [given], outputs=wanted)
         except InferenceServerException as exc:
-            code = str(exc.status()).removeprefix("StatusCode.")
-            return Answer("grpc", GRPC_CODES.get(code, 500), image=image, message=str(exc))
-        answer = Answer("grpc", 200, image=image)
+            status = str(exc.status() or 0)
+            code = GRPC_CODES.get(status.removeprefix("StatusCode."), 500)
+            return Answer(protocol, int(status) if status.isdigit() else code, image=image,
+                          message=str(exc))  # fmt: skip
+        answer = Answer(protocol, 200, image=image)
         answer.embedding = result.as_numpy("embedding")[0]
-        answer.version = result.get_response().model_version
+        response = result.get_response()
+        answer.version = response["model_version"] if isinstance(response, dict) else (
+            response.model_version
+        )  # fmt: skip
         return answer
     finally:
         client.close()
