@@ -198,8 +198,13 @@ def test_the_default_model_passes_the_bf16_gate_and_still_tags_the_cat(
     trial = choice.trials["openvino+bf16"]
     assert trial.passed and trial.top1 == 1.0
     assert trial.cosine_min is not None and trial.cosine_min >= 0.99
-    fastest = max(choice.images_per_s, key=lambda label: choice.images_per_s[label])
-    assert (choice.dtype == torch.bfloat16) == fastest.endswith("+bf16")
+    # bf16 serves only if decisively faster than fp32, the export's own (on a busy host it
+    # can be the fastest and still not by the margin)
+    rates = choice.images_per_s
+    bf16_best = max(rate for label, rate in rates.items() if label.endswith("+bf16"))
+    fp32_best = max(rate for label, rate in rates.items() if not label.endswith("+bf16"))
+    decisive = bf16_best >= runtimes_module.DECISIVE * fp32_best
+    assert (choice.dtype == torch.bfloat16) == decisive, rates
     bf16 = load_models(default_store, CPU, LoadOptions(dtype=torch.bfloat16, threads=2), "openvino")
     tags = BatchRunner(bf16, CPU).run(
         Task.TAG, photo_pixels(default_store, cat_jpeg, coffee_jpeg), 5
