@@ -22,7 +22,6 @@ from app.broker.worker.health import TroubleLog
 from app.broker.worker.replies import Entry, Replier
 from app.broker.worker.stats import ConsumerStats
 from app.errors import InferenceError
-from app.lifecycle import VersionState
 
 log = logging.getLogger("app.worker")
 
@@ -141,9 +140,8 @@ class OrphanClaims:
         info = view.worker(consumer)
         if info is None:  # its heartbeat does not check: its entries are its own
             return True
-        reading = (VersionState.READY, VersionState.DRAINING)
         return any(
-            stream in self.keys.streams(m.served_id) for m in info.models if m.state in reading
+            stream in self.keys.streams(m.served_id) for m in info.models if info.holds(m.served_id)
         )
 
     def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
