@@ -536,15 +536,16 @@ async def test_a_request_past_its_deadline_is_never_run(tiny_store: Path) -> Non
     assert late.status_code == 504
 
 
-def add_ghost_worker(redis_server: RedisServer) -> None:
+def add_ghost_worker(redis_server: RedisServer, *, draining: bool = False) -> None:
     """A worker that seems alive to the front ends (a fresh heartbeat for export
-    ``0`` * 12) and never reads its stream."""
+    ``0`` * 12) and never reads its stream; ``draining``: told to stop."""
     info = {
         "name": "ghost:0", "host": "ghost", "index": 0, "pid": 1, "device": "cpu",
         "threads": 1, "batch_size": 8, "ready": True, "alive": True, "running": 0,
         "restarts": 0, "batches": 0, "items": 0, "mixed_batches": 0, "expired": 0,
         "malformed": 0, "reclaimed": 0, "given_up": 0,
         "models": [{"name": "ghost", "version": 1, "served_id": GHOST_ID, "state": "ready"}],
+        "draining": draining,
     }  # fmt: skip
     client = redis_server.client()
     client.zadd(f"{PREFIX}:{{w}}:workers", {"ghost:0": 99999999999999})
@@ -602,6 +603,33 @@ async def test_a_front_end_that_saw_no_worker_looks_again_before_refusing() -> N
             assert not waiting.done(), waiting.exception()
             assert transport.ready and client.xlen(GHOST_STREAM) == 1
             waiting.cancel()
+        finally:
+            await transport.aclose()
+
+
+async def test_a_new_request_for_a_version_only_a_stopping_worker_holds_is_refused_at_once() -> None:
+    """A worker told to stop (draining) finishes what it holds and takes nothing new, and
+    readiness stops counting it: a new request for the version only it holds is refused
+    503 ``worker_died`` at once, and adds nothing to the stream. (Found by CI: the request
+    was queued, and failed ``ORPHANED_S`` later, once the worker had gone.)"""
+    from app.batching import BatchItem
+    from app.broker.front.transport import BrokerTransport
+    from app.errors import WorkerDied
+    from app.jobs import BatchKey, ImageJob, Task
+
+    with RedisServer() as redis_server:
+        client = redis_server.client()
+        add_ghost_worker(redis_server, draining=True)
+        transport = BrokerTransport(redis_server.url, PREFIX, max_queue=16)
+        await transport.start()
+        try:
+            assert transport.monitor.workers, "the front end saw the stopping worker"
+            item = BatchItem(1, ImageJob(b"upload", top_k=0), time.monotonic() + 30)
+            with pytest.raises(WorkerDied):
+                await asyncio.wait_for(
+                    transport.run_batch(BatchKey(Task.EMBEDDING, True, GHOST_ID), [item]), 10
+                )
+            assert client.xlen(GHOST_STREAM) == 0
         finally:
             await transport.aclose()
 

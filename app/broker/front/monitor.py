@@ -97,10 +97,12 @@ class Monitor:
         workers to come, held or not (their deadline bounds the wait)."""
         return frozenset(r.served_id for r in self.routes.values() if self.scale_from_zero)
 
-    def served(self, served_id: str) -> bool:
+    def served(self, served_id: str, *, new: bool = False) -> bool:
         """Whether a live worker reads ``served_id``'s streams, or is loading its export (a
         worker restarted after dying starts holding nothing: it reads them once loaded, and
-        takes back what its last life left pending)."""
+        takes back what its last life left pending). For a ``new`` request, a worker told to
+        stop (draining) does not count: it finishes what it holds and takes nothing new, and
+        front ends stop routing to it at once (readiness says the same)."""
         export = export_of(served_id)
         return any(
             worker.holds(served_id)
@@ -109,6 +111,7 @@ class Monitor:
                 for m in worker.models
             )
             for worker in self.workers
+            if not (new and worker.draining)
         )
 
     def retry_after(self, waiting: int) -> float:

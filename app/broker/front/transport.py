@@ -10,8 +10,8 @@ of the version it was admitted for (``BatchKey.model``). No torch, no model weig
 Failure rules: a request is refused with 503 ``broker_unavailable`` while Redis cannot be
 reached, and every request waiting for a reply fails the same way the moment the reply
 reader loses Redis (the entry or its reply may be gone). It is refused with 503
-``worker_died`` while no live worker holds its version (by a look at Redis at most
-``LOOK_AGAIN_S`` older than the request), and a request already waiting fails the same way
+``worker_died`` while no live worker not told to stop holds its version (by a look at Redis
+at most ``LOOK_AGAIN_S`` older than the request), and a request already waiting fails the same way
 once no live worker has held its version for ``ORPHANED_S`` (its worker died: a restart
 takes longer than a caller should wait; scaling from zero, it waits for its deadline). It is
 refused with 503 ``queue_full`` when the shared streams hold ``max_queue`` entries (checked
@@ -218,15 +218,16 @@ class BrokerTransport:
         assert isinstance(key, BatchKey)
         if not self.monitor.connected or self._redis is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
-        if not self.monitor.served(key.model):
+        if not self._held(key.model, new=True):
             await self.monitor.look_again()
-            if not self._held(key.model):
+            if not self._held(key.model, new=True):
                 raise WorkerDied(f"no live model worker holds {key.model}", retry_after_s=2)
         return {item.id: await self._one(key.model, key.task, item) for item in items}
 
-    def _held(self, served_id: str) -> bool:
-        """Whether a live worker holds ``served_id``, or its requests wait for one."""
-        return self.monitor.served(served_id) or served_id in self.monitor.queued
+    def _held(self, served_id: str, *, new: bool = False) -> bool:
+        """Whether a live worker holds ``served_id`` (one not told to stop, for a ``new``
+        request), or its requests wait for one."""
+        return self.monitor.served(served_id, new=new) or served_id in self.monitor.queued
 
     async def backlog(self) -> QueueBacklog:
         """The work waiting for workers (``app.broker.front.backlog``), over the streams of every
