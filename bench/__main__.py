@@ -30,7 +30,7 @@ from pathlib import Path
 
 from app.manifest import read_manifest
 from app.workers.runtimes import cpu_has_bf16
-from bench import protocols, tracing
+from bench import lone, protocols, tracing
 from bench.baseline import source_tree
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
@@ -266,29 +266,32 @@ def run_model(
                 )
             if args.baseline and label in ("ours", "ours+openvino+int8"):
                 against_baseline(report, label, server, args, jpegs, **serve_args)
-    against_plain(report, store, args, jpegs)
+    if model == args.models.split(",")[0]:
+        lone_request(report, store, args, jpegs)
     return report
 
 
-def against_plain(
+def lone_request(
     report: ModelReport, store: Path, args: argparse.Namespace, jpegs: list[bytes]
 ) -> None:
-    """The lone p50 of this server with its defaults and of the plain OpenVINO app, both
-    serving, in turns: a lone request's figure without the drift between minutes."""
-    with (
-        serve("ours", store, batch_size="32", max_latency=DEFAULT_MAX_LATENCY,
-              threads=args.threads, settings=DEFAULTS) as ours,
-        serve("openvino-plain", store, batch_size="1", max_latency=0.0,
-              threads=args.threads) as plain,
-    ):  # fmt: skip
-        warm_up(ours, jpegs)
-        warm_up(plain, jpegs)
-        report.vs_plain_p50 = p50_in_turns(ours, plain, jpegs, 2 * args.seconds)
-    print(
-        f"  lone p50 in turns: ours-default {report.vs_plain_p50[0]:.1f} ms, openvino-plain "
-        f"{report.vs_plain_p50[1]:.1f} ms",
-        flush=True,
+    """``bench.lone`` on this server with its defaults: where a lone request's time goes,
+    step by step, in a closed loop and after a second of idle, against the model and the
+    decoder alone and the plain OpenVINO app (and the baseline commit), in turns."""
+    breakdown = lone.measure(
+        store,
+        jpegs,
+        threads=args.threads,
+        requests=120 if args.quick else 240,
+        paced=8 if args.quick else 18,
+        turns=4 if args.quick else 6,
+        baseline=args.baseline_tree if args.baseline else None,
     )
+    lone.report(breakdown, "lone request", indent="  ")
+    plain = breakdown.plain
+    if plain:
+        ratio = breakdown.paired[lone.PLAIN][lone.IDLE]
+        report.vs_plain_p50 = (breakdown.steps[lone.IDLE]["client"], plain[lone.IDLE], ratio)
+    report.lone = breakdown.verdicts()
 
 
 def machinery(args: argparse.Namespace, jpegs: list[bytes], scratch: Path) -> dict[str, float]:

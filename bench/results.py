@@ -45,9 +45,12 @@ class ModelReport:
     # label -> p50 ms at 1 client of that configuration and of the same one served by the
     # baseline commit (``--baseline``), measured in turns; its points are "before<suffix>"
     vs_before_p50: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # p50 ms at 1 client of this server with its defaults and of the plain OpenVINO app,
-    # measured in turns (both serving at once)
-    vs_plain_p50: tuple[float, float] | None = None
+    # p50 ms at 1 client, after a second of idle, of this server with its defaults and of the
+    # plain OpenVINO app, and the median of the turns' ratios (theirs / ours): both serving
+    # at once, one request of each in turn (``bench.lone``)
+    vs_plain_p50: tuple[float, float, float] | None = None
+    # ``bench.lone``'s verdicts on the lone request (its breakdown is printed as it runs)
+    lone: list[str] = field(default_factory=list)
     bf16_cpu: bool = False  # the host computes bf16 natively (the targets against it differ)
 
     def best_raw(self, runtime: str = "torchscript") -> float:

@@ -138,14 +138,15 @@ async def embedding(request: Request) -> Response:
             vectors = await unless_disconnected(
                 request, predictor.embeddings(upload.data, deadline, trace, names=upload.names)
             )
-    if _wants_binary(request):
-        shape = vectors.shape if upload.several else vectors.shape[1:]
-        return Response(
-            vectors.astype("<f4").tobytes(),
-            media_type="application/octet-stream",
-            headers={SHAPE_HEADER: ",".join(map(str, shape))},
-        )
-    return JSONResponse(vectors.tolist() if upload.several else vectors[0].tolist())
+    with tracing.span("encode"):
+        if _wants_binary(request):
+            shape = vectors.shape if upload.several else vectors.shape[1:]
+            return Response(
+                vectors.astype("<f4").tobytes(),
+                media_type="application/octet-stream",
+                headers={SHAPE_HEADER: ",".join(map(str, shape))},
+            )
+        return JSONResponse(vectors.tolist() if upload.several else vectors[0].tolist())
 
 
 def _one_k(form: str | None, query: str | None) -> int | None:
@@ -177,5 +178,6 @@ async def tag(request: Request) -> JSONResponse:
             answers = await unless_disconnected(
                 request, predictor.tags(upload.data, top_k, deadline, trace, names=upload.names)
             )
-    shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]
-    return JSONResponse(shaped if upload.several else shaped[0])
+    with tracing.span("encode"):
+        shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]
+        return JSONResponse(shaped if upload.several else shaped[0])

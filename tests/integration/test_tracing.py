@@ -67,14 +67,14 @@ def test_one_request_is_one_trace_across_the_http_process_and_its_worker(
         answer = traced_post(server.base_url, distinct_images(1)[0])
         assert answer.status_code == 200
         worker_pids = set(server.worker_pids())
-    names = {"POST /predict/tag", "admission", "read upload", "queue", "reply", "batch"}
+    names = {"POST /predict/tag", "admission", "read upload", "queue", "encode", "reply", "batch"}
     spans = one_trace(receiver, TRACE_ID, names | {"decode", "model"})
     request = the(spans, "POST /predict/tag")
     assert request.parent_id == CALLER_SPAN and request.kind == SERVER
     assert request.attributes["microbatch.request_id"] == "req-7"
     assert request.service == "microbatch"
     steps = {span.name for span in children(spans, request)}
-    assert {"admission", "read upload", "queue", "reply", "batch"} <= steps
+    assert {"admission", "read upload", "queue", "encode", "reply", "batch"} <= steps
     # The batch ran in a worker process: its own service, linked to the request it served.
     batch = the(spans, "batch")
     assert batch.service == "microbatch-worker" and batch.kind == CONSUMER
@@ -84,6 +84,14 @@ def test_one_request_is_one_trace_across_the_http_process_and_its_worker(
     assert {span.name for span in children(spans, batch)} == {"decode", "model"}
     # Well nested in time: the worker's work inside the request.
     assert request.start_ns <= batch.start_ns <= batch.end_ns <= request.end_ns
+    # The model call says what ran it: how it was compiled, on how many threads.
+    model = the(spans, "model").attributes
+    assert model["microbatch.images"] == 1 and model["microbatch.threads"] >= 1
+    assert (model["microbatch.runtime"], model["microbatch.precision"]) == (
+        "torchscript",
+        "float32",
+    )
+    assert model["microbatch.shape"] == "dynamic"  # TorchScript compiles no shape of its own
     # No image bytes or file names in any attribute.
     assert not any("photo.png" in str(span.attributes) for span in spans)
 

@@ -116,7 +116,7 @@ async def test_a_request_is_one_span_with_its_steps_as_children_of_the_callers_t
     assert attributes["microbatch.images"] == 1
     assert attributes["microbatch.batch.size"] == 1
     assert str(attributes["microbatch.served_id"]).startswith("tiny-test@")
-    for step in ("admission", "read upload", "queue", "reply"):
+    for step in ("admission", "read upload", "queue", "encode", "reply"):
         child = spans[step]
         assert child.parent is not None and child.parent.span_id == request.context.span_id
         assert child.context.trace_id == request.context.trace_id
