@@ -242,8 +242,11 @@ class Streamer(Generic[T, R]):
             self._wake.clear()
             if timeout == 0.0:
                 continue
+            # A timeout scope, not wait_for: no task per wait, so a submit wakes the
+            # dispatcher in one event-loop turn.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     def _dispatch_ready(self) -> float | None:
         """Send every batch that may go now. Returns how long to sleep before looking again

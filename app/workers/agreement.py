@@ -26,10 +26,10 @@ def _outputs(
     features, logits = [], []
     with torch.inference_mode():
         for start in range(0, len(pixels), CHUNK):
-            batch = runner.features(pixels[start : start + CHUNK])
+            batch, batch_logits = runner.outputs(pixels[start : start + CHUNK])
             features.append(batch.float())
-            if models.classifier is not None:
-                logits.append(models.classifier(batch.to(models.dtype)).float())
+            if batch_logits is not None:
+                logits.append(batch_logits.float())
     return torch.cat(features), (torch.cat(logits) if logits else None)
 
 

@@ -22,6 +22,7 @@ from app.workers.runner import Pixels
 from app.workers.transfer import Errors, batch_images
 
 if TYPE_CHECKING:
+    from app.workers.models import LoadedModels
     from app.workers.process import PreparedWorker
 
 
@@ -51,6 +52,9 @@ def run_batch(
     as they are). Raises if the batch as a whole fails (``KeyError``: no such model here)."""
     started = time.perf_counter()
     prepared = worker.model(served_id)
+    # A model that takes the pixels runs no torch op of its own here (its runtime has its
+    # threads): torch on this thread alone, which then decodes a lone upload itself.
+    threads = 1 if prepared.runner.models.pixels_in else threads
     if threads and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     errors: Errors = {}
@@ -61,10 +65,23 @@ def run_batch(
             pixels, errors = prepared.decoder.decode(list(images))  # type: ignore[arg-type]
     else:
         pixels = images
-    with tracing.span("model", {"microbatch.images": len(pixels)}):
+    with tracing.span("model", _model_attributes(worker, prepared.runner.models, len(pixels))):
         outputs = prepared.runner.run(task, pixels, top_k) if len(pixels) else {}
     seconds = time.perf_counter() - started
     return Computed(outputs, errors, torch.get_num_threads(), seconds, prepared.spec.served_id)
+
+
+def _model_attributes(worker: PreparedWorker, models: LoadedModels, images: int) -> dict[str, Any]:
+    """What the ``model`` span says of its call (built only when tracing is on)."""
+    if not tracing.on():
+        return {}
+    return {
+        "microbatch.images": images,
+        "microbatch.runtime": models.runtime,
+        "microbatch.precision": models.precision,
+        "microbatch.threads": worker.threads,
+        "microbatch.shape": "static" if images in models.static_batches else "dynamic",
+    }
 
 
 def batch_span(

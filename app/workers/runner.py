@@ -44,13 +44,28 @@ class BatchRunner:
         normalised = torch.addcmul(self._shift, batch.permute(0, 3, 1, 2).float(), self._scale)
         return normalised.to(self.models.dtype)
 
+    def _model_input(self, pixels: Pixels) -> torch.Tensor:
+        """What the embedding model takes: the pixels where it normalises them itself."""
+        if self.models.pixels_in:
+            return pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
+        return self.to_input(pixels)
+
     def features(self, pixels: Pixels) -> torch.Tensor:
         """The embedding model's output for uint8 [n, H, W, 3] ``pixels`` (normalised here,
         or by the model itself where it takes pixels)."""
-        if self.models.pixels_in:
-            batch = pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels)
-            return self.models.embedding(batch)
-        return self.models.embedding(self.to_input(pixels))
+        return self.models.embedding(self._model_input(pixels))
+
+    def outputs(
+        self, pixels: Pixels, logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The features of ``pixels`` and, with ``logits`` (and a classifier), its logits:
+        from one call where the models run as one (``LoadedModels.joint``)."""
+        if logits and self.models.joint is not None:
+            return self.models.joint(self._model_input(pixels))
+        features = self.features(pixels)
+        if not logits or self.models.classifier is None:
+            return features, None
+        return features, self.models.classifier(features)
 
     @property
     def full_task(self) -> Task:
@@ -61,16 +76,16 @@ class BatchRunner:
         """One pass of the batch through the model: ``{"embedding": [n, dim]}`` for
         ``EMBEDDING``, ``{"indices": [n, top_k], "probs": [n, top_k]}`` for ``TAG``, all three
         for ``EMBEDDING_AND_TAG`` (the classifier head runs on the same features)."""
+        if task is not Task.EMBEDDING and self.models.classifier is None:
+            raise RuntimeError("this model has no classifier")
         with torch.inference_mode():
-            features = self.features(pixels)
+            features, logits = self.outputs(pixels, logits=task is not Task.EMBEDDING)
             outputs: dict[str, Any] = {}
             if task is not Task.TAG:
                 outputs["embedding"] = features.float().cpu().numpy()
-            if task is Task.EMBEDDING:
+            if logits is None:
                 return outputs
-            if self.models.classifier is None:
-                raise RuntimeError("this model has no classifier")
-            probs = torch.softmax(self.models.classifier(features).float(), dim=1)
+            probs = torch.softmax(logits.float(), dim=1)
             values, indices = torch.topk(probs, k=top_k, dim=1)
             outputs.update(indices=indices.cpu().numpy(), probs=values.cpu().numpy())
             return outputs

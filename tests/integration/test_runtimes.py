@@ -79,6 +79,25 @@ def test_openvino_agrees_with_torchscript_batch_one_included(tiny_openvino: Path
                 np.testing.assert_allclose(got[key], value, atol=1e-5)
 
 
+def test_openvino_runs_the_embedding_and_its_head_in_one_inference(tiny_openvino: Path) -> None:
+    """One graph of both (``LoadedModels.joint``): the features and logits of one call equal
+    the embedding's and the separately compiled head's, at every batch size compiled."""
+    options = LoadOptions(threads=1, static_batches=(1, 4))
+    models = load_models(tiny_openvino, CPU, options, "openvino")
+    assert models.joint is not None and models.classifier is not None
+    spec = read_manifest(tiny_openvino).input
+    images = distinct_images(4)
+    for count in (1, 3, 4):  # static at 1 and 4, the dynamic graph at 3
+        pixels = torch.from_numpy(np.stack([preprocess(d, spec) for d in images[:count]]))
+        features, logits = models.joint(pixels)
+        assert logits.shape == (count, models.manifest.num_classes)
+        np.testing.assert_array_equal(features.numpy(), models.embedding(pixels).numpy())
+        separate = models.classifier(features).numpy()
+        np.testing.assert_allclose(logits.numpy(), separate, rtol=1e-5, atol=1e-5)
+    # TorchScript has no joint call: the head runs on the features, as before.
+    assert load_models(tiny_openvino, CPU).joint is None
+
+
 def test_auto_times_the_runtimes_that_pass_and_serves_the_fastest(tiny_openvino: Path) -> None:
     choice = choose_runtime(tiny_openvino, CPU, LoadOptions(threads=1), "auto")
     assert set(choice.images_per_s) == {"torchscript", "openvino"} and choice.skipped == {}

@@ -138,3 +138,52 @@ def test_a_store_with_torchvisions_resize_decodes_every_upload_with_pillow() -> 
         assert not turbo_decodes(read_header(upload), stock)
         assert np.array_equal(decode_one(upload, stock), preprocess(upload, stock))
     assert turbo_decodes(read_header(uploads[0]), MODEL_SPEC)
+
+
+@pytest.mark.parametrize(("torch_threads", "uploads"), [(1, 1), (2, 1), (1, 2)])
+def test_a_lone_upload_is_decoded_on_the_callers_thread_where_torch_runs_alone_there(
+    torch_threads: int, uploads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No hand-off to a decode thread for a lone upload when the caller's torch runs on one
+    thread (as a decode thread's does): the same pixels, decoded here; otherwise, and for a
+    batch, on the decoder's threads."""
+    import threading
+
+    import torch
+
+    decoder = Decoder(MODEL_SPEC, 2, max_pixels=10**8)
+    where: list[str] = []
+    one = decoder.one
+
+    def recording(data: bytes, out: np.ndarray) -> tuple[str, str] | None:
+        where.append(threading.current_thread().name)
+        return one(data, out)
+
+    monkeypatch.setattr(decoder, "one", recording)
+    blobs = [jpeg(photo(300 + 20 * i, 200)) for i in range(uploads)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        out, errors = decoder.decode(blobs)
+    finally:
+        torch.set_num_threads(before)
+        decoder.close()
+    assert errors == {} and len(out) == uploads
+    here = torch_threads == 1 and uploads == 1
+    assert all((name == threading.current_thread().name) == here for name in where), where
+    for row, blob in enumerate(blobs):
+        assert np.array_equal(out[row], decode_one(blob))
+
+
+def test_a_closed_decoder_refuses_a_lone_upload_too() -> None:
+    import torch
+
+    decoder = Decoder(MODEL_SPEC, 1, max_pixels=10**8)
+    decoder.close()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(RuntimeError, match="closed"):
+            decoder.decode([jpeg(photo())])
+    finally:
+        torch.set_num_threads(before)

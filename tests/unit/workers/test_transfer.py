@@ -88,7 +88,9 @@ def test_a_batch_never_mixes_pixels_and_uploads(buffer: InputBuffer) -> None:
 
 
 def test_a_worker_that_does_not_decode_refuses_an_encoded_batch() -> None:
-    model = SimpleNamespace(decoder=None)
+    model = SimpleNamespace(
+        decoder=None, runner=SimpleNamespace(models=SimpleNamespace(pixels_in=False))
+    )
     worker: Any = SimpleNamespace(model=lambda served_id: model)
     with pytest.raises(RuntimeError, match="does not decode"):
         run_batch(worker, "t@1", Task.TAG, [b"jpeg bytes"], 5)
