@@ -390,7 +390,7 @@ def measure(
                       source=baseline)
             )  # fmt: skip
             senders[BEFORE] = Lone(before, jpegs, "/predict/tag")
-        serving = _serving(server)
+        serving = server.serving()
         alone = Alone(store, serving, threads, jpegs)
         stack.callback(alone.close)
         sample = Sample()
@@ -523,18 +523,6 @@ def _paired(
         if theirs and ours
     ]
     return statistics.median(values) if values else float("nan")
-
-
-def _serving(server: RunningServer) -> str:
-    try:
-        return server.serving()
-    except (KeyError, IndexError):  # broker mode's /info: the first worker's models
-        import httpx
-
-        info = httpx.get(f"http://{HOST}:{server.port}/info", timeout=10).json()
-        model = info["workers"][0]["models"][0]
-        tag = {"bfloat16": "+bf16", "float16": "+fp16", "int8": "+int8"}.get(model["dtype"], "")
-        return f"{model['runtime']}{tag}"
 
 
 def report(breakdown: Breakdown, label: str, indent: str = "") -> None:
