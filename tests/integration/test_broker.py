@@ -607,7 +607,9 @@ async def test_a_front_end_that_saw_no_worker_looks_again_before_refusing() -> N
             await transport.aclose()
 
 
-async def test_a_new_request_for_a_version_only_a_stopping_worker_holds_is_refused_at_once() -> None:
+async def test_a_new_request_for_a_version_only_a_stopping_worker_holds_is_refused_at_once() -> (
+    None
+):
     """A worker told to stop (draining) finishes what it holds and takes nothing new, and
     readiness stops counting it: a new request for the version only it holds is refused
     503 ``worker_died`` at once, and adds nothing to the stream. (Found by CI: the request
