@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +58,78 @@ def require_redis_server() -> str:
     return binary
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA, a certificate for 127.0.0.1 signed by it, and a client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def url_options(self) -> str:
+        """redis-py's query options for a client that checks the server and shows its own."""
+        return (
+            f"ssl_ca_certs={self.ca}&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
+        )
+
+
+def make_tls_files(folder: Path) -> TlsFiles:
+    """Certificates made now with the openssl command (skips the test where it is missing)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make test certificates")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "1", "-subj", "/CN=microbatch-test-ca")  # fmt: skip
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, extra in (("server", ["-extfile", "san.cnf"]), ("client", [])):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+            f"{name}.csr", "-subj", f"/CN={name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", *extra)  # fmt: skip
+    return TlsFiles(
+        folder / "ca.pem",
+        folder / "server.pem",
+        folder / "server.key",
+        folder / "client.pem",
+        folder / "client.key",
+    )
+
+
 class RedisServer:
     """A throwaway redis-server (no persistence) on a free port; ``stop()`` and ``start()``
     simulate an outage, after which it comes back empty, as a Redis without persistence
-    does after a restart."""
+    does after a restart. With ``tls``, it listens for TLS only, and asks for a client
+    certificate; ``url`` carries the client's files."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsFiles | None = None) -> None:
         self.binary = require_redis_server()
         self.port = free_port()
+        self.tls = tls
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        if tls is not None:
+            self.url = f"rediss://127.0.0.1:{self.port}/0?{tls.url_options()}"
         self.dir = tempfile.mkdtemp(prefix="mbtest-redis-")
         self.process: subprocess.Popen[bytes] | None = None
+
+    def _listen(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return ["--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca)]  # fmt: skip
 
     def start(self) -> RedisServer:
         self.process = start(
             [
                 self.binary,
-                "--port", str(self.port),
+                *self._listen(),
                 "--bind", "127.0.0.1",
                 "--save", "",
                 "--appendonly", "no",

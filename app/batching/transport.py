@@ -247,7 +247,8 @@ class Transport(Protocol[T]):
 
     async def refresh(self) -> None:
         """Look at the workers now rather than at the next periodic look (a no-op where
-        there is nothing to look at)."""
+        there is nothing to look at). Raises ``BrokerUnavailable`` where what it looks at
+        cannot be reached."""
 
     @property
     def models(self) -> VersionControl:

@@ -205,8 +205,13 @@ class BrokerTransport:
 
     async def refresh(self) -> None:
         """Look at the workers (and so at which version each name serves) now, shared and
-        throttled: for a request whose model no worker served at the last look."""
+        throttled: for a request whose model no worker served at the last look. Raises
+        ``BrokerUnavailable`` where Redis cannot be reached: that, not a model with no
+        version ready, is what its caller should hear (a front end that never reached
+        Redis, a TLS client certificate refused, knows no version at all)."""
         await self.monitor.look_again()
+        if not self.monitor.connected:
+            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
 
     # -- running batches ---------------------------------------------------------------------
 
