@@ -67,7 +67,7 @@ BENCH_BASELINE ?= c375317
 bench: install-dev  ## this server vs raw model, service-streamer, plain FastAPI, BENCH_BASELINE, and the v2 protocols (about 18 min)
 	$(PY) -m bench --baseline $(BENCH_BASELINE) --plot docs/performance.png --json docs/bench.json
 
-bench-quick: install-dev  ## the same, default model only, under 3 minutes
+bench-quick: install-dev  ## the same, default model only, about 5 minutes
 	$(PY) -m bench --quick --baseline $(BENCH_BASELINE)
 
 # Memory over a long run: RSS of every process by role, after a warm-up and every 10,000

@@ -2,7 +2,7 @@
 FastAPI app, on the same model, JPEGs and thread budget, in one run.
 
     python -m bench                   # full run, under 10 minutes on 2 cores
-    python -m bench --quick           # default model, fewer and shorter steps (< 2 min)
+    python -m bench --quick           # default model, fewer and shorter steps (about 5 min)
     python -m bench --plot perf.png   # also draw throughput and latency vs concurrency
     python -m bench --baseline REF    # also serve commit REF's server, for before/after ratios
 
