@@ -54,6 +54,7 @@ def default_transport(
             on_workers=metrics.on_workers if metrics else None,
             scale_from_zero=plan.broker.scale_from_zero,
             own_routes={model.name: Route(model.version, model.served_id) for model in models},
+            admin_url=plan.broker.admin_url,
         )
     from app.workers.pool import WorkerPool
 

@@ -220,6 +220,14 @@ class Settings(BaseSettings, TestHooks):
             "app.broker.worker` runs them, on any host."
         ),
     )
+    mb_broker_admin: SecretStr | None = Field(
+        None,
+        description=(
+            "Broker mode, front ends: the Redis URL the admin routes write the version pins "
+            "through (an ACL user allowed to; docs/scaling.md). Default: MB_BROKER, whose "
+            "user then needs the same rights."
+        ),
+    )
     mb_broker_prefix: str = Field(
         "mb",
         pattern=r"^[A-Za-z0-9_.-]{1,32}$",
@@ -338,7 +346,7 @@ class Settings(BaseSettings, TestHooks):
             }
         return data
 
-    @field_validator("mb_broker")
+    @field_validator("mb_broker", "mb_broker_admin")
     @classmethod
     def _check_broker(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:

@@ -121,6 +121,7 @@ class BrokerPlan:
     host_name: str  # this host's workers are ``<host_name>:<index>``
     health_port: int | None = None  # workers: where their probes answer (app.broker.worker.probes)
     scale_from_zero: bool = False  # front ends: queue for the last routes with no worker live
+    admin_url: str | None = field(default=None, repr=False)  # front ends: pins written here
 
     @property
     def address(self) -> str:
@@ -251,6 +252,9 @@ def plan_serving(
             host_name=_host_name(settings),
             health_port=settings.mb_health_port,
             scale_from_zero=settings.mb_scale_from_zero,
+            admin_url=(
+                settings.mb_broker_admin.get_secret_value() if settings.mb_broker_admin else None
+            ),
         )
     repository_root = settings.model_repository or settings.model_store
     return ServingPlan(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from app.batching import ClusterView
 from app.broker.front.routes import decode_routes, encode_route
@@ -71,6 +71,9 @@ class Monitor:
         self._after_look = after_look  # each look that reached Redis
         self._live = LiveWorkers(keys)
         self.client: aioredis.Redis | None = None
+        # The admin routes' writes (the pins) go through this one where it is set
+        # (MB_BROKER_ADMIN: a Redis user allowed to), else through ``client``.
+        self.admin: aioredis.Redis | None = None
         self.connected = False
         self.workers: list[WorkerInfo] = []
         self.routes: dict[str, Route] = {}
@@ -144,10 +147,9 @@ class Monitor:
         if self.client is None:
             raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
         try:
-            asked = await set_pin(self.client, self.keys, name, pin)
+            asked = await set_pin(self.admin or self.client, self.keys, name, pin)
         except (RedisError, OSError) as exc:
-            self.unreachable(exc)
-            raise BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}") from exc
+            raise self._admin_failed(exc) from exc
         self.pins = (
             {**self.pins, name: pin}
             if pin is not None
@@ -162,10 +164,22 @@ class Monitor:
         if not explicit or self.client is None:
             return 0
         try:
-            return await bump(self.client, self.keys)
+            return await bump(self.admin or self.client, self.keys)
         except (RedisError, OSError) as exc:
-            self.unreachable(exc)
-            raise BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}") from exc
+            raise self._admin_failed(exc) from exc
+
+    def _admin_failed(self, exc: BaseException) -> BrokerUnavailable:
+        """What an admin write that failed says: Redis refused it (its user may not write
+        the pins: a configuration to fix, and the broker still serves), or cannot be
+        reached (refused at once until the next look reaches it)."""
+        if isinstance(exc, ResponseError):
+            return BrokerUnavailable(
+                f"the broker (Redis) refused to write the pins ({str(exc)[:200]}): give the "
+                "admin routes a Redis user allowed to, with MB_BROKER_ADMIN",
+                retry_after_s=60,
+            )
+        self.unreachable(exc)
+        return BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}")
 
     async def refresh(self) -> None:
         await self.look_again()

@@ -92,6 +92,7 @@ class BrokerTransport:
         on_workers: Callable[[Sequence[WorkerInfo]], None] | None = None,
         scale_from_zero: bool = False,
         own_routes: Mapping[str, Route] | None = None,
+        admin_url: str | None = None,
     ) -> None:
         self.keys = Keys(prefix)
         self.max_queue = max_queue
@@ -107,6 +108,7 @@ class BrokerTransport:
         )
         self.frontend = uuid.uuid4().hex[:16]
         self._url = url
+        self._admin_url = admin_url  # the admin routes' pins go through it (MB_BROKER_ADMIN)
         self._redis: aioredis.Redis | None = None
         self._reader: aioredis.Redis | None = None
         self._admit: Any = None
@@ -169,6 +171,10 @@ class BrokerTransport:
             self._url, socket_timeout=REPLY_BLOCK_S + 5, socket_connect_timeout=2, retry=once
         )
         self.monitor.client = self._redis
+        if self._admin_url is not None:
+            self.monitor.admin = aioredis.Redis.from_url(
+                self._admin_url, socket_timeout=5, socket_connect_timeout=2, retry=once
+            )
         self._admit = self._redis.register_script(ADMIT)
         await self.monitor.look_safely()
         self._tasks = [
@@ -194,6 +200,10 @@ class BrokerTransport:
         await self.monitor.aclose()
         self._tasks = []
         self._waiting.fail(NotReady("server is shutting down"))
+        if self.monitor.admin is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.monitor.admin.aclose()
+            self.monitor.admin = None
         for client in (self._redis, self._reader):
             if client is not None:
                 with contextlib.suppress(RedisError, OSError):

@@ -81,3 +81,35 @@ class Keys:
     def worker_info(self) -> str:
         """Hash: worker name -> JSON of what it is and what it has run."""
         return f"{self.prefix}:{{w}}:worker-info"
+
+    def acl_rules(self) -> dict[str, str]:
+        """The fewest rights each role needs, as ``ACL SETUSER <user> on >password <rules>``
+        takes them (docs/scaling.md): a front end (its streams' entries in, its replies,
+        the routes; reads the workers' keys, writes no pin, reads no stream as a consumer),
+        a worker (the streams as a consumer, the replies, its own keys; reads the pins and
+        the routes) and an admin (a front end that also writes the pins:
+        ``MB_BROKER_ADMIN``). No role may run the dangerous commands (FLUSHALL, KEYS,
+        CONFIG...) or touch a key outside the prefix."""
+        p = self.prefix
+        commands = (
+            "resetchannels -@all +@read +@write +@stream +@list +@hash +@sortedset +@string "
+            "+@scripting +@connection +@transaction -@dangerous +info +time"
+        )
+        consumer = "-xreadgroup -xack -xclaim -xautoclaim -xgroup"
+        # The live workers' keys are read by a script (EVAL, whose declared keys need
+        # write rights too); the rest of the workers' keys, the pins among them, read-only.
+        front = (
+            f"resetkeys ~{p}:{{q}}:* ~{p}:replies:* ~{p}:routes ~{p}:{{w}}:workers "
+            f"~{p}:{{w}}:worker-info %R~{p}:{{w}}:*"
+        )
+        worker = (
+            f"resetkeys ~{p}:{{q}}:* ~{p}:replies:* %R~{p}:routes %R~{p}:{{w}}:pins "
+            f"%R~{p}:{{w}}:pins-seq ~{p}:{{w}}:workers ~{p}:{{w}}:worker-info "
+            f"~{p}:{{w}}:precisions ~{p}:{{w}}:loading:*"
+        )
+        pins = f"~{p}:{{w}}:pins ~{p}:{{w}}:pins-seq"
+        return {
+            "front-end": f"{front} {commands} {consumer}",
+            "worker": f"{worker} {commands}",
+            "admin": f"{front} {pins} {commands} {consumer}",
+        }
