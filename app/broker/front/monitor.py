@@ -42,6 +42,13 @@ MONITOR_S = 1.0
 LOOK_AGAIN_S = 0.2  # a caller that needs a fresh look gets one at most this often
 
 
+def cannot_reach(cause: BaseException | None = None) -> BrokerUnavailable:
+    """503 ``broker_unavailable``, Retry-After 1 s: Redis cannot be reached (``cause``, when
+    known, says why)."""
+    detail = f": {cause}" if cause is not None else ""
+    return BrokerUnavailable(f"the broker (Redis) cannot be reached{detail}", retry_after_s=1)
+
+
 class Monitor:
     """The front end's look at Redis (see the module's docstring), and its
     ``VersionControl`` for the admin routes.
@@ -145,7 +152,7 @@ class Monitor:
         worker act on it (``app.broker.wire.control``); the request's number, which each
         worker's heartbeat says it acted on (``aimed``)."""
         if self.client is None:
-            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+            raise cannot_reach()
         try:
             asked = await set_pin(self.admin or self.client, self.keys, name, pin)
         except (RedisError, OSError) as exc:
@@ -179,7 +186,7 @@ class Monitor:
                 retry_after_s=60,
             )
         self.unreachable(exc)
-        return BrokerUnavailable(f"the broker (Redis) cannot be reached: {exc}")
+        return cannot_reach(exc)
 
     async def refresh(self) -> None:
         await self.look_again()

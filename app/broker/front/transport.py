@@ -42,7 +42,7 @@ from app.batching import (
     WorkerStatus,
 )
 from app.broker.front.backlog import count_backlog
-from app.broker.front.monitor import Monitor
+from app.broker.front.monitor import Monitor, cannot_reach
 from app.broker.front.status import worker_status
 from app.broker.front.waiting import Waiting
 from app.broker.wire.heartbeat import WorkerInfo
@@ -221,7 +221,7 @@ class BrokerTransport:
         Redis, a TLS client certificate refused, knows no version at all)."""
         await self.monitor.look_again()
         if not self.monitor.connected:
-            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+            raise cannot_reach()
 
     # -- running batches ---------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class BrokerTransport:
         The Streamer passes one item at a time: batches form in the workers."""
         assert isinstance(key, BatchKey)
         if not self.monitor.connected or self._redis is None:
-            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+            raise cannot_reach()
         if not self._held(key.model, new=True):
             await self.monitor.look_again()
             if not self._held(key.model, new=True):
@@ -250,16 +250,14 @@ class BrokerTransport:
         nobody to compute them, and must not keep an autoscaler up. Raises
         ``BrokerUnavailable``."""
         if self._redis is None:
-            raise BrokerUnavailable("the broker (Redis) cannot be reached", retry_after_s=1)
+            raise cannot_reach()
         workers = self.monitor.workers
         held = {m.served_id for w in workers for m in w.models if w.holds(m.served_id)}
         served = held | {route.served_id for route in self.monitor.routes.values()}
         try:
             return await count_backlog(self._redis, self.keys, served)
         except (RedisError, OSError) as exc:
-            raise BrokerUnavailable(
-                f"the broker (Redis) cannot be reached: {exc}", retry_after_s=1
-            ) from exc
+            raise cannot_reach(exc) from exc
 
     def _queue_streams(self, served_id: str) -> list[str]:
         """The streams the queue bound counts: every routed version's, and this one's."""
@@ -301,7 +299,7 @@ class BrokerTransport:
             return BrokerUnavailable("the broker (Redis) refused the request")
         except (RedisError, OSError) as exc:  # only this request failed to go out
             self._unreachable(exc)
-            return BrokerUnavailable("the broker (Redis) cannot be reached")
+            return cannot_reach()
         finally:
             if not isinstance(added, bytes):  # not added (an entry id is bytes): no reply comes
                 self._waiting.discard(request_id)
