@@ -32,6 +32,7 @@ from app.manifest import read_manifest
 from app.workers.runtimes import cpu_has_bf16
 from bench import lone, protocols, tracing
 from bench.baseline import source_tree
+from bench.breakdown import IDLE, PLAIN
 from bench.loadgen import closed_loop, multipart_request
 from bench.plot import write_plot
 from bench.report import write_json
@@ -289,8 +290,8 @@ def lone_request(
     lone.report(breakdown, "lone request", indent="  ")
     plain = breakdown.plain
     if plain:
-        ratio = breakdown.paired[lone.PLAIN][lone.IDLE]
-        report.vs_plain_p50 = (breakdown.steps[lone.IDLE]["client"], plain[lone.IDLE], ratio)
+        ratio = breakdown.paired[PLAIN][IDLE]
+        report.vs_plain_p50 = (breakdown.steps[IDLE]["client"], plain[IDLE], ratio)
     report.lone = breakdown.verdicts()
 
 

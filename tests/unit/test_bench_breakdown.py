@@ -1,18 +1,10 @@
-"""``bench.lone``'s arithmetic: a lone request's steps from its trace, the p50s by way, the
-ratios paired by turn, and the verdicts against the model and decoder alone."""
+"""``bench.breakdown``, the arithmetic of ``bench.lone``: a lone request's steps from its
+trace, the p50s by way, the ratios paired by turn, and the verdicts against the model and
+decoder alone."""
 
 from __future__ import annotations
 
-from bench.lone import (
-    BEFORE,
-    CLOSED,
-    IDLE,
-    OURS,
-    PLAIN,
-    Sample,
-    _steps,
-    _summarise,
-)
+from bench.breakdown import BEFORE, CLOSED, IDLE, OURS, PLAIN, Sample, steps_of, summarise
 from tests.otlp import Received
 
 MS = 1_000_000
@@ -41,12 +33,12 @@ def trace(trace_id: str) -> list[Received]:
 
 
 def test_a_traces_steps_include_the_gaps_between_processes() -> None:
-    steps = _steps(trace("t1"))
+    steps = steps_of(trace("t1"))
     assert steps["request"] == 6.0 and steps["batch"] == 4.5
     assert round(steps["hand-off"], 6) == 0.4  # queue end to the worker's batch
     assert round(steps["way back"], 6) == 0.4  # batch end to the encoding
     broker = [s for s in trace("t2") if s.name != "queue"] + [span("broker", 0.45, 5.7, "t2")]
-    assert round(_steps(broker)["hand-off"], 6) == 0.45  # through Redis: from the entry
+    assert round(steps_of(broker)["hand-off"], 6) == 0.45  # through Redis: from the entry
 
 
 def test_the_breakdown_takes_p50s_by_way_and_judges_against_the_work_alone() -> None:
@@ -60,7 +52,7 @@ def test_the_breakdown_takes_p50s_by_way_and_judges_against_the_work_alone() -> 
         sample.keep(IDLE, BEFORE, [(before + 2, None)], turn)
     sample.keep(CLOSED, OURS, [(6.2, "t1")], 0)
     sample.alone_ms = {"model": [3.0, 3.2], "decode": [1.0, 1.2]}  # p50s 3.1 and 1.1
-    breakdown = _summarise(sample, trace("t1"), "openvino+bf16")
+    breakdown = summarise(sample, trace("t1"), "openvino+bf16")
     assert breakdown.steps[CLOSED]["client"] == 6.0  # the untraced ones: 5 and 7
     assert round(breakdown.steps[CLOSED]["outside"], 6) == 0.2  # 6.2 at the client - 6.0
     assert breakdown.paired[PLAIN][CLOSED] == (8 / 5 + 7 / 7) / 2  # ratios paired by turn
