@@ -689,7 +689,8 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
                 ]
                 statuses: Counter[int] = Counter()
                 deadline = time.monotonic() + 60
-                while len(_pids(metrics_dir)) < 2 and time.monotonic() < deadline:
+                route = "/predict/embedding"
+                while len(_pids(metrics_dir, route)) < 2 and time.monotonic() < deadline:
                     result = await closed_loop("127.0.0.1", port, requests, clients=16, total=50)
                     statuses += result.statuses
                 grpc_answers = [await _grpc_infer(grpc_port, data) for data in distinct_images(8)]
@@ -709,7 +710,7 @@ async def test_several_front_end_processes_share_one_port_and_one_metrics(
         if line.startswith("microbatch_http_requests_total{")
         and 'route="/predict/embedding",status="200"' in line
     ]  # fmt: skip
-    assert len(_pids(metrics_dir)) == 2, "one process served every request"
+    assert len(_pids(metrics_dir, route)) == 2, "one process served every request"
     assert set(statuses) == {200}
     assert served and float(served[0].split()[-1]) == statuses[200]  # summed over both
 
@@ -730,9 +731,20 @@ async def _grpc_infer(port: int, data: bytes) -> Any:
         return await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
 
 
-def _pids(metrics_dir: Path) -> set[str]:
-    """The processes that have counted something (prometheus writes one file per pid)."""
-    return {path.stem.rsplit("_", 1)[-1] for path in metrics_dir.glob("counter_*.db")}
+def _pids(metrics_dir: Path, route: str) -> set[str]:
+    """The processes that have answered `route` (prometheus writes one file per pid; a file
+    alone is not enough: every process counts the /readyz polls of the start)."""
+    import json
+
+    from prometheus_client.mmap_dict import MmapedDict
+
+    def served(path: Path) -> bool:
+        return any(
+            json.loads(key)[2].get("route") == route and value > 0
+            for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
+        )
+
+    return {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("counter_*.db") if served(p)}
 
 
 def _ready(base: str) -> bool:
