@@ -741,7 +741,7 @@ def _pids(metrics_dir: Path, route: str) -> set[str]:
     def served(path: Path) -> bool:
         return any(
             json.loads(key)[2].get("route") == route and value > 0
-            for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
+            for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))  # type: ignore[no-untyped-call]
         )
 
     return {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("counter_*.db") if served(p)}
