@@ -55,6 +55,7 @@ def default_transport(
             scale_from_zero=plan.broker.scale_from_zero,
             own_routes={model.name: Route(model.version, model.served_id) for model in models},
             admin_url=plan.broker.admin_url,
+            on_event=metrics.on_broker_event if metrics else None,
         )
     from app.workers.pool import WorkerPool
 

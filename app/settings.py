@@ -24,6 +24,7 @@ from app.errors import SettingsError
 from app.settings_testing import TestHooks
 from app.settings_values import (
     MODEL_NAME_PATTERN,
+    BrokerAddress,
     parse_cuda_devices,
     parse_model_dtypes,
     parse_pins,
@@ -216,7 +217,8 @@ class Settings(BaseSettings, TestHooks):
         None,
         description=(
             "Broker mode: a Redis URL (redis://host:port/db, rediss:// for TLS, a password as "
-            "redis://:secret@host). Front ends then start no model workers; `python -m "
+            "redis://:secret@host), or Sentinel's (redis+sentinel://host:26379,host2/service, "
+            "rediss+sentinel:// for TLS). Front ends then start no model workers; `python -m "
             "app.broker.worker` runs them, on any host."
         ),
     )
@@ -350,9 +352,7 @@ class Settings(BaseSettings, TestHooks):
     @classmethod
     def _check_broker(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            scheme = value.get_secret_value().partition("://")[0]
-            if scheme not in ("redis", "rediss", "unix"):
-                raise ValueError("must be a redis://, rediss:// or unix:// URL")
+            BrokerAddress.parse(value.get_secret_value())  # raises ValueError
         return value
 
     @field_validator("log_level", mode="before")

@@ -1,10 +1,14 @@
 """How the settings' text values read: the GPU list (``CUDA_DEVICES``), version pins
-(``MB_MODEL_VERSIONS``), and what a model name and a version number look like (also checked
-wherever a name from a request meets a path)."""
+(``MB_MODEL_VERSIONS``), what a model name and a version number look like (also checked
+wherever a name from a request meets a path), and where broker mode's Redis is (``MB_BROKER``:
+a plain URL or Sentinel's, ``BrokerAddress``; ``app.broker.wire.connect`` connects to it)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 AUTO = None  # sentinel returned by parse_cuda_devices: "every visible CUDA device"
 
@@ -116,3 +120,80 @@ def in_unit(size: int, unit: tuple[int, str]) -> str:
     value = size / unit[0]
     shown = f"{value:.0f}" if value == int(value) else f"{value:.1f}"
     return f"{shown}{unit[1]}"
+
+
+BROKER_PLAIN = ("redis", "rediss", "unix")
+BROKER_SENTINEL = ("redis+sentinel", "rediss+sentinel")
+DEFAULT_SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """A parsed broker URL: a plain one (``sentinels`` empty), or Sentinel's.
+
+    >>> a = BrokerAddress.parse("redis+sentinel://u:pw@s1:26379,s2/mymaster/2")
+    >>> a.sentinels, a.service, a.options["db"], a.shown
+    ((('s1', 26379), ('s2', 26379)), 'mymaster', 2, 'redis+sentinel://s1:26379,s2:26379/mymaster')
+    >>> BrokerAddress.parse("redis://:pw@cache:6380/0").shown
+    'redis://cache:6380'
+    """
+
+    url: str = field(repr=False)  # may hold a password
+    scheme: str
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+    sentinel_options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        """Raises ``ValueError`` for a URL neither kind."""
+        scheme = url.partition("://")[0]
+        if scheme in BROKER_PLAIN:
+            return cls(url, scheme)
+        if scheme not in BROKER_SENTINEL:
+            raise ValueError(
+                "must be a redis://, rediss://, unix://, redis+sentinel:// or "
+                "rediss+sentinel:// URL"
+            )
+        parts = urlsplit(url)
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        sentinels = tuple(_host_port(h) for h in hosts.split(",") if h)
+        path = [p for p in parts.path.split("/") if p]
+        if not sentinels or not path or len(path) > 2:
+            raise ValueError(f"a Sentinel URL is {scheme}://host:port[,host:port]/service[/db]")
+        query = dict(parse_qsl(parts.query))
+        own = {k: query.pop(k) for k in ("sentinel_username", "sentinel_password") if k in query}
+        # The data nodes' options, as redis-py reads a plain URL of the same kind.
+        data_scheme = "rediss" if scheme.startswith("rediss") else "redis"
+        auth = f"{credentials}@" if credentials else ""
+        db = f"/{path[1]}" if len(path) > 1 else ""
+        plain = f"{data_scheme}://{auth}sentinel-primary{db}?{urlencode(query)}"
+        from redis.connection import parse_url  # the data nodes' options, as redis-py reads them
+
+        options = parse_url(plain)  # type: ignore[no-untyped-call]
+        for key in ("host", "port", "connection_class"):  # Sentinel says where; ssl picks it
+            options.pop(key, None)
+        if data_scheme == "rediss":
+            options["ssl"] = True
+        tls = {k: v for k, v in options.items() if k.startswith("ssl")}
+        sentinel_options = {k.removeprefix("sentinel_"): v for k, v in own.items()} | tls
+        return cls(url, scheme, sentinels, path[0], options, sentinel_options)
+
+    @property
+    def sentinel(self) -> bool:
+        return bool(self.sentinels)
+
+    @property
+    def shown(self) -> str:
+        """The address without credentials, for logs and ``/info``."""
+        if self.sentinel:
+            hosts = ",".join(f"{h}:{p}" for h, p in self.sentinels)
+            return f"{self.scheme}://{hosts}/{self.service}"
+        where = urlsplit(self.url)
+        return f"{where.scheme}://{where.hostname}:{where.port or 6379}"
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    return host, int(port) if port else DEFAULT_SENTINEL_PORT

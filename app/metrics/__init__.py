@@ -90,6 +90,14 @@ class Metrics:
         )
         if remote_workers:
             self._live.append(WorkerReported(lambda: self._workers, lambda: self.labels))
+            self.broker_events = Counter(
+                "microbatch_broker_events",
+                "Broker mode, front ends: Redis reached again after a failure (reconnect); "
+                "after a failover, waiting requests whose entry was lost, sent again (resent) "
+                "or too late to be (lost).",
+                ["event"],
+                registry=r,
+            )
         else:
             self.queue_wait = Histogram(
                 "microbatch_queue_wait_seconds",
@@ -132,6 +140,10 @@ class Metrics:
     def watch(self, read_state: Callable[[], LiveState]) -> None:
         """Export gauges read from ``read_state()`` at every scrape."""
         self._live.append(LiveGauges(read_state))
+
+    def on_broker_event(self, event: str) -> None:
+        """Broker mode: ``app.broker.front.failover``'s ``reconnect``, ``resent``, ``lost``."""
+        self.broker_events.labels(event).inc()
 
     def on_workers(self, workers: Sequence[WorkerReport]) -> None:
         """Broker mode: the heartbeats of the workers alive, with what each has run."""

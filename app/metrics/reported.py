@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.jobs import Task
@@ -28,6 +28,10 @@ class WorkerReport(Protocol):
     def model_s(self) -> Mapping[str, Mapping[Task, Sequence[float]]]: ...
     @property
     def wait_s(self) -> Mapping[str, Mapping[Task, Sequence[float]]]: ...
+    @property
+    def reclaimed(self) -> int: ...
+    @property
+    def reconnects(self) -> int: ...
 
 
 def _histogram_family(
@@ -52,8 +56,17 @@ class WorkerReported(Collector):
         self._read = read
         self._labels = labels
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
+    def collect(self) -> Iterator[HistogramMetricFamily | CounterMetricFamily]:
         workers, labels = self._read(), self._labels()
+        for name, documentation, count in (
+            ("microbatch_worker_reclaimed", "Entries the live workers took over from a worker "
+             "that died or hung, or took back after a Redis failover.",
+             sum(w.reclaimed for w in workers)),
+            ("microbatch_worker_broker_reconnects", "Times the live workers reached Redis "
+             "again after it could not be reached (a failover, a restart).",
+             sum(w.reconnects for w in workers)),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, documentation, value=count)
         sizes: dict[tuple[str, str, str], dict[int, int]] = {}
         for worker in workers:
             for served_id, tasks in worker.sizes.items():

@@ -17,12 +17,12 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 from app.errors import WorkerStartError
 from app.plan.decode import DecodePlan, DecodeSetting, plan_decode
 from app.plan.devices import assign_workers, count_gpus, resolve_devices
 from app.settings import Settings
+from app.settings_values import BrokerAddress
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,7 @@ class BrokerPlan:
     @property
     def address(self) -> str:
         """The URL without credentials, for logs and ``/info``."""
-        where = urlsplit(self.url)
-        return f"{where.scheme}://{where.hostname}:{where.port or 6379}"
+        return BrokerAddress.parse(self.url).shown
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,14 @@ class PrecisionChoice:
         self.fleet = fleet
         self.host = host
         self.computes = computes
+        self.known: dict[str, str] = {}  # export -> the fleet's precision, as read or written
+
+    def restore(self) -> None:
+        """Write again the fleet's precisions this worker knows, where the record lost them
+        (a Redis failover loses what did not reach a replica); never over another. Raises
+        what the fleet's record raises."""
+        for model_id, dtype in list(self.known.items()):
+            self.fleet.record(model_id, dtype)
 
     def decided(self, spec: ModelSpec) -> ModelSpec:
         """``spec`` as a worker loads it. Raises what the fleet's record raises (Redis)."""
@@ -205,6 +213,7 @@ class PrecisionChoice:
             )
             fleet = "float32"
         if fleet is not None:
+            self.known[model_id] = fleet
             return spec.decided(fleet, served_model_id(model_id, fleet))
         return spec.with_incumbent(self.host.recorded(model_id))
 
@@ -216,6 +225,8 @@ class PrecisionChoice:
             return None
         model_id = split_served_id(loaded.served_id)[0]
         fleet = self.fleet.record(model_id, loaded.dtype)
+        if self.computes(fleet):
+            self.known[model_id] = fleet
         if fleet == loaded.dtype or not self.computes(fleet):
             self.host.record(model_id, loaded.dtype)
             return None

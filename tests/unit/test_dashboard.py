@@ -48,6 +48,7 @@ class _Report:
         # Each bucket's count (the +Inf one included), then the sum.
         self.model_s = {"tiny@1": {Task.TAG: [1.0] * (len(LATENCY_BUCKETS) + 1) + [0.01]}}
         self.wait_s = self.model_s
+        self.reclaimed, self.reconnects = 1, 1
 
 
 @functools.cache
@@ -73,6 +74,7 @@ def _exported(remote_workers: bool) -> dict[str, set[str]]:
     metrics.on_load("tiny", 3, 1.0, "verify")
     if remote_workers:
         metrics.on_workers([_Report()])
+        metrics.on_broker_event("reconnect")
     else:
         metrics.on_batch("tag", 2, [0.001, 0.002], "tiny", "1")
         metrics.on_run(BatchRun(task="tag", size=2, compute_s=0.01, threads=1), "tiny", "1")

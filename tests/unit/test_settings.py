@@ -76,13 +76,15 @@ def test_bad_value_fails_naming_the_setting(
         load_settings()
 
 
-def _compose_values(expression: str) -> list[str]:
-    """The values a compose ``environment`` entry can take when its variable is unset or
-    empty: ``${NAME:-default}`` gives its default, ``${NAME:-}`` the empty string."""
+def compose_values(expression: str) -> list[str]:
+    """The values a compose ``environment`` entry can take when its variables are unset or
+    empty: ``${NAME:-default}`` gives its default (``${A:-${B:-x}}``: x), ``${NAME:-}`` the
+    empty string."""
     import re
 
-    match = re.fullmatch(r"\$\{(\w+):-(.*)\}", expression)
-    return [match.group(2)] if match else [expression]
+    while match := re.fullmatch(r"\$\{(\w+):-(.*)\}", expression):
+        expression = match.group(2)
+    return [expression]
 
 
 def test_settings_accept_every_value_the_compose_file_can_pass(
@@ -102,7 +104,7 @@ def test_settings_accept_every_value_the_compose_file_can_pass(
         for key in environment:
             monkeypatch.delenv(key, raising=False)
         for key, expression in environment.items():
-            (value,) = _compose_values(expression)
+            (value,) = compose_values(expression)
             monkeypatch.setenv(key, value)
         settings = load_settings()  # raises SettingsError naming the setting otherwise
         if "MB_WORKER_NUM" in environment and environment["MB_WORKER_NUM"].endswith(":-}"):

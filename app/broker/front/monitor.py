@@ -25,7 +25,8 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.batching import ClusterView
 from app.broker.front.routes import decode_routes, encode_route
-from app.broker.wire.control import bump, decode_pins, set_pin
+from app.broker.wire.connect import drop_idle_async, follow_primary_async
+from app.broker.wire.control import SEQ, bump, decode_pins, restore_pins, set_pin
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
@@ -81,10 +82,17 @@ class Monitor:
         # The admin routes' writes (the pins) go through this one where it is set
         # (MB_BROKER_ADMIN: a Redis user allowed to), else through ``client``.
         self.admin: aioredis.Redis | None = None
+        self.clients: list[aioredis.Redis] = []  # every client of the front end's
+        self._dropping: set[asyncio.Task[None]] = set()
         self.connected = False
         self.workers: list[WorkerInfo] = []
         self.routes: dict[str, Route] = {}
         self.pins: dict[str, AdminPin] = {}
+        # What this front end's admin routes wrote, and the pins' sequence number then:
+        # written again where a failover (or a restart) lost them.
+        self._written: dict[str, AdminPin | None] = {}
+        self._written_seq = 0
+        self._restore_due = False
         self.queue_depth = 0  # entries in the routed versions' streams at the last look
         self.rate = 0.0  # images/s the workers answered, lately (for Retry-After)
         self._derived: dict[str, Route] = {}  # the routes the live workers' heartbeats give
@@ -129,9 +137,14 @@ class Monitor:
 
     def unreachable(self, exc: BaseException) -> None:
         """A command failed to reach Redis: new requests are refused at once until the
-        next look reaches it again."""
+        next look reaches it again; at the first failure, the idle connections of every
+        client of this front end are closed (``drop_idle``)."""
         if self.connected:
             log.error("broker: Redis unreachable (%s)", exc)
+            for client in self.clients:
+                task = asyncio.get_running_loop().create_task(drop_idle_async(client))
+                self._dropping.add(task)
+                task.add_done_callback(self._dropping.discard)
         self.connected = False
 
     # -- the admin routes' control -----------------------------------------------------------
@@ -157,6 +170,8 @@ class Monitor:
             asked = await set_pin(self.admin or self.client, self.keys, name, pin)
         except (RedisError, OSError) as exc:
             raise self._admin_failed(exc) from exc
+        self._written[name] = pin
+        self._written_seq = max(self._written_seq, asked)
         self.pins = (
             {**self.pins, name: pin}
             if pin is not None
@@ -238,9 +253,12 @@ class Monitor:
             for stream in self.keys.streams(served_id)
         ]
         try:
+            for client in self.clients:  # behind Sentinel: the primary it names now
+                await follow_primary_async(client)
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.info("server")
                 pipe.hgetall(self.keys.pins)
+                pipe.hget(self.keys.pins_seq, SEQ)
                 for stream in counted:
                     pipe.xlen(stream)
                 if self.scale_from_zero:
@@ -251,14 +269,19 @@ class Monitor:
             self.unreachable(exc)
             return
         run_id = answers[0].get("run_id")
-        if self._run_id is not None and run_id != self._run_id and self._on_restart:
-            self._on_restart()  # a different Redis (restarted): waiting entries are gone
+        other = self._run_id is not None and run_id != self._run_id
+        if other and self._on_restart:
+            self._on_restart()  # another Redis (failed over, restarted): entries may be lost
         self._run_id = run_id
         if not self.connected:
             log.info("broker: connected to Redis")
         self.connected = True
         self.pins = decode_pins(answers[1])
-        self.queue_depth = sum(answers[2 : 2 + len(counted)])
+        if other and int(answers[2] or 0) < self._written_seq:
+            self._restore_due = True
+        if self._restore_due:
+            await self._restore_pins()
+        self.queue_depth = sum(answers[3 : 3 + len(counted)])
         if self.scale_from_zero:
             self._last_routes = decode_routes(answers[-2])
         live = self._live.parse(answers[-1])
@@ -277,6 +300,26 @@ class Monitor:
             self._after_look()
         if self._on_view is not None:
             self._on_view(self.view)
+
+    async def _restore_pins(self) -> None:
+        """Another Redis answers, and the pins this front end wrote are not all there (a
+        failover lost the last writes): write them again (``restore_pins``), so a rollout
+        asked before it completes after it."""
+        assert self.client is not None
+        kept = {n: p for n, p in self._written.items() if p is not None}
+        try:
+            seq = await restore_pins(self.admin or self.client, self.keys, kept, self._written_seq)
+        except (RedisError, OSError) as exc:  # tried again at the next look
+            log.error("broker: could not write the lost pins again: %s", exc)
+            return
+        log.warning("broker: Redis lost the pins this front end wrote; written again (%s)",
+                    ", ".join(kept) or "none")  # fmt: skip
+        for name, pin in self._written.items():
+            if pin is None:
+                self.pins.pop(name, None)
+            else:
+                self.pins[name] = pin
+        self._written_seq, self._restore_due = seq, False
 
     def _route(self) -> None:
         """Which version each name serves now, by the heartbeats; a name the admin route

@@ -8,8 +8,9 @@ version each model name serves, what the admin route chose). A request goes to t
 of the version it was admitted for (``BatchKey.model``). No torch, no model weights.
 
 Failure rules: a request is refused with 503 ``broker_unavailable`` while Redis cannot be
-reached, and every request waiting for a reply fails the same way the moment the reply
-reader loses Redis (the entry or its reply may be gone). It is refused with 503
+reached; what becomes of the requests waiting for a reply when the reply reader loses Redis
+(they fail at once, or behind Sentinel are held through the failover and their entries
+looked for) is ``app.broker.front.failover``'s. It is refused with 503
 ``worker_died`` while no live worker not told to stop holds its version (by a look at Redis
 at most ``LOOK_AGAIN_S`` older than the request), and a request already waiting fails the same way
 once no live worker has held its version for ``ORPHANED_S`` (its worker died: a restart
@@ -42,9 +43,11 @@ from app.batching import (
     WorkerStatus,
 )
 from app.broker.front.backlog import count_backlog
+from app.broker.front.failover import Failover
 from app.broker.front.monitor import Monitor, cannot_reach
 from app.broker.front.status import worker_status
-from app.broker.front.waiting import Waiting
+from app.broker.front.waiting import Entry, Waiting
+from app.broker.wire.connect import BACKOFF, connect_async
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.request import encode_request
@@ -57,11 +60,15 @@ from app.errors import (
 )
 from app.jobs import BatchKey, ImageJob, Task
 from app.lifecycle import Route
+from app.settings_values import BrokerAddress
 
 log = logging.getLogger("app.broker.transport")
 
 REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
-RECONNECT_S = 0.5
+# Every call's socket timeout: a primary that hangs is left after it (the reply reader's: its
+# block, and as long again).
+SOCKET_TIMEOUT_S = 2.0
+NOTICE_S = 0.1  # how long before its deadline a request held through a failover hears so
 NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
 # Add one request to KEYS[ARGV[1]] unless the streams in KEYS (every served version's) already
 # hold ARGV[2] entries (those waiting and those being computed): one round trip, and the
@@ -93,6 +100,7 @@ class BrokerTransport:
         scale_from_zero: bool = False,
         own_routes: Mapping[str, Route] | None = None,
         admin_url: str | None = None,
+        on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.keys = Keys(prefix)
         self.max_queue = max_queue
@@ -103,7 +111,7 @@ class BrokerTransport:
             scale_from_zero=scale_from_zero,
             own_routes=own_routes,
             on_workers=on_workers,
-            on_restart=lambda: self._waiting.fail(BrokerUnavailable("Redis restarted")),
+            on_restart=lambda: self._failover.restarted(),
             after_look=lambda: self._waiting.fail_orphaned(self._held),
         )
         self.frontend = uuid.uuid4().hex[:16]
@@ -114,6 +122,8 @@ class BrokerTransport:
         self._admit: Any = None
         self._ids = itertools.count()
         self._waiting = Waiting()
+        sentinel = BrokerAddress.parse(url).sentinel
+        self._failover = Failover(self._waiting, hold=sentinel, on_event=on_event)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
@@ -164,17 +174,21 @@ class BrokerTransport:
         # No retries inside the client: a request fails fast while Redis is away (503), and
         # the reader and the monitor keep trying on their own.
         once = Retry(NoBackoff(), 0)
-        self._redis = aioredis.Redis.from_url(
-            self._url, socket_timeout=5, socket_connect_timeout=2, retry=once
+        self._redis = connect_async(
+            self._url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2, retry=once
         )
-        self._reader = aioredis.Redis.from_url(
-            self._url, socket_timeout=REPLY_BLOCK_S + 5, socket_connect_timeout=2, retry=once
+        self._reader = connect_async(
+            self._url, socket_timeout=2 * REPLY_BLOCK_S, socket_connect_timeout=2, retry=once
         )
         self.monitor.client = self._redis
         if self._admin_url is not None:
-            self.monitor.admin = aioredis.Redis.from_url(
-                self._admin_url, socket_timeout=5, socket_connect_timeout=2, retry=once
+            self.monitor.admin = connect_async(
+                self._admin_url,
+                socket_timeout=SOCKET_TIMEOUT_S,
+                socket_connect_timeout=2,
+                retry=once,
             )
+        self.monitor.clients = [c for c in (self._redis, self._reader, self.monitor.admin) if c]
         self._admit = self._redis.register_script(ADMIT)
         await self.monitor.look_safely()
         self._tasks = [
@@ -303,6 +317,8 @@ class BrokerTransport:
         finally:
             if not isinstance(added, bytes):  # not added (an entry id is bytes): no reply comes
                 self._waiting.discard(request_id)
+        if isinstance(added, bytes):
+            self._waiting.sent(request_id, Entry(stream, added, fields, item.deadline))
         if isinstance(added, int):  # the streams held max_queue entries: not added
             return QueueFull(
                 f"the shared queue is full ({added} waiting)",
@@ -321,28 +337,41 @@ class BrokerTransport:
         """The item's result or error; after its deadline (the caller has had its 504),
         forget it: a reply that still comes is dropped. If its caller goes away first (the
         Streamer cancels this), the entry leaves the stream: unread, it is never computed."""
-        timeout = None if item.deadline is None else max(0.0, item.deadline - time.monotonic())
+        sent = time.monotonic()
+        timeout = None if item.deadline is None else max(0.0, item.deadline - sent)
         try:
-            async with asyncio.timeout(None if timeout is None else timeout + 1.0):
+            if timeout is not None and timeout > NOTICE_S:
+                # One held through a failover is told so just before its deadline (503), not
+                # with the Streamer's plain 504 at it.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout - NOTICE_S):
+                        return await asyncio.shield(future)
+                if self._failover.disturbed_since(sent):
+                    raise self._failover.too_late()
+            async with asyncio.timeout(None if timeout is None else timeout + 1.0 - NOTICE_S):
                 return await asyncio.shield(future)
         except TimeoutError:
-            self._forget(stream, entry_id)  # stale: a worker that reads it drops it anyway
+            self._forget(request_id, stream, entry_id)  # stale: a worker that reads it drops it
             return BrokerUnavailable("no reply came before the deadline")
         except ServerError as exc:
             # A worker's error (it has deleted the entry: this delete finds nothing), or this
             # front end's (the version moved, Redis lost): the entry must not wait on.
-            self._forget(stream, entry_id)
+            self._forget(request_id, stream, entry_id)
             return exc
         except asyncio.CancelledError:
-            self._forget(stream, entry_id)
+            self._forget(request_id, stream, entry_id)
             raise
         finally:
             self._waiting.discard(request_id)
 
-    def _forget(self, stream: str, entry_id: bytes) -> None:
-        """Delete an entry nobody waits for (in the background: its caller has gone)."""
+    def _forget(self, request_id: str, stream: str, entry_id: bytes) -> None:
+        """Delete an entry nobody waits for (in the background: its caller has gone): the
+        one it was sent again as after a failover, if it was."""
         if self._redis is None:
             return
+        entry = self._waiting.entry(request_id)
+        if entry is not None:
+            stream, entry_id = entry.stream, entry.entry_id
         task = asyncio.get_running_loop().create_task(self._delete(stream, entry_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -355,33 +384,36 @@ class BrokerTransport:
     # -- replies -----------------------------------------------------------------------------
 
     async def _read_replies(self) -> None:
+        """The reply reader: its failures back off (``BACKOFF``), and what waits meanwhile
+        is the failover policy's (``app.broker.front.failover``)."""
         key = self.keys.replies(self.frontend)
+        failures = 0
         while not self.monitor.closing:
             assert self._reader is not None
             try:
+                if self._failover.due():
+                    await self._failover.recheck(self._reader, key, self._deliver)
                 popped = await self._reader.blmpop(
                     REPLY_BLOCK_S, 1, key, direction="LEFT", count=512
                 )
             except (RedisError, OSError) as exc:
-                self._lost(exc)
-                await asyncio.sleep(RECONNECT_S)
+                self._unreachable(exc)
+                self._failover.lost(exc)
+                failures += 1
+                await asyncio.sleep(BACKOFF.compute(failures))
                 continue
+            failures = 0
+            self._failover.reached()
             if popped:
                 for raw in popped[1]:
-                    if isinstance(raw, bytes):
-                        try:
-                            self._waiting.deliver(raw)
-                        except Exception:  # one bad reply must not stop the reader
-                            log.exception("broker: delivering a reply failed")
+                    self._deliver(raw)
+
+    def _deliver(self, raw: Any) -> None:
+        if isinstance(raw, bytes):
+            try:
+                self._waiting.deliver(raw)
+            except Exception:  # one bad reply must not stop the reader
+                log.exception("broker: delivering a reply failed")
 
     def _unreachable(self, exc: BaseException) -> None:
         self.monitor.unreachable(exc)
-
-    def _lost(self, exc: BaseException) -> None:
-        """The reply reader lost Redis: the replies of waiting requests may never come
-        (Redis may be gone, or back empty), so every waiting request fails now."""
-        if self._waiting:
-            waiting = len(self._waiting)
-            log.error("broker: lost Redis (%s); failing %d waiting request(s)", exc, waiting)
-        self._unreachable(exc)
-        self._waiting.fail(BrokerUnavailable("lost the broker (Redis) while waiting"))

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from app.broker.wire.parsing import MalformedMessage
 from app.broker.wire.reply import decode_reply
@@ -16,6 +17,17 @@ from app.errors import ServerError, WorkerDied
 log = logging.getLogger("app.broker.transport")
 
 ORPHANED_S = 2.0  # a waiting request whose version no live worker holds fails after this
+
+
+@dataclass
+class Entry:
+    """Where a waiting request's entry is, and what it holds (to be sent again, should a
+    failover lose it): the stream, the entry's id, its fields, the request's deadline."""
+
+    stream: str
+    entry_id: bytes
+    fields: dict[str, bytes]
+    deadline: float | None  # time.monotonic(); None: none
 
 
 class Waiting:
@@ -30,6 +42,7 @@ class Waiting:
     def __init__(self) -> None:
         self._futures: dict[str, asyncio.Future[object]] = {}
         self._models: dict[str, str] = {}  # request id -> the served id it went to
+        self._entries: dict[str, Entry] = {}  # request id -> its entry, once added
         self._unheld_since: dict[str, float] = {}  # served id -> since no live worker holds it
 
     def __len__(self) -> int:
@@ -44,6 +57,24 @@ class Waiting:
     def discard(self, request_id: str) -> None:
         self._futures.pop(request_id, None)
         self._models.pop(request_id, None)
+        self._entries.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether ``request_id`` still waits for its reply (none delivered yet)."""
+        future = self._futures.get(request_id)
+        return future is not None and not future.done()
+
+    def sent(self, request_id: str, entry: Entry) -> None:
+        """The request's entry is in Redis (again, after a resend)."""
+        if request_id in self._futures:
+            self._entries[request_id] = entry
+
+    def entry(self, request_id: str) -> Entry | None:
+        return self._entries.get(request_id)
+
+    def entries(self) -> list[tuple[str, Entry]]:
+        """Every waiting request whose entry was added, with it."""
+        return list(self._entries.items())
 
     def deliver(self, raw: bytes) -> None:
         """A reply from the list: to the request it names, if it still waits."""
@@ -68,10 +99,13 @@ class Waiting:
             if served_id is None or model == served_id
         ]
         for request_id in failed:
-            future = self._futures.pop(request_id, None)
-            self._models.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(error)
+            self.fail_one(request_id, error)
+
+    def fail_one(self, request_id: str, error: ServerError) -> None:
+        future = self._futures.get(request_id)
+        self.discard(request_id)
+        if future is not None and not future.done():
+            future.set_exception(error)
 
     def fail_orphaned(self, held: Callable[[str], bool]) -> None:
         """Requests waiting on a version that has not been ``held`` (by a live worker, or

@@ -3,4 +3,5 @@ prefix and the timings both rely on (``keys``); the formats of what crosses, che
 arrival, no pickle anywhere (``request``, ``reply``, ``heartbeat``, read with ``parsing``);
 what the fleet decided, which both sides read (``control``: the admin route's pins, the
 precision of each export); and the one view of the live workers, from their heartbeats
-(``live``)."""
+(``live``); and where Redis is, plain or behind Sentinel, and how every process connects to
+it (``connect``)."""

@@ -75,6 +75,31 @@ async def set_pin(client: aioredis.Redis, keys: Keys, name: str, pin: AdminPin |
     return int(answers[-1])
 
 
+# Pins written again after a failover lost them (ARGV: name, pin, name, pin...; ARGV[#ARGV]:
+# the sequence number they had): the sequence moves past it, so every worker acts on them
+# and an admin call waiting for that number sees it reached.
+RESTORE = """
+for i = 1, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+local seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
+local floor = tonumber(ARGV[#ARGV])
+if seq < floor then
+  redis.call('HSET', KEYS[2], 'seq', floor)
+  seq = floor
+end
+return seq
+"""
+
+
+async def restore_pins(
+    client: aioredis.Redis, keys: Keys, pins: Mapping[str, AdminPin], seq: int
+) -> int:
+    """Write ``pins`` again, with the sequence at least ``seq`` (``RESTORE``); the new
+    sequence number. Raises ``RedisError`` or ``OSError``."""
+    args: list[Any] = [a for n, p in pins.items() for a in (check_name(n), encode_pin(p))]
+    answer = await client.eval(RESTORE, 2, keys.pins, keys.pins_seq, *args, seq)
+    return int(answer)
+
+
 async def bump(client: aioredis.Redis, keys: Keys) -> int:
     """Have every worker read the pins and the repository again now, as on ``SIGHUP`` (a
     failed version is tried again): the sequence is bumped, the pins stay. Returns the new

@@ -34,13 +34,14 @@ import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
+from app.broker.wire.connect import drop_idle
 from app.broker.wire.keys import GROUP, HEARTBEAT_S, Keys
 from app.broker.wire.live import LiveView, LiveWorkers
 from app.broker.wire.parsing import MalformedMessage, text
 from app.broker.wire.reply import encode_answer
 from app.broker.wire.request import Request, decode_request, entry_time_ms
 from app.broker.worker import spans
-from app.broker.worker.health import Presence, TroubleLog, vital_thread
+from app.broker.worker.health import Presence, PrimaryWatch, TroubleLog, vital_thread
 from app.broker.worker.orphans import OrphanClaims
 from app.broker.worker.readahead import ReadAhead
 from app.broker.worker.replies import RETRY_S, Answered, Entry, EntryId, Replier
@@ -106,7 +107,8 @@ class Consumer:
         self.max_image_bytes = max_image_bytes
         self.batch_timeout_s = batch_timeout_s
         self.stats = ConsumerStats()
-        self._trouble = TroubleLog(name)
+        self._trouble = TroubleLog(name, self.stats, lambda: drop_idle(client))
+        self._primary = PrimaryWatch()
         self._presence = Presence(client, keys, name, self._describe, self._trouble)
         self._live = LiveWorkers(keys)
         # One read ahead at most (at most one batch per task), timed to the compute.
@@ -169,6 +171,8 @@ class Consumer:
         """Every ``RECLAIM_S``: look at the live workers, turn the versions, claim orphans;
         True once told to stop and drained."""
         view = self._look()
+        if self._primary.changed(self.client):
+            self._after_failover()
         if stop.is_set():
             if self.draining_since is None:
                 self.draining_since = time.monotonic()
@@ -182,6 +186,20 @@ class Consumer:
             if self._on_started is not None:
                 self._on_started()
         return False
+
+    def _after_failover(self) -> None:
+        """Another Redis answers (a replica promoted, or a restart): what the last one
+        held and had not passed on is lost. Its answers' acknowledgements may be among it:
+        this worker takes back its own pending entries at once (an answer computed again
+        reaches nobody twice: a front end takes one reply per request); and the fleet's
+        precisions are written again. Its heartbeat, next second, says the rest."""
+        log.warning("worker %s: another Redis answers (a failover?); taking back its own "
+                    "pending entries", self.name)  # fmt: skip
+        self.claims.own_recovered = False
+        try:
+            self.versions.precision.restore()
+        except (RedisError, OSError) as exc:
+            self._trouble.unreachable(exc)
 
     def _look(self) -> LiveView | None:
         try:

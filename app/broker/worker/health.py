@@ -17,8 +17,10 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from app.broker.wire.connect import follow_primary
 from app.broker.wire.keys import HEARTBEAT_S, STALE_S, Keys
 from app.broker.wire.parsing import text
+from app.broker.worker.stats import ConsumerStats
 
 log = logging.getLogger("app.worker")
 
@@ -80,6 +82,7 @@ class Heartbeat:
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, name: str, incarnation: str) -> None:
+        self.client = client
         self.keys = keys
         self.name = name
         self.incarnation = incarnation
@@ -153,9 +156,11 @@ class Presence:
         return False
 
     def send(self, *, raising: bool = False) -> None:
-        """Tell Redis this worker lives. Another live process holding the name ends this
-        one (``raising``: the caller decides)."""
+        """Tell Redis this worker lives (behind Sentinel, to the primary it names now:
+        ``follow_primary``, every heartbeat, whatever the worker computes). Another live
+        process holding the name ends this one (``raising``: the caller decides)."""
         try:
+            follow_primary(self.heartbeat.client)
             self.heartbeat.send(self._describe())
         except NameTaken as exc:
             if raising:
@@ -179,21 +184,28 @@ class Presence:
 
 
 class TroubleLog:
-    """A Redis outage logged once (and its end), an error at most once a minute."""
+    """A Redis outage logged once (and its end, counted in ``stats.reconnects``), an error
+    at most once a minute."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, stats: ConsumerStats, on_down: Callable[[], None] = lambda: None
+    ) -> None:
         self.name = name
+        self.stats = stats
+        self._on_down = on_down  # at the first failure of an outage
         self._down = False
         self._logged: dict[str, float] = {}  # message -> when last logged
 
     def unreachable(self, exc: BaseException) -> None:
         if not self._down:
             log.warning("worker %s: Redis unreachable (%s); retrying", self.name, exc)
+            self._on_down()
         self._down = True
 
     def reachable(self) -> None:
         if self._down:
             log.info("worker %s: Redis is back", self.name)
+            self.stats.reconnects += 1
         self._down = False
 
     def error(self, message: str) -> None:
@@ -203,6 +215,23 @@ class TroubleLog:
             if len(self._logged) > 1000:
                 self._logged.clear()
             log.error("worker %s: %s", self.name, message)
+
+
+class PrimaryWatch:
+    """Which Redis process answers (``INFO``'s ``run_id``): another one means a failover
+    to a replica, or a restart, and what the last one held may be partly lost."""
+
+    def __init__(self) -> None:
+        self._run_id: str | None = None
+
+    def changed(self, client: redis.Redis) -> bool:
+        """Whether another Redis answers than at the last call (False when none does)."""
+        try:
+            run_id = str(client.info("server").get("run_id"))
+        except (RedisError, OSError):
+            return False
+        before, self._run_id = self._run_id, run_id
+        return before is not None and before != run_id
 
 
 def vital_thread(target: Callable[[], None], name: str) -> threading.Thread:

@@ -28,6 +28,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from app.broker.wire.connect import connect
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
 from app.lifecycle import VersionState
@@ -145,4 +146,4 @@ def serve(probes: Probes, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServ
 
 def client_for(url: str) -> redis.Redis:
     """A Redis client for probes: short timeouts, so a probe answers within the kubelet's."""
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    return connect(url, socket_timeout=2, socket_connect_timeout=2)

@@ -26,6 +26,9 @@ from app.workers.lineage import die_with_parent
 
 log = logging.getLogger("app.worker")
 
+# Twice its longest blocking read (XREADGROUP's 1 s): a primary that hangs is left after it.
+SOCKET_TIMEOUT_S = 2.0
+
 
 @dataclass(frozen=True)
 class ConsumerSpec:
@@ -58,10 +61,10 @@ def consumer_main(
     It dies with its supervisor (killed, even with ``-9``): an orphan would go on consuming
     under the name its replacement takes."""
     die_with_parent(spec.parent_pid)
-    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from app.broker.wire.connect import connect
     from app.broker.wire.keys import Keys
     from app.broker.worker.consumer import Consumer
     from app.workers.process import PreparedWorker, start_failure
@@ -77,8 +80,11 @@ def consumer_main(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns Ctrl-C into SIGTERM
     # The consumer retries on its own (and says so in the log); the client does not.
-    client = redis.Redis.from_url(
-        spec.broker.url, socket_timeout=10, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0)
+    client = connect(
+        spec.broker.url,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=2,
+        retry=Retry(NoBackoff(), 0),
     )
     keys = Keys(spec.broker.prefix)
     repository = Repository.of_plan(spec.repository)
