@@ -81,8 +81,10 @@ soak-quick: install-dev $(MODEL_STORE)/manifest.json  ## the same, 10,000 reques
 	$(PY) -m bench.soak --mode broker --requests 10000 --every 2500
 
 # Faults in broker mode, one kind of process at a time, under load: every invariant must hold.
-chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py), then random lifecycle sequences (about 40 min)
+chaos: install-dev redis-server  ## the fault matrix (bench/chaos.py), Redis failovers, then random lifecycle sequences (about 50 min)
 	$(PY) -m bench.chaos
+	FAILOVER_ROUNDS=3 FAILOVER_TLS=1 $(PY) -m pytest -p no:cacheprovider -s \
+		tests/integration/test_broker_failover.py
 	LIFECYCLE_EXAMPLES=$(LIFECYCLE_EXAMPLES) LIFECYCLE_STEPS=$(LIFECYCLE_STEPS) $(PY) -m pytest \
 		-p no:cacheprovider tests/integration/test_lifecycle_model.py -k random
 
