@@ -167,3 +167,25 @@ def test_each_invariant_can_fail(breakage: str) -> None:
     assert set(check(docs)) - before, (
         f"breaking it ({breakage}) went unnoticed (or it was broken already)"
     )
+
+
+def test_an_external_redis_gives_each_role_its_own_url_and_the_tls_files() -> None:
+    """ci/sentinel.yaml (issue #49): the workers read their own user's URL, the front ends
+    theirs and the admin routes' (MB_BROKER_ADMIN), each from the Secret; both mount the TLS
+    files the URLs name, read-only."""
+    docs = render("sentinel")
+
+    def ref(component: str, var: str) -> Any:
+        return env_entry(docs, component, var)["valueFrom"]["secretKeyRef"]
+
+    assert ref("frontend", "MB_BROKER") == {"name": "mb-redis", "key": "url"}
+    assert ref("frontend", "MB_BROKER_ADMIN") == {"name": "mb-redis", "key": "admin-url"}
+    assert ref("worker", "MB_BROKER") == {"name": "mb-redis", "key": "worker-url"}
+    assert not [e for e in container(docs, "worker")["env"] if e["name"] == "MB_BROKER_ADMIN"]
+    for component in ("frontend", "worker"):
+        mounts = {v["name"]: v for v in container(docs, component)["volumeMounts"]}
+        assert mounts["redis-tls"] == {
+            "name": "redis-tls", "mountPath": "/etc/microbatch/redis-tls", "readOnly": True,
+        }  # fmt: skip
+        volumes = {v["name"]: v for v in pod_spec(docs, component)["volumes"]}
+        assert volumes["redis-tls"]["secret"]["secretName"] == "mb-redis-tls"

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from app.settings import Settings
+from tests.unit.test_settings import compose_values
 
 REPO = Path(__file__).resolve().parents[2]
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
@@ -127,8 +128,11 @@ def test_compose_cluster_profile_runs_broker_mode() -> None:
     cluster = {name for name, s in services.items() if "cluster" in s.get("profiles", [])}
     assert cluster == {"redis", "frontend", "model-worker"}
     frontend, worker = services["frontend"], services["model-worker"]
-    assert frontend["environment"]["MB_BROKER"] == worker["environment"]["MB_BROKER"]
-    assert frontend["environment"]["MB_BROKER"].startswith("redis://redis:")
+    # By default both reach the compose file's Redis (each may be given its own user's URL).
+    broker = [compose_values(s["environment"]["MB_BROKER"]) for s in (frontend, worker)]
+    assert broker[0] == broker[1] and broker[0][0].startswith("redis://redis:")
+    for service in (frontend, worker):  # the certificates a rediss:// URL names
+        assert "./redis-tls:/etc/microbatch/redis-tls:ro" in service["volumes"]
     assert "app.gunicorn_worker.Worker" in frontend["command"][-1]
     assert "-w 2" in frontend["command"][-1]
     assert worker["command"] == ["python", "-m", "app.broker.worker"]

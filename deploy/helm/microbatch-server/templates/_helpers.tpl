@@ -229,9 +229,21 @@ filesystem is read-only) and an in-memory /dev/shm (images reach the model worke
   mountPath: /dev/shm
 {{- end }}
 
-{{/* Every volume of an app pod: scratch, plus the model repository (models.source). */}}
+{{/* Non-empty when the pods mount the external Redis's TLS files. */}}
+{{- define "microbatch-server.redisTls" -}}
+{{- if and (eq .Values.mode "broker") (not .Values.redis.enabled) .Values.redis.external.tlsSecret }}true{{ end }}
+{{- end }}
+
+{{/* Every volume of an app pod: scratch, plus the model repository (models.source), plus
+the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
 {{- define "microbatch-server.volumes" -}}
 {{ include "microbatch-server.scratchVolumes" . }}
+{{- if include "microbatch-server.redisTls" . }}
+- name: redis-tls
+  secret:
+    secretName: {{ .Values.redis.external.tlsSecret }}
+    defaultMode: 0440
+{{- end }}
 {{- if eq .Values.models.source "pvc" }}
 - name: models
   persistentVolumeClaim:
@@ -248,6 +260,11 @@ filesystem is read-only) and an in-memory /dev/shm (images reach the model worke
 {{/* The mounts of an app container: the model repository is read-only to the server. */}}
 {{- define "microbatch-server.volumeMounts" -}}
 {{ include "microbatch-server.scratchMounts" . }}
+{{- if include "microbatch-server.redisTls" . }}
+- name: redis-tls
+  mountPath: /etc/microbatch/redis-tls
+  readOnly: true
+{{- end }}
 {{- if ne .Values.models.source "image" }}
 - name: models
   mountPath: {{ include "microbatch-server.modelRepositoryPath" . }}
@@ -355,11 +372,19 @@ Order matters once: REDIS_PASSWORD precedes MB_BROKER, which refers to it as $(R
 - name: MB_BROKER
   value: "redis://:$(REDIS_PASSWORD)@{{ include "microbatch-server.componentName" (dict "root" $root "component" "redis") }}:6379/0"
 {{- else }}
+{{- $x := $v.redis.external }}
 - name: MB_BROKER
   valueFrom:
     secretKeyRef:
-      name: {{ $v.redis.external.existingSecret }}
-      key: {{ $v.redis.external.key }}
+      name: {{ $x.existingSecret }}
+      key: {{ ternary ($x.workerKey | default $x.key) $x.key (eq $c "worker") }}
+{{- if and (eq $c "frontend") $x.adminKey }}
+- name: MB_BROKER_ADMIN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $x.existingSecret }}
+      key: {{ $x.adminKey }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if eq $c "kserve" }}
