@@ -37,6 +37,7 @@ from app.workers.runner import BatchRunner
 from tests.broker import RedisServer, Workers, broker_env
 from tests.conftest import distinct_images
 from tests.models import ConvEmbedding, ScaledEmbedding, export_test_model
+from tests.sentinel import SentinelSet
 from tests.server import ServerProcess, alive, free_port
 
 NAME = "tagger"
@@ -184,10 +185,12 @@ class Config:
     workers: int
     outcome: Outcome
     poll: bool = False
+    sentinel: bool = False  # broker mode: Redis as a primary, two replicas, three Sentinels
 
     @property
     def name(self) -> str:
-        return f"{self.mode}-{self.workers}-{self.outcome}{'-poll' if self.poll else ''}"
+        extras = ("-poll" if self.poll else "") + ("-sentinel" if self.sentinel else "")
+        return f"{self.mode}-{self.workers}-{self.outcome}{extras}"
 
     def env(self, state_dir: Path) -> dict[str, str]:
         """Every setting at its default (MB_DTYPE=auto above all), but for the test hooks
@@ -222,6 +225,7 @@ class Deployment:
         self._stack = contextlib.ExitStack()
         self.server: ServerProcess | None = None
         self.workers: Workers | None = None
+        self.redis: Any = None  # broker mode: its RedisServer, or SentinelSet
 
     @property
     def base_url(self) -> str:
@@ -243,9 +247,10 @@ class Deployment:
     def _start(self) -> None:
         repository = {"MODEL_REPOSITORY": str(self.root)}
         if self.config.mode == "broker":
-            redis_server = RedisServer()
+            redis_server: Any = SentinelSet() if self.config.sentinel else RedisServer()
             self._stack.push(redis_server)  # stopped however the start ends
             redis_server.start()
+            self.redis = redis_server
             workers = Workers(
                 redis_server, self.root, count=self.config.workers, MODEL_REPOSITORY=str(self.root)
             )
@@ -282,6 +287,16 @@ class Deployment:
         pids = [w["pid"] for w in readiness["workers"] if w["alive"] and w["pid"]]
         self.seen_pids.update(pids)
         return pids
+
+    def fail_over_redis(self) -> None:
+        """``kill -9`` of Redis's primary (behind Sentinel): a replica takes over, and the
+        killed one comes back as a replica once it has."""
+        assert isinstance(self.redis, SentinelSet)
+        self.redis.settled()
+        old = self.redis.primary_port()
+        assert old is not None
+        self.redis.restart(self.redis.kill_primary())
+        self.redis.after_fault(old)
 
     def kill_worker(self) -> int:
         pid = sorted(self.worker_pids())[0]

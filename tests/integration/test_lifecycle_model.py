@@ -13,8 +13,8 @@ worker) while clients send requests, and checks after every step that
   suffix) are served or refused as documented;
 - ``/readyz`` and the repository index tell the truth, and no worker process is orphaned.
 
-It runs in-process with one and two workers and in broker mode (a real Redis, two workers),
-under each outcome of the precision choice (``MB_DTYPE=auto`` picking fp32, picking bf16,
+It runs in-process with one and two workers and in broker mode (a real Redis, two workers;
+and behind Sentinel, its primary killed between steps), under each outcome of the precision choice (``MB_DTYPE=auto`` picking fp32, picking bf16,
 and int8 exports beside their fp32 sources). ``make test`` runs one fixed sequence per
 deployment (``derandomize``); ``make chaos`` runs many random ones (``LIFECYCLE_EXAMPLES``,
 ``LIFECYCLE_STEPS``). A failing sequence is shrunk to a short reproduction, which becomes a
@@ -76,6 +76,7 @@ CONFIGS = [
     Config("broker", 2, "fp32"),
     Config("broker", 2, "bf16", poll=True),
     Config("broker", 2, "int8"),
+    Config("broker", 2, "bf16", sentinel=True),
 ]
 # make test: one deployment explored by hypothesis, in a fixed (derandomized) way; its first
 # sequence is the simplest there is, its second a random one.
@@ -135,7 +136,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.traffic = Traffic(self.deployment.base_url)
         self.log: list[str] = ["started"]
         self.kills = 0  # each takes a worker's restart: a sequence has at most two
-        self._during: tuple[str, str | None, list[Answer], bool] | None = None
+        self._during: tuple[str, str | None, list[Answer], frozenset[str]] | None = None
 
     def teardown(self) -> None:
         self.http.close()
@@ -150,10 +151,11 @@ class Lifecycle(RuleBasedStateMachine):
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _step(self, what: str, run: Any, *, may_drop: bool = False) -> Any:
+    def _step(self, what: str, run: Any, *, may_drop: frozenset[str] = frozenset()) -> Any:
         """Run one step with traffic flowing; the answers given meanwhile are checked once
         the step has said what it expects (``the_traffic_was_answered_as_documented``), and
-        a step that fails says what the traffic got too."""
+        a step that fails says what the traffic got too. ``may_drop``: the 503s the step
+        may cause (a worker that died, Redis failing over)."""
         before = self.expected.served_id()
         self.log.append(what)
         try:
@@ -257,7 +259,24 @@ class Lifecycle(RuleBasedStateMachine):
             )
             self._settle(self.expected.serving)
 
-        self._step("kill -9 a worker", kill, may_drop=True)
+        self._step("kill -9 a worker", kill, may_drop=frozenset({"worker_died"}))
+
+    @precondition(lambda self: self.config.sentinel)
+    @rule()
+    def fail_over_redis(self) -> None:
+        """``kill -9`` of Redis's primary, behind Sentinel: the lifecycle goes on as it was
+        (what serves, the pins, the fleet's precision), and the requests meanwhile are
+        answered or refused 503 as when a worker dies."""
+
+        def fail_over() -> None:
+            self.deployment.fail_over_redis()
+            # Until the front end reaches the new primary, a request hears it cannot.
+            reached = lambda: http_embedding(self.http, 0).error != "broker_unavailable"  # noqa: E731
+            until(reached, "the front end reaching Redis again", timeout_s=30)
+            self._settle(self.expected.serving)
+
+        refusals = frozenset({"worker_died", "broker_unavailable"})
+        self._step("kill -9 Redis's primary", fail_over, may_drop=refusals)
 
     # -- waiting for the lifecycle to settle ---------------------------------------------------
 
@@ -400,13 +419,13 @@ class Lifecycle(RuleBasedStateMachine):
         assert not self.deployment.orphans(), self.log
 
 
-def _documented(answer: Answer, *, gap: bool, may_drop: bool) -> bool:
+def _documented(answer: Answer, *, gap: bool, may_drop: frozenset[str]) -> bool:
     """Whether a refusal is one the documentation gives for what was happening."""
     if gap and answer.status == 404 and answer.error == "model_not_found":
         return True  # the name was unloaded
     if gap and answer.status == 503 and answer.error == "not_ready":
         return True  # loading again after an unload
-    return may_drop and answer.status == 503 and answer.error == "worker_died"
+    return answer.status == 503 and answer.error in may_drop
 
 
 def _alive_after(pid: int, wait_s: float = 10) -> bool:
@@ -441,6 +460,17 @@ PROGRAM: list[tuple[str, dict[str, int]]] = [
     ("load_by_route", {"choice": 5}),
     ("load_by_route", {"choice": 0}),
 ]
+
+
+def program_for(config: Config) -> list[tuple[str, dict[str, int]]]:
+    """``PROGRAM``; behind Sentinel, with Redis's primary killed after a version is loaded by
+    the route (its pin written, then perhaps lost) and again after the unload."""
+    if not config.sentinel:
+        return PROGRAM
+    program = list(PROGRAM)
+    program.insert(program.index(("kill_worker", {})), ("fail_over_redis", {}))
+    program.insert(program.index(("unload", {})) + 1, ("fail_over_redis", {}))
+    return program
 
 
 def machine(config: Config, catalog: Catalog) -> type[Lifecycle]:
@@ -491,7 +521,7 @@ def test_every_step_in_every_mode_and_precision(
     config: Config, catalogs: dict[str, Catalog]
 ) -> None:
     """The covering program: every step, in every mode, under every precision outcome."""
-    run_program(machine(config, catalogs[config.outcome]), PROGRAM)
+    run_program(machine(config, catalogs[config.outcome]), program_for(config))
 
 
 @pytest.mark.timeout(900 * EXAMPLES)  # a failing sequence is shrunk, with real servers

@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -372,9 +372,7 @@ class BrokerTransport:
         entry = self._waiting.entry(request_id)
         if entry is not None:
             stream, entry_id = entry.stream, entry.entry_id
-        task = asyncio.get_running_loop().create_task(self._delete(stream, entry_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._delete(stream, entry_id))
 
     async def _delete(self, stream: str, entry_id: bytes) -> None:
         assert self._redis is not None
@@ -402,11 +400,18 @@ class BrokerTransport:
                 failures += 1
                 await asyncio.sleep(BACKOFF.compute(failures))
                 continue
+            if failures:  # Redis is back: a look now, not at the next second's
+                self._in_background(self.monitor.look_again())
             failures = 0
             self._failover.reached()
             if popped:
                 for raw in popped[1]:
                     self._deliver(raw)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _deliver(self, raw: Any) -> None:
         if isinstance(raw, bytes):
