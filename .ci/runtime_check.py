@@ -59,12 +59,17 @@ def free_port() -> int:
 
 
 def substitute(value: str) -> str:
-    """Compose's ``${NAME:-default}`` and ``${NAME}``, with nothing set on the command line."""
-    return re.sub(
-        r"\$\{(\w+)(?::?-([^}]*))?\}",
-        lambda m: os.environ.get(m.group(1)) or m.group(2) or "",
-        value,
-    )
+    """Compose's ``${NAME:-default}`` and ``${NAME}``, nested ones too (``${A:-${B:-x}}``),
+    with nothing set on the command line: the innermost first, until none is left."""
+    while True:
+        done = re.sub(
+            r"\$\{(\w+)(?::?-([^${}]*))?\}",
+            lambda m: os.environ.get(m.group(1)) or m.group(2) or "",
+            value,
+        )
+        if done == value:
+            return done
+        value = done
 
 
 def wait_ready(url: str, processes: list[subprocess.Popen[bytes]]) -> None:
