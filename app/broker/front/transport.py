@@ -390,7 +390,7 @@ class BrokerTransport:
             assert self._reader is not None
             try:
                 if self._failover.due():
-                    await self._failover.recheck(self._reader, key, self._deliver)
+                    await self._failover.recheck(self._reader, key, self._waiting.deliver)
                 popped = await self._reader.blmpop(
                     REPLY_BLOCK_S, 1, key, direction="LEFT", count=512
                 )
@@ -406,19 +406,12 @@ class BrokerTransport:
             self._failover.reached()
             if popped:
                 for raw in popped[1]:
-                    self._deliver(raw)
+                    self._waiting.deliver(raw)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _deliver(self, raw: Any) -> None:
-        if isinstance(raw, bytes):
-            try:
-                self._waiting.deliver(raw)
-            except Exception:  # one bad reply must not stop the reader
-                log.exception("broker: delivering a reply failed")
 
     def _unreachable(self, exc: BaseException) -> None:
         self.monitor.unreachable(exc)

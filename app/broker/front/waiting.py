@@ -76,12 +76,18 @@ class Waiting:
         """Every waiting request whose entry was added, with it."""
         return list(self._entries.items())
 
-    def deliver(self, raw: bytes) -> None:
-        """A reply from the list: to the request it names, if it still waits."""
+    def deliver(self, raw: object) -> None:
+        """A reply from the list: to the request it names, if it still waits. Never raises:
+        one bad reply must not stop the reader."""
+        if not isinstance(raw, bytes):
+            return
         try:
             reply = decode_reply(raw)
         except MalformedMessage as exc:
             log.error("broker: dropped a malformed reply (%s)", exc)
+            return
+        except Exception:
+            log.exception("broker: decoding a reply failed")
             return
         future = self._futures.get(reply.id)
         if future is None or future.done():

@@ -38,8 +38,9 @@ from app.settings_values import BrokerAddress
 # TCP keepalive: probes after KEEPIDLE s of silence, every KEEPINTVL s, KEEPCNT of them.
 KEEPIDLE, KEEPINTVL, KEEPCNT = 2, 1, 3
 KEEPALIVE_BOUND_S = KEEPIDLE + KEEPINTVL * KEEPCNT
-# Reconnects after a failure wait base * 2^n, half of it jittered, capped (redis-py's).
-BACKOFF = EqualJitterBackoff(cap=2.0, base=0.1)
+# Reconnects after the n-th failure in a row wait base * 2^n, half of it jittered, capped
+# (redis-py's): 0.05-0.1 s after the first, 0.5-1 s from the fourth on.
+BACKOFF = EqualJitterBackoff(cap=1.0, base=0.1)
 
 
 def _keepalive() -> dict[str, Any]:

@@ -236,7 +236,7 @@ class Consumer:
                 continue
             except (RedisError, OSError) as exc:
                 self._trouble.unreachable(exc)
-                time.sleep(RETRY_S)
+                self._trouble.pause()
                 continue
             if read:
                 fetched = [(text(stream), entries) for stream, entries in cast(list[Any], read)]
@@ -256,7 +256,7 @@ class Consumer:
                     self._trouble.unreachable(exc)
                     if self._stop.is_set():
                         return
-                    time.sleep(RETRY_S)
+                    self._trouble.pause()
                     continue
                 break
 

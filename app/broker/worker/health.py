@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
-from app.broker.wire.connect import follow_primary
+from app.broker.wire.connect import BACKOFF, follow_primary
 from app.broker.wire.keys import HEARTBEAT_S, STALE_S, Keys
 from app.broker.wire.parsing import text
 from app.broker.worker.stats import ConsumerStats
@@ -184,7 +184,8 @@ class Presence:
 
 
 class TroubleLog:
-    """A Redis outage logged once (and its end, counted in ``stats.reconnects``), an error
+    """A Redis outage logged once (and its end, counted in ``stats.reconnects``), the pause
+    before a thread tries again (``pause``: backing off while the failures go on), an error
     at most once a minute."""
 
     def __init__(
@@ -193,6 +194,7 @@ class TroubleLog:
         self.name = name
         self.stats = stats
         self._on_down = on_down  # at the first failure of an outage
+        self._failures = 0  # in a row, over every thread
         self._down = False
         self._logged: dict[str, float] = {}  # message -> when last logged
 
@@ -201,12 +203,18 @@ class TroubleLog:
             log.warning("worker %s: Redis unreachable (%s); retrying", self.name, exc)
             self._on_down()
         self._down = True
+        self._failures += 1
+
+    def pause(self) -> None:
+        """Wait before trying Redis again (``BACKOFF``, after the failures so far)."""
+        time.sleep(BACKOFF.compute(max(1, self._failures)))
 
     def reachable(self) -> None:
         if self._down:
             log.info("worker %s: Redis is back", self.name)
             self.stats.reconnects += 1
         self._down = False
+        self._failures = 0
 
     def error(self, message: str) -> None:
         now = time.monotonic()

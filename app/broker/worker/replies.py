@@ -62,6 +62,10 @@ class Replier:
                 self.trouble.error(f"could not answer {len(done)} entries: {exc}")  # out of memory
             except (RedisError, OSError) as exc:
                 self.trouble.unreachable(exc)
+                if self.stop.is_set():
+                    return
+                self.trouble.pause()
+                continue
             if self.stop.is_set():
                 return
             time.sleep(RETRY_S)
