@@ -348,7 +348,9 @@ class BrokerTransport:
                         return await asyncio.shield(future)
                 if self._failover.disturbed_since(sent):
                     raise self._failover.too_late()
-            async with asyncio.timeout(None if timeout is None else timeout + 1.0 - NOTICE_S):
+            # Up to its deadline and a second more, from when it was sent.
+            left = None if timeout is None else max(0.0, sent + timeout + 1.0 - time.monotonic())
+            async with asyncio.timeout(left):
                 return await asyncio.shield(future)
         except TimeoutError:
             self._forget(request_id, stream, entry_id)  # stale: a worker that reads it drops it
