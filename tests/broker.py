@@ -68,6 +68,11 @@ class TlsFiles:
     client_cert: Path
     client_key: Path
 
+    def client_options(self) -> dict[str, object]:
+        """redis-py's keyword arguments for a client that checks the server and shows its own."""
+        return {"ssl": True, "ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.client_cert),
+                "ssl_keyfile": str(self.client_key)}  # fmt: skip
+
     def url_options(self) -> str:
         """redis-py's query options for a client that checks the server and shows its own."""
         return (

@@ -153,9 +153,7 @@ class SentinelSet:
     def _client(self, port: int, timeout_s: float = 2) -> redis.Redis:
         options: dict[str, object] = {"socket_timeout": timeout_s, "socket_connect_timeout": 1}
         if self.tls is not None:
-            options |= {"ssl": True, "ssl_ca_certs": str(self.tls.ca),
-                        "ssl_certfile": str(self.tls.client_cert),
-                        "ssl_keyfile": str(self.tls.client_key)}  # fmt: skip
+            options |= self.tls.client_options()
         if self.acl:
             options |= {"username": OPS_USER, "password": OPS_PASSWORD}
         return redis.Redis(host="127.0.0.1", port=port, **options)  # type: ignore[arg-type]
@@ -163,9 +161,7 @@ class SentinelSet:
     def _sentinel_client(self, sentinel: RedisNode) -> redis.Redis:
         options: dict[str, object] = {"socket_timeout": 2, "socket_connect_timeout": 1}
         if self.tls is not None:
-            options |= {"ssl": True, "ssl_ca_certs": str(self.tls.ca),
-                        "ssl_certfile": str(self.tls.client_cert),
-                        "ssl_keyfile": str(self.tls.client_key)}  # fmt: skip
+            options |= self.tls.client_options()
         return redis.Redis(host="127.0.0.1", port=sentinel.port, **options)  # type: ignore[arg-type]
 
     def primary_port(self) -> int | None:
