@@ -18,11 +18,12 @@ model of a server that serves several (``Client(url, model="tagger")`` for every
 call: ``client.embed(image, model="embedder")``).
 
 Errors: ``ServerReplyError`` for any non-2xx answer (``status``, ``type``, ``message`` from the
-server's error body, ``retry_after_s``, ``request_id``), after retrying a 503 that carries
-``Retry-After`` (at most ``retries`` times, and only if it asks for at most
-``max_retry_wait_s``); ``ValueError`` for a 2xx answer it cannot read or a bad argument;
-``TypeError`` for a file opened in text mode; httpx's errors for a connection that fails
-(never retried: the request may or may not have run).
+server's error body, ``retry_after_s``, ``request_id``), after retrying a 503 (the server is
+full) or a 429 (this key's tenant is over its quota) that carries ``Retry-After`` (at most
+``retries`` times, and only if it asks for at most ``max_retry_wait_s``); ``ValueError``
+for a 2xx answer it cannot read or a bad argument; ``TypeError`` for a file opened in text
+mode; httpx's errors for a connection that fails (never retried: the request may or may not
+have run).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Tag:
 
 @dataclass(eq=False, repr=False)  # an exception's identity and repr
 class ServerReplyError(Exception):
-    """The server answered with a non-2xx status (after any 503 retries).
+    """The server answered with a non-2xx status (after any 503 or 429 retries).
 
     ``type`` is the server's stable error name (``invalid_image``, ``queue_full``, ...; see
     the README's error table), ``retry_after_s`` its ``Retry-After`` when it sent one."""
@@ -124,6 +125,9 @@ def _image_files(images: Image | Images) -> tuple[_Files, bool]:
     if not batch:
         raise ValueError("no images given")
     return [("image", _read_image(image, i)) for i, image in enumerate(batch)], wants_list
+
+
+RETRIED = frozenset({429, 503})  # the statuses worth another try after their Retry-After
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
@@ -258,7 +262,7 @@ class _ClientBase(Generic[_Transport, _Http]):
         error = _reply_error(response)
         wait = error.retry_after_s
         retry = wait is not None and wait <= self._max_retry_wait_s and attempt < self._retries
-        if response.status_code == 503 and retry:
+        if response.status_code in RETRIED and retry:
             return wait
         raise error
 

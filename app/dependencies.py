@@ -4,9 +4,10 @@ admitted for, readiness and the API keys.
 Plain functions, called directly by the prediction routes: FastAPI's dependency resolution
 costs more per request than these lookups. The ``Annotated`` aliases serve the cheaper,
 rarer routes (``/info``); they are ``async def`` because FastAPI runs plain ``def``
-dependencies in its thread pool. ``REQUIRES_API_KEY`` and ``REQUIRES_ADMIN_KEY`` are the one
-declaration of which routes want ``API_KEY`` and ``ADMIN_API_KEY``: the routes run them,
-and the OpenAPI docs show them."""
+dependencies in its thread pool. ``REQUIRES_API_KEY``, ``REQUIRES_ADMIN_KEY`` and
+``REQUIRES_METRICS_KEY`` are the one declaration of which routes want which scope (``infer``,
+``admin``, ``metrics``: ``API_KEY``, ``ADMIN_API_KEY``, or a keys file's): the routes run
+them, and the OpenAPI docs show them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request, Security
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import SecretStr
 from starlette.requests import HTTPConnection
 
-from app.auth import bearer_allows, bearer_token
-from app.errors import NotReady, Unauthorized
+from app.errors import NotReady
 from app.services.registry import ModelVersion
 from app.settings import Settings
+from app.tenancy import Caller, Scope, Tenancy, bearer_token
 
 if TYPE_CHECKING:  # the engine is wired by app.main; the routes only read it
     from app.engine import Engine
@@ -109,49 +109,41 @@ def readiness_response(body: dict[str, Any], ready: bool) -> JSONResponse:
     return JSONResponse(body, 503, headers={"Retry-After": str(READY_RETRY_AFTER_S)})
 
 
-class ApiKey(HTTPBearer):
-    """``Authorization: Bearer <API_KEY>``, checked when ``API_KEY`` is set: 401 (through
-    the error table) otherwise. A security dependency, so the routes that declare it show a
-    bearer scheme in the OpenAPI docs; it needs nothing but the request, so a
-    ``DirectRoute`` can run it itself."""
+class Requires(HTTPBearer):
+    """``Authorization: Bearer <key>`` with a key that has ``scope`` (``app.tenancy``): the
+    caller goes into ``request.state.caller``; 401 or 403 (through the error table)
+    otherwise. A security dependency, so the routes that declare it show a bearer scheme in
+    the OpenAPI docs; it needs nothing but the request, so a ``DirectRoute`` can run it
+    itself."""
 
-    setting = "api_key"  # the Settings field holding the key
-    required = False  # without the setting: open (True: shut)
-
-    def __init__(self) -> None:
-        super().__init__(
-            scheme_name="bearer", auto_error=False, description="API_KEY, when the server sets one"
-        )
+    def __init__(self, scope: Scope, scheme_name: str, description: str) -> None:
+        super().__init__(scheme_name=scheme_name, auto_error=False, description=description)
+        self.scope = scope
 
     async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
-        expected: SecretStr | None = getattr(request.app.state.settings, self.setting)
-        if expected is None:
-            if self.required:
-                raise Unauthorized(f"{self.setting.upper()} is not set: this route is shut")
-            return None
+        tenancy: Tenancy = request.app.state.tenancy
         sent = header(request, "authorization")
-        if not bearer_allows(sent, expected):
-            raise Unauthorized(f"send 'Authorization: Bearer <{self.setting.upper()}>'")
+        request.state.caller = tenancy.caller(sent, self.scope)
+        if sent is None:
+            return None
         return HTTPAuthorizationCredentials(scheme="Bearer", credentials=bearer_token(sent) or "")
 
 
-REQUIRES_API_KEY = [Security(ApiKey())]
+REQUIRES_API_KEY = [
+    Security(Requires(Scope.INFER, "bearer", "API_KEY, or a key with the infer scope"))
+]
+REQUIRES_ADMIN_KEY = [
+    Security(Requires(Scope.ADMIN, "admin", "ADMIN_API_KEY, or a key with the admin scope"))
+]
+REQUIRES_METRICS_KEY = [
+    Security(Requires(Scope.METRICS, "metrics", "a key with the metrics scope (MB_KEYS_FILE)"))
+]
 
 
-class AdminKey(ApiKey):
-    """``Authorization: Bearer <ADMIN_API_KEY>`` for the routes that load and unload models
-    (they exist only when the key is set)."""
-
-    setting = "admin_api_key"
-    required = True
-
-    def __init__(self) -> None:
-        HTTPBearer.__init__(
-            self, scheme_name="admin", auto_error=False, description="ADMIN_API_KEY"
-        )
-
-
-REQUIRES_ADMIN_KEY = [Security(AdminKey())]
+def caller_of(request: HTTPConnection) -> Caller | None:
+    """The caller a route's guard admitted (None on a route without one)."""
+    caller: Caller | None = getattr(request.state, "caller", None)
+    return caller
 
 
 async def _settings(request: Request) -> Settings:

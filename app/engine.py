@@ -21,7 +21,7 @@ from app.metrics import BatchRun, Metrics
 from app.plan import Role, ServingPlan
 from app.repository import Repository, VersionOnDisk
 from app.services.models import Models
-from app.services.predictor import Predictor
+from app.services.predictor import Charge, Predictor
 from app.services.registry import ModelRegistry, ModelVersion
 
 log = logging.getLogger("app")
@@ -96,8 +96,10 @@ class Engine:
         *,
         transport: Transport[ImageJob] | None = None,
         drain_timeout_s: float = 0.0,
+        charge: Charge | None = None,
     ) -> None:
         self.plan = plan
+        self._charge = charge  # each request's quota (app.tenancy), for the Predictors
         self.metrics = metrics
         self.drain_timeout_s = drain_timeout_s  # how long closing lets admitted work finish
         self._given_transport = transport
@@ -260,6 +262,7 @@ class Engine:
             self._decode_pool,
             max_pixels=plan.worker.max_pixels,
             model_id=served_id,
+            charge=self._charge,
         )
 
     def _on_batch(self, key: Hashable, size: int, waits: Sequence[float]) -> None:

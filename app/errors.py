@@ -11,7 +11,9 @@ imports a web framework, so ``app.batching`` and ``app.workers`` can raise them 
     │   ├── PayloadTooLarge          upload or image over its limit            413
     │   ├── InvalidRequest           breaks a fixed rule of the API (below)    422
     │   ├── InvalidParameter         a value this server refuses (below)       422
-    │   ├── Unauthorized             API_KEY is set and the token is wrong     401
+    │   ├── Unauthorized             no key, or an unknown one                 401
+    │   ├── Forbidden                the key may not do this (its scopes)      403
+    │   ├── QuotaExceeded            the tenant is over its quota (+ Retry-After) 429
     │   ├── NoClassifier             tags asked of an embedding-only model     404
     │   ├── NoEmbedding              an embedding asked of a whole-model import 404
     │   ├── ModelNotFound            no such model (or version) here            404
@@ -43,6 +45,7 @@ The two 422s differ in whose rule the request breaks:
 
     ClientError          bad_input
     ClientDisconnected   client_disconnected
+    QuotaExceeded        over_quota
     QueueFull            queue_full
     NotReady             not_ready
     WorkerDied           worker_died
@@ -64,6 +67,7 @@ Startup problems are not request errors and have their own branch:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -108,6 +112,28 @@ class InvalidParameter(ClientError):
 
 class Unauthorized(ClientError):
     code = "unauthorized"
+
+
+class Forbidden(ClientError):
+    """A known key without the scope this asks for (``infer``, ``admin``, ``metrics``)."""
+
+    code = "forbidden"
+
+
+class QuotaExceeded(ClientError):
+    """This caller's tenant is over its share (429): retry after ``retry_after_s``, when
+    its bucket holds the images again. Kept apart from ``Unavailable`` (503): there the
+    server is full, whoever asks. ``headers``: the IETF RateLimit fields to answer with."""
+
+    code = "over_quota"
+    reject_reason = "over_quota"
+
+    def __init__(
+        self, message: str, retry_after_s: float = 1.0, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
 
 
 class NoClassifier(ClientError):
@@ -212,6 +238,8 @@ class BatchContractError(ServerError):
 HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
     (InvalidImage, 400),
     (Unauthorized, 401),
+    (Forbidden, 403),
+    (QuotaExceeded, 429),
     (NoClassifier, 404),
     (NoEmbedding, 404),
     (ModelNotFound, 404),
@@ -234,6 +262,8 @@ HTTP_STATUS: tuple[tuple[type[ServerError], int], ...] = (
 # the call, by the same first-match rule.
 GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
     (Unauthorized, "UNAUTHENTICATED"),
+    (Forbidden, "PERMISSION_DENIED"),
+    (QuotaExceeded, "RESOURCE_EXHAUSTED"),
     (NoClassifier, "NOT_FOUND"),
     (NoEmbedding, "NOT_FOUND"),
     (ModelNotFound, "NOT_FOUND"),
@@ -254,6 +284,11 @@ GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
 IMAGE_ERRORS: dict[str, type[ServerError]] = {
     cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
 }
+
+
+def retry_after(error: Unavailable | QuotaExceeded) -> int:
+    """Whole seconds for ``Retry-After``: at least one (a 0 invites a tight retry loop)."""
+    return max(1, math.ceil(error.retry_after_s - 0.05))
 
 
 def http_status(error: ServerError) -> int:

@@ -33,11 +33,12 @@ from app.jobs import ImageJob
 from app.logs import configure_logging
 from app.metrics import LiveState, Metrics, VersionState
 from app.observability import RequestLog
-from app.plan import plan_serving
+from app.plan import Role, ServingPlan, plan_serving
 from app.routers import meta, predict, repository, torchserve, v2
 from app.routers.direct import DirectApp
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, install_error_handlers
 from app.settings import Settings, get_settings
+from app.tenancy import LocalBuckets, RedisBuckets, Scope, Tenancy
 
 log = logging.getLogger("app")
 
@@ -72,10 +73,11 @@ def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
     return restore
 
 
-def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
-    """``kill -HUP``: load whatever is new in the model repository (retrying what failed), as
-    the admin load route does: in-process, this server's workers; a broker front end's, every
-    worker of the fleet. Returns the undo."""
+def _reload_on_hangup(engine: Engine, tenancy: Tenancy) -> Callable[[], None]:
+    """``kill -HUP``: read the keys file again (``MB_KEYS_FILE``; one with an error keeps
+    the keys in force), and load whatever is new in the model repository (retrying what
+    failed), as the admin load route does: in-process, this server's workers; a broker front
+    end's, every worker of the fleet. Returns the undo."""
     models = engine.models
     if not hasattr(signal, "SIGHUP"):
         return lambda: None
@@ -85,6 +87,7 @@ def _reload_on_hangup(engine: Engine) -> Callable[[], None]:
     reloads: set[asyncio.Task[Any]] = set()
 
     def on_hangup() -> None:
+        tenancy.reload()
         log.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
         task = loop.create_task(models.reload())
         reloads.add(task)
@@ -124,6 +127,18 @@ def _live_state(engine: Engine) -> LiveState:
     )
 
 
+def _shared_quota(
+    plan: ServingPlan, metrics: Metrics
+) -> Callable[[LocalBuckets], RedisBuckets] | None:
+    """A broker front end draws quotas from Redis, shared with every other front end."""
+    broker = plan.broker
+    if plan.role is not Role.FRONT_END or broker is None:
+        return None
+    return lambda local: RedisBuckets.connect(
+        broker.url, broker.prefix, local, metrics.on_quota_error
+    )
+
+
 def _freeze_startup_objects() -> Callable[[], None]:
     """Move every object alive after start-up out of the garbage collector's sight: the
     HTTP process holds hundreds of thousands of long-lived objects (FastAPI, pydantic, numpy,
@@ -134,21 +149,22 @@ def _freeze_startup_objects() -> Callable[[], None]:
     return gc.unfreeze
 
 
-def _without_security(app: FastAPI) -> None:
-    """With ``API_KEY`` unset no route wants a key: drop the bearer scheme that the routes
-    declaring ``REQUIRES_API_KEY`` put in the OpenAPI docs."""
+def _without_security(app: FastAPI, open_schemes: set[str]) -> None:
+    """Drop from the OpenAPI docs the security schemes (``app.dependencies``' ``bearer``,
+    ``metrics``) whose routes want no key: a request without one may use them."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
             schemes = schema.get("components", {}).get("securitySchemes", {})
-            schemes.pop("bearer", None)  # ADMIN_API_KEY's ("admin") stays
+            for name in open_schemes:
+                schemes.pop(name, None)
             if not schemes:
                 schema.get("components", {}).pop("securitySchemes", None)
             for operations in schema["paths"].values():
                 for operation in operations.values():
-                    kept = [s for s in operation.get("security", []) if "bearer" not in s]
+                    kept = [s for s in operation.get("security", []) if not open_schemes & set(s)]
                     if kept:
                         operation["security"] = kept
                     else:
@@ -194,11 +210,18 @@ def create_app(
     metrics = Metrics(
         remote_workers=plan.remote_workers, multiprocess_dir=settings.prometheus_multiproc_dir
     )
+    try:
+        tenancy = Tenancy.of_settings(settings, metrics, _shared_quota(plan, metrics))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         drain_s = plan.limits.request_timeout_s  # admitted requests may finish at shutdown
-        async with Engine(plan, metrics, transport=transport, drain_timeout_s=drain_s) as engine:
+        async with Engine(
+            plan, metrics, transport=transport, drain_timeout_s=drain_s, charge=tenancy.charge
+        ) as engine:
             state = app.state
             state.engine = engine
             registry = engine.registry
@@ -207,7 +230,7 @@ def create_app(
             metrics.labels = engine.labels
             metrics.watch(lambda: _live_state(engine))
             restore_signals = _flag_closing_on_signals(app)
-            stop_hangup = _reload_on_hangup(engine)
+            stop_hangup = _reload_on_hangup(engine, tenancy)
             poll = None
             models = engine.models
             if plan.repository.poll_s is not None:
@@ -218,7 +241,7 @@ def create_app(
 
                 ready = lambda: engine.serves() and not app.state.closing  # noqa: E731
                 grpc_server, port = await v2_grpc.start(
-                    engine, settings, ready, settings.host, settings.mb_grpc_port
+                    engine, settings, tenancy, ready, settings.host, settings.mb_grpc_port
                 )
                 state.grpc_port = port
                 log.info("gRPC (Open Inference Protocol) on %s:%d", settings.host, port)
@@ -234,6 +257,7 @@ def create_app(
                 stop_hangup()
                 restore_signals()
                 state.closing = True
+                await tenancy.aclose()
         tracing.flush()  # the last requests' spans, before the process ends
 
     app = DirectApp(
@@ -248,6 +272,7 @@ def create_app(
     app.state.settings = settings
     app.state.plan = plan
     app.state.metrics = metrics
+    app.state.tenancy = tenancy
     app.state.closing = False
     install_error_handlers(app, metrics)
     # Enforced while the body streams in (and from Content-Length before reading): an
@@ -261,10 +286,17 @@ def create_app(
     app.include_router(repository.router)
     app.include_router(torchserve.predictions)
     app.include_router(torchserve.router)
-    if settings.admin_api_key is not None:  # without it, the routes are not there at all
-        app.include_router(repository.admin)
-    if settings.api_key is None:
-        _without_security(app)
+    if settings.admin_api_key is not None or settings.mb_keys_file is not None:
+        app.include_router(repository.admin)  # without a key for them, not there at all
+    keyring = tenancy.keyring
+    _without_security(
+        app,
+        {
+            scheme
+            for scheme, scope in (("bearer", Scope.INFER), ("metrics", Scope.METRICS))
+            if not keyring.needs_key(scope)
+        },
+    )
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: sees every request
     # The prediction routes, straight from the server, inside the middleware above.
     app.route_directly(

@@ -213,6 +213,14 @@ class Settings(BaseSettings, TestHooks):
             "'Authorization: Bearer <key>' (without it they are not there at all)."
         ),
     )
+    mb_keys_file: Path | None = Field(
+        None,
+        description=(
+            "A keys file (YAML or TOML; docs/tenants.md): API keys by SHA-256, each with its "
+            "tenant, scopes, priority and quota; re-read on SIGHUP. Replaces API_KEY and "
+            "ADMIN_API_KEY."
+        ),
+    )
     mb_broker: SecretStr | None = Field(
         None,
         description=(

@@ -123,6 +123,31 @@ class Metrics:
         self.rejected = Counter(
             "microbatch_rejected", "Requests refused, by reason.", ["reason"], registry=r
         )
+        # Per tenant (app.tenancy): label values only from the keys file, so bounded by it.
+        self.tenant_requests = Counter(
+            "microbatch_tenant_requests",
+            "Prediction requests by tenant, admitted or over its quota.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_images = Counter(
+            "microbatch_tenant_images",
+            "Images asked for by tenant, admitted or over its quota.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "microbatch_tenant_refused",
+            "Requests of a known tenant refused, by tenant and reason (as microbatch_rejected).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.quota_errors = Counter(
+            "microbatch_quota_errors",
+            "Broker mode: quota draws Redis did not answer in time (the front end's own "
+            "bucket answered instead).",
+            registry=r,
+        )
         self.load_time = Histogram(
             "microbatch_model_load_seconds",
             "Loads of a model version that ended serving: from the call to the switch.",
@@ -169,12 +194,31 @@ class Metrics:
         else:
             self.load_failures.labels(model, failed_step).inc()
 
-    def on_error(self, error: ServerError | type[ServerError]) -> None:
-        """Count a refusal under its ``reject_reason`` (see ``app.errors``); other errors are
-        not counted. A class stands for a refusal that FastAPI or Starlette made itself."""
+    def on_error(self, error: ServerError | type[ServerError], tenant: str | None = None) -> None:
+        """Count a refusal under its ``reject_reason`` (see ``app.errors``), and under its
+        ``tenant`` when the caller is known; other errors are not counted. A class stands for
+        a refusal that FastAPI or Starlette made itself."""
         reason = error.reject_reason
         if reason is not None:
             self.rejected.labels(reason).inc()
+            if tenant is not None:
+                self.tenant_refused.labels(tenant, reason).inc()
+
+    def on_tenants(self, tenants: Sequence[str]) -> None:
+        """The tenants of the keys in force: each one's series start at 0."""
+        for tenant in tenants:
+            for outcome in ("admitted", "over_quota"):
+                self.tenant_requests.labels(tenant, outcome)
+                self.tenant_images.labels(tenant, outcome)
+
+    def on_tenant_images(self, tenant: str, images: int, allowed: bool) -> None:
+        """A request of ``tenant`` drew ``images`` from its quota (or had none)."""
+        outcome = "admitted" if allowed else "over_quota"
+        self.tenant_requests.labels(tenant, outcome).inc()
+        self.tenant_images.labels(tenant, outcome).inc(images)
+
+    def on_quota_error(self) -> None:
+        self.quota_errors.inc()
 
     def on_request(
         self,

@@ -20,7 +20,7 @@ from app.schemas import ErrorResponse, ProtocolErrorResponse
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
-ERROR_STATUSES = (400, 401, 404, 409, 413, 415, 422, 503, 504)
+ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 415, 422, 429, 503, 504)
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in ERROR_STATUSES
 }

@@ -19,13 +19,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
+from app.dependencies import caller_of
 from app.errors import (
     ClientError,
     InvalidRequest,
     PayloadTooLarge,
+    QuotaExceeded,
     ServerError,
     Unavailable,
     http_status,
+    retry_after,
     validation_message,
 )
 from app.metrics import Metrics
@@ -54,14 +57,17 @@ def refusal(
     metrics: Metrics,
     headers: Mapping[str, str] | None = None,
     path: str = "",
+    tenant: str | None = None,
 ) -> JSONResponse:
-    """The answer to a domain error, counted under its reason and marked on the request's
-    span: the one way a refusal leaves."""
-    metrics.on_error(error)
+    """The answer to a domain error, counted under its reason (and its caller's
+    ``tenant``) and marked on the request's span: the one way a refusal leaves."""
+    metrics.on_error(error, tenant)
     tracing.failed(tracing.current(), error)
     extra = dict(headers or {})
-    if isinstance(error, Unavailable):
-        extra["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    if isinstance(error, Unavailable | QuotaExceeded):
+        extra["Retry-After"] = str(retry_after(error))
+    if isinstance(error, QuotaExceeded):
+        extra |= error.headers
     return error_response(http_status(error), error.code, error.message, extra or None, path)
 
 
@@ -83,7 +89,9 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        return refusal(exc, metrics, path=request.url.path)
+        caller = caller_of(request)
+        tenant = caller.tenant if caller is not None else None
+        return refusal(exc, metrics, path=request.url.path, tenant=tenant)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

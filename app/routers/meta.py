@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.dependencies import (
+    REQUIRES_METRICS_KEY,
     admitted,
     is_ready,
     readiness_response,
@@ -63,7 +64,12 @@ async def backlog(request: Request) -> Backlog:
     )
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    dependencies=REQUIRES_METRICS_KEY,
+    responses={status: {"model": ErrorResponse} for status in (401, 403)},
+)
 async def metrics(request: Request) -> Response:
     """Prometheus metrics (text exposition format)."""
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -8,7 +8,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from app import tracing
-from app.dependencies import REQUIRES_API_KEY, admitted, app_settings, header, query_param
+from app.dependencies import (
+    REQUIRES_API_KEY,
+    admitted,
+    app_settings,
+    caller_of,
+    header,
+    query_param,
+)
 from app.errors import InvalidRequest
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
@@ -136,7 +143,10 @@ async def embedding(request: Request) -> Response:
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)
             vectors = await unless_disconnected(
-                request, predictor.embeddings(upload.data, deadline, trace, names=upload.names)
+                request,
+                predictor.embeddings(
+                    upload.data, deadline, trace, names=upload.names, caller=caller_of(request)
+                ),
             )
     with tracing.span("encode"):
         if _wants_binary(request):
@@ -176,7 +186,15 @@ async def tag(request: Request) -> JSONResponse:
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)
             answers = await unless_disconnected(
-                request, predictor.tags(upload.data, top_k, deadline, trace, names=upload.names)
+                request,
+                predictor.tags(
+                    upload.data,
+                    top_k,
+                    deadline,
+                    trace,
+                    names=upload.names,
+                    caller=caller_of(request),
+                ),
             )
     with tracing.span("encode"):
         shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]

@@ -15,7 +15,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from app import tracing
-from app.dependencies import REQUIRES_API_KEY, admitted, app_settings, is_ready, serving_engine
+from app.dependencies import (
+    REQUIRES_API_KEY,
+    admitted,
+    app_settings,
+    caller_of,
+    is_ready,
+    serving_engine,
+)
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, read_upload
@@ -73,7 +80,8 @@ async def _predict(request: Request) -> JSONResponse:
         k = min(STOCK_TOP_K, len(predictor.classes))
         with batch_trace(request) as trace:
             (tags,) = await unless_disconnected(
-                request, predictor.tags(upload.data[:1], k, deadline, trace)
+                request,
+                predictor.tags(upload.data[:1], k, deadline, trace, caller=caller_of(request)),
             )
     return JSONResponse({tag.name: tag.prob for tag in tags})
 

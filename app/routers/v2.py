@@ -21,8 +21,10 @@ from pydantic import BaseModel
 from app import tracing
 from app.dependencies import (
     REQUIRES_API_KEY,
+    REQUIRES_METRICS_KEY,
     admitted,
     app_settings,
+    caller_of,
     header,
     is_ready,
     readiness_response,
@@ -92,14 +94,14 @@ async def ready(request: Request) -> JSONResponse:
     return readiness_response({"ready": ready}, ready)
 
 
-@router.get("/models/stats", responses=V2_ERRORS)
+@router.get("/models/stats", responses=V2_ERRORS, dependencies=REQUIRES_METRICS_KEY)
 async def all_statistics(request: Request) -> dict[str, Any]:
     """Cumulative statistics of every model version (Triton's statistics extension)."""
     return {"model_stats": statistics_of(serving_engine(request), None, None)}
 
 
-@router.get("/models/{name}/stats", responses=V2_ERRORS)
-@router.get(VERSIONED + "/stats", responses=V2_ERRORS)
+@router.get("/models/{name}/stats", responses=V2_ERRORS, dependencies=REQUIRES_METRICS_KEY)
+@router.get(VERSIONED + "/stats", responses=V2_ERRORS, dependencies=REQUIRES_METRICS_KEY)
 async def statistics(name: str, request: Request, version: str | None = None) -> dict[str, Any]:
     """Cumulative statistics of a model's versions, or of one (``app.metrics.statistics``)."""
     return {"model_stats": statistics_of(serving_engine(request), name, version)}
@@ -182,6 +184,7 @@ async def infer(request: Request) -> Response:
                 trace,
                 max_images=settings.max_images_per_request,
                 wait=lambda work: unless_disconnected(request, work),
+                caller=caller_of(request),
             )
     head = {"model_name": served.name, "model_version": str(served.version)}
     if body.id is not None:

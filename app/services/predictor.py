@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -26,6 +26,10 @@ from app.images import preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.plan import DecodePlan
+from app.tenancy import Caller
+
+# Draws a request's images from its caller's tenant's quota (``Tenancy.charge``).
+Charge = Callable[[Caller, int], Awaitable[None]]
 
 # An image as the services take it: encoded (an upload), or uint8 pixels at the model's
 # input size, ``[crop, crop, 3]`` RGB (preprocessed by the client: v2's FP32 input).
@@ -97,6 +101,7 @@ class Predictor:
         *,
         max_pixels: int,
         model_id: str | None = None,
+        charge: Charge | None = None,
     ) -> None:
         if (decode_pool is None) != (plan.server_threads == 0):
             raise ValueError("a decode pool is needed exactly when the plan decodes here")
@@ -108,6 +113,7 @@ class Predictor:
         self._plan = plan
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
+        self._charge = charge  # draws a request's images from its caller's quota
 
     async def _run(
         self, task: Task, data: Image, top_k: int, deadline: float, trace: Trace | None
@@ -155,10 +161,15 @@ class Predictor:
         deadline: float,
         trace: Trace | None,
         names: Sequence[str],
+        caller: Caller | None,
     ) -> list[object]:
         """Each image's result, in order; each image travels as an item of its own, so they
-        may be split over batches. The first image that fails fails them all (the others
-        are cancelled, and leave the queue): a client error names the image."""
+        may be split over batches. The images are drawn from the caller's quota first (a
+        request without a caller is the server's own: the batch job). The first image that
+        fails fails them all (the others are cancelled, and leave the queue): a client error
+        names the image."""
+        if caller is not None and self._charge is not None:
+            await self._charge(caller, len(images))
         if len(images) == 1:
             return [await self._run(task, images[0], top_k, deadline, trace)]
         runs = [
@@ -192,11 +203,13 @@ class Predictor:
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
+        *,
+        caller: Caller | None = None,
     ) -> npt.NDArray[np.float32]:
         """The embeddings of encoded images, ``[len(images), dim]`` float32 in order,
         answered before ``deadline`` (monotonic)."""
         self.require_embedding()
-        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names)
+        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names, caller)
         return np.stack([np.asarray(result, dtype=np.float32) for result in results])
 
     async def embedding(
@@ -223,11 +236,13 @@ class Predictor:
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
+        *,
+        caller: Caller | None = None,
     ) -> list[TopK]:
         """The ``k`` (``None``: the default) most probable class indices of each encoded
         image, with their probabilities, in order, before ``deadline``."""
         k = self.labels_to_return(k)
-        results = await self._many(Task.TAG, images, k, deadline, trace, names)
+        results = await self._many(Task.TAG, images, k, deadline, trace, names, caller)
         assert all(isinstance(result, TopK) for result in results)
         return results  # type: ignore[return-value]
 
@@ -240,6 +255,7 @@ class Predictor:
         *,
         embedding: bool,
         top_k: bool,
+        caller: Caller | None = None,
     ) -> Inference:
         """The embeddings and/or the top ``k`` (``None``: the default) classes of encoded
         images, in order, before ``deadline``: each image runs through the model once,
@@ -247,12 +263,12 @@ class Predictor:
         if not (embedding or top_k):
             raise ValueError("ask for the embedding, the top k, or both")
         if not top_k:
-            return Inference(await self.embeddings(images, deadline, trace), None)
+            return Inference(await self.embeddings(images, deadline, trace, caller=caller), None)
         if not embedding:
-            return Inference(None, await self.top_k(images, k, deadline, trace))
+            return Inference(None, await self.top_k(images, k, deadline, trace, caller=caller))
         self.require_embedding()
         k = self.labels_to_return(k)
-        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, ())
+        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, (), caller)
         assert all(isinstance(result, EmbeddingAndTopK) for result in results)
         both: list[EmbeddingAndTopK] = results  # type: ignore[assignment]
         vectors = np.stack([np.asarray(result.embedding, dtype=np.float32) for result in both])
@@ -265,6 +281,8 @@ class Predictor:
         deadline: float,
         trace: Trace | None = None,
         names: Sequence[str] = (),
+        *,
+        caller: Caller | None = None,
     ) -> list[list[Tag]]:
         """The top-``k`` classes of each encoded image, in order, before ``deadline``."""
         return [
@@ -272,7 +290,7 @@ class Predictor:
                 Tag(self.classes[int(index)], float(prob))
                 for index, prob in zip(result.indices, result.probs, strict=True)
             ]
-            for result in await self.top_k(images, k, deadline, trace, names)
+            for result in await self.top_k(images, k, deadline, trace, names, caller=caller)
         ]
 
     async def tag(

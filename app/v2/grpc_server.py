@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.settings import Settings
+from app.tenancy import Tenancy
 from app.v2.grpc_service import SERVICE, InferenceService
 from app.v2.proto import inference_pb2_grpc as pb_grpc
 
@@ -40,7 +41,12 @@ class Health(health_pb2_grpc.HealthServicer):
 
 
 async def start(
-    engine: Engine, settings: Settings, ready: Callable[[], bool], host: str, port: int
+    engine: Engine,
+    settings: Settings,
+    tenancy: Tenancy,
+    ready: Callable[[], bool],
+    host: str,
+    port: int,
 ) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server serving the v2 service and health on ``host:port`` (port 0:
     any free one), and the port it bound."""
@@ -51,7 +57,7 @@ async def start(
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(engine, settings, ready), server
+        InferenceService(engine, settings, tenancy, ready), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(Health(ready), server)
     bound = server.add_insecure_port(f"{host}:{port}")

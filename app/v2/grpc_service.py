@@ -5,9 +5,11 @@ serves it on ``MB_GRPC_PORT``).
 - Inputs and outputs as over HTTP (``app.v2.inference``); outputs travel as
   ``raw_output_contents``, inputs as ``raw_input_contents`` or typed contents
   (``app.v2.grpc_messages``).
-- ``authorization: Bearer <API_KEY>`` metadata on ``ModelInfer`` when ``API_KEY`` is set;
-  the repository's load and unload need ``ADMIN_API_KEY`` (refused without it); metadata
-  ``x-model-id`` pins the exact export, as the HTTP header does.
+- ``authorization: Bearer <key>`` metadata, checked as HTTP checks it (``app.tenancy``):
+  inference needs the ``infer`` scope (``API_KEY``), the repository's load and unload the
+  ``admin`` scope (``ADMIN_API_KEY``; refused without one), statistics the ``metrics``
+  scope; a tenant over its quota gets ``RESOURCE_EXHAUSTED``. Metadata ``x-model-id`` pins
+  the exact export, as the HTTP header does.
 - The call's deadline is the request's (it can shorten ``MB_REQUEST_TIMEOUT``, not extend
   it); a call the client cancels leaves the queue before it is computed.
 - A refusal ends the call with the status ``app.errors.GRPC_STATUS`` gives, its message,
@@ -31,19 +33,22 @@ import grpc
 from google.protobuf import json_format
 
 from app import tracing
-from app.auth import bearer_allows
 from app.batching import Trace
 from app.errors import (
     ClientDisconnected,
     ClientError,
+    Forbidden,
+    QuotaExceeded,
     ServerError,
     Unauthorized,
     Unavailable,
     grpc_status,
     http_status,
+    retry_after,
 )
 from app.services.registry import ModelVersion
 from app.settings import Settings
+from app.tenancy import Caller, Scope, Tenancy
 from app.v2 import inference
 from app.v2.grpc_messages import infer_call, infer_response, parameter
 from app.v2.proto import inference_pb2 as pb
@@ -77,14 +82,18 @@ class Call:
         self.batch_size: int | None = None
         self.images = 0
         self.error: ServerError | None = None
+        self.caller: Caller | None = None
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     """Every RPC of the v2 service, against the engine of the running server."""
 
-    def __init__(self, engine: Engine, settings: Settings, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, engine: Engine, settings: Settings, tenancy: Tenancy, ready: Callable[[], bool]
+    ) -> None:
         self.engine = engine
         self.settings = settings
+        self.tenancy = tenancy
         self.ready = ready
 
     # -- what every call shares ------------------------------------------------------------
@@ -95,19 +104,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         rpc: str,
         work: Callable[[Call], Awaitable[T]],
         *,
-        key: str | None = None,
+        scope: Scope | None = None,
     ) -> T:
         """``work(call)``, timed, logged and counted as HTTP requests are; a domain error
-        ends the call with its status. ``key`` names the setting whose bearer token it
-        needs."""
+        ends the call with its status. ``scope``: what the caller's key must allow."""
         started = time.perf_counter()
         call = Call(rpc)
         with tracing.request(
             f"{SERVICE}/{rpc}", lambda: _metadata(context), RPC_ATTRIBUTES
         ) as span:
             try:
-                if key is not None:
-                    self._authorize(context, key)
+                if scope is not None:
+                    call.caller = self._authorize(context, scope)
                 return await work(call)
             except ServerError as error:
                 call.error = error
@@ -144,15 +152,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             extra=tracing.log_fields(),
         )
 
-    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], setting: str) -> None:
-        expected = getattr(self.settings, setting)
-        if expected is None:
-            if setting == "admin_api_key":
-                raise Unauthorized("ADMIN_API_KEY is not set: loading and unloading are off")
-            return
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], scope: Scope) -> Caller:
         sent = _metadata(context).get("authorization")
-        if not bearer_allows(sent, expected):
-            raise Unauthorized(f"send metadata 'authorization: Bearer <{setting.upper()}>'")
+        return self.tenancy.caller(sent, scope, where="metadata")
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError
@@ -160,12 +162,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if self.engine.metrics is not None:
             self.engine.metrics.on_error(error)
         trailing = [("error-type", error.code)]
-        if isinstance(error, Unavailable):
-            seconds = max(1, round(error.retry_after_s))
+        if isinstance(error, Unavailable | QuotaExceeded):
+            seconds = retry_after(error)
             trailing += [
                 ("retry-after", str(seconds)),
                 ("grpc-retry-pushback-ms", str(seconds * 1000)),
             ]
+        if isinstance(error, QuotaExceeded):
+            trailing += [(name.lower(), value) for name, value in error.headers.items()]
         code = getattr(grpc.StatusCode, grpc_status(error))
         await context.abort(code, error.message, tuple(trailing))
 
@@ -231,7 +235,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             message = pb.ModelStatisticsResponse()
             return json_format.ParseDict({"model_stats": stats}, message)
 
-        return await self._answer(context, "ModelStatistics", work)
+        return await self._answer(context, "ModelStatistics", work, scope=Scope.METRICS)
 
     # -- the repository --------------------------------------------------------------------
 
@@ -262,7 +266,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await self.engine.models.load(request.model_name, number, replace=asked.replace)
             return pb.RepositoryModelLoadResponse()
 
-        return await self._answer(context, "RepositoryModelLoad", work, key="admin_api_key")
+        return await self._answer(context, "RepositoryModelLoad", work, scope=Scope.ADMIN)
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         async def work(call: Call) -> Any:
@@ -273,7 +277,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await self.engine.models.unload(request.model_name, number)
             return pb.RepositoryModelUnloadResponse()
 
-        return await self._answer(context, "RepositoryModelUnload", work, key="admin_api_key")
+        return await self._answer(context, "RepositoryModelUnload", work, scope=Scope.ADMIN)
 
     # -- inference -------------------------------------------------------------------------
 
@@ -281,7 +285,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def work(call: Call) -> Any:
             return await self._infer(request, context, call)
 
-        return await self._answer(context, "ModelInfer", work, key="api_key")
+        return await self._answer(context, "ModelInfer", work, scope=Scope.INFER)
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[Any], context: Any
@@ -290,14 +294,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         batch like any other); one that fails answers its ``error_message``, and the stream
         goes on."""
         try:
-            self._authorize(context, "api_key")
-        except Unauthorized as error:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+            caller = self._authorize(context, Scope.INFER)
+        except (Unauthorized, Forbidden) as error:
+            await context.abort(getattr(grpc.StatusCode, grpc_status(error)), error.message)
         answers: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
         async def one(request: Any) -> None:
             call = Call("ModelStreamInfer")
+            call.caller = caller
             started = time.perf_counter()
             name = f"{SERVICE}/ModelStreamInfer"
             with tracing.request(name, partial(_metadata, context), RPC_ATTRIBUTES) as span:
@@ -349,7 +354,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             call.inference = True
             try:
                 outputs = await inference.infer(
-                    served, infer, deadline, trace, max_images=self.settings.max_images_per_request
+                    served,
+                    infer,
+                    deadline,
+                    trace,
+                    max_images=self.settings.max_images_per_request,
+                    caller=call.caller,
                 )
             finally:
                 call.batch_size, call.images = trace.batch_size, trace.images

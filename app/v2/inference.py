@@ -34,6 +34,7 @@ from app.errors import InvalidRequest, PayloadTooLarge
 from app.manifest import InputSpec, Manifest
 from app.services.predictor import Predictor, parse_k
 from app.services.registry import ModelVersion
+from app.tenancy import Caller
 from app.v2.tensors import BYTES, Tensor
 
 IMAGE = "image"
@@ -214,10 +215,11 @@ async def infer(
     *,
     max_images: int,
     wait: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
+    caller: Caller | None = None,
 ) -> list[Tensor]:
     """Run ``call`` on a serving ``version``: each image once through the model, whichever
     outputs are asked. ``wait`` wraps the wait for the answer (HTTP: drop it when the client
-    leaves)."""
+    leaves). ``caller``: whose quota the images are drawn from."""
     predictor: Predictor | None = version.predictor
     assert predictor is not None and version.manifest is not None, "a serving version"
     manifest = version.manifest
@@ -225,7 +227,9 @@ async def infer(
     images = images_of(call, manifest.input, max_images)
     names = {output.name for output in asked}
     top_k = bool(names & set(CLASSIFIER_OUTPUTS))
-    work = predictor.infer(images, k, deadline, trace, embedding=EMBEDDING in names, top_k=top_k)
+    work = predictor.infer(
+        images, k, deadline, trace, embedding=EMBEDDING in names, top_k=top_k, caller=caller
+    )
     inferred = await (wait(work) if wait is not None else work)
     outputs: list[Tensor] = []
     for output in asked:

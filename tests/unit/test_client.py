@@ -172,6 +172,15 @@ def test_a_503_with_retry_after_is_retried_at_most_retries_times() -> None:
     assert error.retry_after_s == 0.0 and error.request_id is None
 
 
+def test_a_429_with_retry_after_is_retried_as_a_503_is() -> None:
+    over = {"error": {"type": "over_quota", "message": "tenant bulk is over its quota"}}
+    answers = iter(
+        [httpx.Response(429, json=over, headers={"Retry-After": "0"}), vectors(np.ones(2))]
+    )
+    with client(lambda _: next(answers), retries=1) as c:
+        assert c.embed(b"x").tolist() == [1.0, 1.0]
+
+
 def test_a_retry_that_succeeds_returns_the_answer() -> None:
     answers = iter([unavailable("0", "worker_died"), unavailable("0"), vectors(np.ones(3))])
     with client(lambda _: next(answers), retries=2) as c:
@@ -186,7 +195,7 @@ def test_a_retry_that_succeeds_returns_the_answer() -> None:
         unavailable("soon"),  # unreadable
         unavailable("Wed, 21 Oct 2015 07:28:00 -0000"),  # a date without a zone: unreadable too
         httpx.Response(500, json={"error": {"type": "inference_error", "message": "x"}}),
-        httpx.Response(429, headers={"Retry-After": "0"}),
+        httpx.Response(429),  # over quota, but no Retry-After
     ],
 )
 def test_other_failures_are_not_retried(answer: httpx.Response) -> None:

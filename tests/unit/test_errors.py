@@ -67,6 +67,8 @@ def test_the_grpc_codes_docs_api_gives_are_the_codes_the_table_gives() -> None:
         errors.ModelNotFound("x"): "404s `NOT_FOUND`",
         errors.InvalidRequest("x"): "other 4xx `INVALID_ARGUMENT`",
         errors.Unauthorized("x"): "401 `UNAUTHENTICATED`",
+        errors.Forbidden("x"): "403 `PERMISSION_DENIED`",
+        errors.QuotaExceeded("x"): "429 `RESOURCE_EXHAUSTED`",
         errors.PayloadTooLarge("x"): "413 `RESOURCE_EXHAUSTED`",
         errors.NotReady("x"): "503s `UNAVAILABLE`",
         errors.DeadlineExceeded("x"): "504 `DEADLINE_EXCEEDED`",

@@ -69,11 +69,15 @@ def layer_imports(layer: str) -> set[str]:
         ("errors", set()),
         ("tracing", {"errors"}),
         ("plan", {"settings", "settings_values", "errors"}),
-        ("services", BELOW),
+        ("tenancy", {"broker"} | BELOW),
+        ("services", {"tenancy"} | BELOW),
         ("workers", {"metrics", "tracing"} | BELOW),
         ("broker", {"workers", "metrics", "tracing"} | BELOW),
-        ("v2", {"services", "auth", "tracing"} | BELOW),
-        ("routers", {"services", "dependencies", "schemas", "metrics", "v2", "tracing"} | BELOW),
+        ("v2", {"services", "tenancy", "tracing"} | BELOW),
+        (
+            "routers",
+            {"services", "dependencies", "schemas", "metrics", "v2", "tracing", "tenancy"} | BELOW,
+        ),
     ],
 )
 def test_each_layer_imports_only_what_is_below_it(layer: str, allowed: set[str]) -> None:

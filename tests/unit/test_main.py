@@ -54,7 +54,13 @@ class FakeEngine:
     instances: ClassVar[list[FakeEngine]] = []
 
     def __init__(
-        self, plan: ServingPlan, metrics: Any, *, transport: Any, drain_timeout_s: float
+        self,
+        plan: ServingPlan,
+        metrics: Any,
+        *,
+        transport: Any,
+        drain_timeout_s: float,
+        charge: Any = None,
     ) -> None:
         self.drain_timeout_s = drain_timeout_s
         self.plan = plan

@@ -29,6 +29,8 @@ REFUSALS = [
     (errors.InvalidRequest, "bad_input"),
     (errors.InvalidParameter, "bad_input"),
     (errors.Unauthorized, "bad_input"),
+    (errors.Forbidden, "bad_input"),
+    (errors.QuotaExceeded, "over_quota"),
     (errors.NoClassifier, "bad_input"),
     (errors.NoEmbedding, "bad_input"),
     (errors.ModelNotFound, "bad_input"),

@@ -82,10 +82,16 @@ class Keys:
         """Hash: worker name -> JSON of what it is and what it has run."""
         return f"{self.prefix}:{{w}}:worker-info"
 
+    def quota(self, tenant: str) -> str:
+        """Hash: a tenant's token bucket (tokens, when), shared by every front end
+        (``app.tenancy.quota``)."""
+        return f"{self.prefix}:quota:{tenant}"
+
     def acl_rules(self) -> dict[str, str]:
         """The fewest rights each role needs, as ``ACL SETUSER <user> on >password <rules>``
         takes them (docs/scaling.md): a front end (its streams' entries in, its replies,
-        the routes; reads the workers' keys, writes no pin, reads no stream as a consumer),
+        the routes, the tenants' quotas; reads the workers' keys, writes no pin, reads no
+        stream as a consumer),
         a worker (the streams as a consumer, the replies, its own keys; reads the pins and
         the routes) and an admin (a front end that also writes the pins:
         ``MB_BROKER_ADMIN``). No role may run the dangerous commands (FLUSHALL, KEYS,
@@ -100,7 +106,7 @@ class Keys:
         # write rights too); the rest of the workers' keys, the pins among them, read-only.
         front = (
             f"resetkeys ~{p}:{{q}}:* ~{p}:replies:* ~{p}:routes ~{p}:{{w}}:workers "
-            f"~{p}:{{w}}:worker-info %R~{p}:{{w}}:*"
+            f"~{p}:{{w}}:worker-info %R~{p}:{{w}}:* ~{p}:quota:*"
         )
         worker = (
             f"resetkeys ~{p}:{{q}}:* ~{p}:replies:* %R~{p}:routes %R~{p}:{{w}}:pins "

@@ -1,0 +1,20 @@
+"""Tenants: API keys with scopes (``keys``), per-tenant quotas (``quota``) and the gate
+that checks both for every request (``gate``)."""
+
+from app.tenancy.gate import Tenancy
+from app.tenancy.keys import ANONYMOUS, Caller, Keyring, Scope, Tenant, bearer_token, key_hash
+from app.tenancy.quota import LocalBuckets, RedisBuckets, Verdict
+
+__all__ = [
+    "ANONYMOUS",
+    "Caller",
+    "Keyring",
+    "LocalBuckets",
+    "RedisBuckets",
+    "Scope",
+    "Tenancy",
+    "Tenant",
+    "Verdict",
+    "bearer_token",
+    "key_hash",
+]

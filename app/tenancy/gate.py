@@ -1,0 +1,162 @@
+"""``Tenancy``: the one place a request's key becomes a caller, and a caller's images are
+drawn from its tenant's quota. HTTP (``app.dependencies``), gRPC (``app.v2.grpc_service``) and
+the Predictor ask it; the keys file is re-read on SIGHUP (a file with an error keeps the
+keys that were in force, and says why)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+from app.errors import Forbidden, InvalidParameter, QuotaExceeded, SettingsError, Unauthorized
+from app.tenancy.keys import Caller, Keyring, Scope, bearer_token
+from app.tenancy.quota import LocalBuckets, RedisBuckets
+
+if TYPE_CHECKING:
+    from app.metrics import Metrics
+    from app.settings import Settings
+
+log = logging.getLogger("app")
+
+# What a request without the right key is told to send, by where the keys come from.
+_SETTING_FOR = {Scope.INFER: "API_KEY", Scope.ADMIN: "ADMIN_API_KEY"}
+
+
+class Tenancy:
+    """Keys, scopes and quotas of one server process.
+
+    >>> from app.tenancy.keys import key_hash
+    >>> gate = Tenancy(Keyring.of_settings("s3cret", None))
+    >>> gate.caller("Bearer s3cret", Scope.INFER).tenant
+    'default'
+    >>> gate.caller(None, Scope.INFER)
+    Traceback (most recent call last):
+    app.errors.Unauthorized: send 'Authorization: Bearer <API_KEY>'
+    """
+
+    def __init__(
+        self,
+        keyring: Keyring,
+        path: Path | None = None,
+        buckets: LocalBuckets | RedisBuckets | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.keyring = keyring
+        self._path = path
+        self._buckets = buckets or LocalBuckets()
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.on_tenants(keyring.tenants)
+
+    @classmethod
+    def of_settings(
+        cls,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        redis_buckets: Callable[[LocalBuckets], RedisBuckets] | None = None,
+    ) -> Tenancy:
+        """The keys file, or ``API_KEY``/``ADMIN_API_KEY``; quotas in Redis when
+        ``redis_buckets`` builds them (broker mode). ``SettingsError`` when the file is bad."""
+        path = settings.mb_keys_file
+        if path is not None:
+            if settings.api_key is not None or settings.admin_api_key is not None:
+                raise SettingsError(
+                    "MB_KEYS_FILE replaces API_KEY and ADMIN_API_KEY: set one or the other "
+                    "(give those keys an entry in the file)"
+                )
+            keyring = Keyring.read(path)
+        else:
+            keyring = Keyring.of_settings(
+                _secret(settings.api_key), _secret(settings.admin_api_key)
+            )
+        local = LocalBuckets()
+        buckets = redis_buckets(local) if redis_buckets is not None else local
+        return cls(keyring, path, buckets, metrics)
+
+    def key_name(self, scope: Scope) -> str:
+        """What to put after ``Bearer``, for a refusal's message."""
+        if self._path is None and scope in _SETTING_FOR:
+            return _SETTING_FOR[scope]
+        return f"a key with the {scope.value} scope"
+
+    def caller(self, authorization: str | None, scope: Scope, where: str = "header") -> Caller:
+        """The caller an ``Authorization`` value stands for, if it may use ``scope``. A
+        scope open to a request without a key is open to every request (its key, if known
+        and allowed, names the caller; otherwise it is the anonymous caller). Else
+        ``Unauthorized`` (401) when the key is missing or unknown, ``Forbidden`` (403) when
+        the key is known but lacks the scope. ``where`` words the message ("header" for
+        HTTP, "metadata" for gRPC)."""
+        ring = self.keyring
+        caller = None
+        if authorization is not None:
+            token = bearer_token(authorization)
+            caller = ring.caller(token) if token is not None else None
+        if caller is not None and caller.allows(scope):
+            return caller
+        anonymous = ring.anonymous
+        if anonymous is not None and anonymous.allows(scope):
+            return anonymous
+        if scope is Scope.ADMIN and not ring.any_allows(Scope.ADMIN):
+            raise Unauthorized("ADMIN_API_KEY is not set: loading and unloading are off")
+        if caller is None or authorization is None:
+            send = "metadata 'authorization" if where == "metadata" else "'Authorization"
+            raise Unauthorized(f"send {send}: Bearer <{self.key_name(scope)}>'")
+        raise Forbidden(
+            f"this key (tenant {caller.tenant}) lacks the {scope.value} scope: send "
+            f"Bearer <{self.key_name(scope)}>"
+        )
+
+    async def charge(self, caller: Caller, images: int) -> None:
+        """Draw ``images`` from the caller's tenant's quota: ``QuotaExceeded`` (429) when
+        its bucket lacks them; ``InvalidParameter`` (422) for a request larger than the
+        bucket itself (it could never pass: split it)."""
+        share = self.keyring.tenant(caller.tenant)
+        if share.rate is None:
+            self._count(caller.tenant, images, True)
+            return
+        if images > share.burst:
+            raise InvalidParameter(
+                f"{images} images in one request is more than tenant {caller.tenant}'s burst "
+                f"of {int(share.burst)}: send them in smaller requests"
+            )
+        verdict = await self._buckets.draw(share, images)
+        self._count(caller.tenant, images, verdict.allowed)
+        if not verdict.allowed:
+            raise QuotaExceeded(
+                f"tenant {caller.tenant} is over its quota of {share.rate:g} images/s "
+                f"(burst {int(share.burst)})",
+                retry_after_s=verdict.retry_after_s,
+                headers=verdict.headers(share),
+            )
+
+    def _count(self, tenant: str, images: int, allowed: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.on_tenant_images(tenant, images, allowed)
+
+    def reload(self) -> bool:
+        """Read the keys file again (SIGHUP); on an error keep the keys in force and log why.
+        Whether the new keys are in force."""
+        if self._path is None:
+            return False
+        try:
+            keyring = Keyring.read(self._path)
+        except SettingsError as exc:
+            log.error("keys not reloaded, the previous keys stay in force: %s", exc)
+            return False
+        self.keyring = keyring
+        if self._metrics is not None:
+            self._metrics.on_tenants(keyring.tenants)
+        log.info("keys reloaded from %s: tenants %s", self._path, ", ".join(keyring.tenants))
+        return True
+
+    async def aclose(self) -> None:
+        if isinstance(self._buckets, RedisBuckets):
+            await self._buckets.aclose()
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()

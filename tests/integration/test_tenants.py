@@ -1,0 +1,177 @@
+"""Tenants on real processes: a quota in a real Redis shared by two front ends, serving on
+without Redis, a key revoked by SIGHUP on a running server, and gRPC's statuses through
+Triton's own client."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+from tritonclient.utils import InferenceServerException
+
+from app.tenancy import LocalBuckets, RedisBuckets, Tenant, key_hash
+from tests.broker import PREFIX, RedisServer, Workers, broker_env
+from tests.conftest import distinct_images
+from tests.server import ServerProcess, free_port
+from tests.unit.test_tenancy import BULK, KEYS_YAML, OPS, SHOP, bearer
+
+pytestmark = pytest.mark.slow
+
+IMAGE = distinct_images(1)[0]
+
+
+def tag(server: ServerProcess, key: str) -> int:
+    response = httpx.post(
+        f"{server.base_url}/predict/tag",
+        files={"image": ("a.png", IMAGE)},
+        headers={"Authorization": bearer(key)},
+        timeout=30,
+    )
+    assert response.status_code in (200, 429), response.text
+    return response.status_code
+
+
+def test_two_front_ends_draw_on_one_bucket_in_redis() -> None:
+    share = Tenant("t", rate=10.0, burst=5.0)
+
+    async def run(url: str) -> tuple[int, float]:
+        errors: list[int] = []
+        fronts = [
+            RedisBuckets.connect(url, PREFIX, LocalBuckets(), lambda: errors.append(1))
+            for _ in range(2)
+        ]
+        admitted = 0
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:
+            for front in fronts:  # both at full speed: 2 x far above the quota
+                admitted += (await front.draw(share, 1)).allowed
+            await asyncio.sleep(0.002)
+        elapsed = time.monotonic() - started
+        for front in fronts:
+            await front.aclose()
+        assert errors == []
+        return admitted, elapsed
+
+    with RedisServer() as redis_server:
+        admitted, elapsed = asyncio.run(run(redis_server.url))
+        assert redis_server.client().exists(f"{PREFIX}:quota:t")
+    expected = share.burst + 10.0 * elapsed  # its rate
+    assert abs(admitted - expected) <= 0.1 * expected, (admitted, expected)
+
+
+def test_without_redis_a_front_end_draws_on_its_own_bucket_and_counts_it() -> None:
+    share = Tenant("t", rate=1.0, burst=3.0)
+
+    async def run(url: str) -> tuple[list[bool], float, int]:
+        errors: list[int] = []
+        buckets = RedisBuckets.connect(url, PREFIX, LocalBuckets(), lambda: errors.append(1))
+        started = time.monotonic()
+        verdicts = [(await buckets.draw(share, 1)).allowed for _ in range(4)]
+        took = time.monotonic() - started
+        await buckets.aclose()
+        return verdicts, took, len(errors)
+
+    with RedisServer() as redis_server:
+        url = redis_server.url
+    verdicts, took, errors = asyncio.run(run(url))  # Redis is gone now
+    assert verdicts == [True, True, True, False]  # the local bucket: burst 3
+    assert errors == 4 and took < 2.0  # each draw bounded, none failed for it
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(KEYS_YAML)
+    return path
+
+
+def test_front_ends_share_a_tenants_quota(tiny_store: Path, keys: Path) -> None:
+    """bulk has 2 images/s, burst 2: whichever front end it asks, over 4 s it gets about
+    2 + 2 x 4 images, not twice that; shop is not refused."""
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
+        env = broker_env(redis_server.url, tiny_store, MB_KEYS_FILE=str(keys))
+        with ServerProcess(**env) as one, ServerProcess(**env) as two:
+            started = time.monotonic()
+            admitted = 0
+            while time.monotonic() - started < 4.0:
+                admitted += sum(tag(front, BULK) == 200 for front in (one, two))
+                time.sleep(0.05)
+            elapsed = time.monotonic() - started
+            assert all(tag(front, SHOP) == 200 for front in (one, two))
+    expected = 2 + 2 * elapsed
+    assert expected - 2 <= admitted <= expected + 2, (admitted, elapsed)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(KEYS_YAML)
+    env = {
+        "MODEL_STORE": str(tiny_store),
+        "MB_WORKER_NUM": "1",
+        "MB_GRPC_PORT": str(free_port()),
+        "MB_KEYS_FILE": str(path),
+    }
+    with ServerProcess(**env) as server:
+        yield server
+
+
+def test_grpc_answers_permission_denied_and_resource_exhausted(server: ServerProcess) -> None:
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{server.env['MB_GRPC_PORT']}")
+    image = triton_grpc.InferInput("image", [1], "BYTES")
+    image.set_data_from_numpy(np.array([IMAGE], dtype=object))
+
+    def infer(key: str) -> None:
+        client.infer("tiny-test", [image], headers={"authorization": bearer(key)})
+
+    infer(SHOP)
+    with pytest.raises(InferenceServerException) as forbidden:
+        infer(OPS)
+    assert forbidden.value.status() == "StatusCode.PERMISSION_DENIED"
+    assert "infer scope" in forbidden.value.message()
+    with pytest.raises(InferenceServerException) as unknown:
+        infer("nope")
+    assert unknown.value.status() == "StatusCode.UNAUTHENTICATED"
+    refused = None
+    for _ in range(5):  # bulk's burst is 2
+        try:
+            infer(BULK)
+        except InferenceServerException as error:
+            refused = error
+            break
+    assert refused is not None and refused.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "over its quota" in refused.message()
+    # statistics need the metrics scope, which this file gives a call without a key
+    assert client.get_inference_statistics("tiny-test")
+
+
+def test_sighup_revokes_a_key_and_a_bad_file_keeps_the_keys(server: ServerProcess) -> None:
+    path = Path(server.env["MB_KEYS_FILE"])
+    assert tag(server, SHOP) == 200
+    path.write_text(KEYS_YAML.replace(key_hash(SHOP), key_hash("rotated-shop-key")))
+    server.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+
+    def status(key: str) -> int:
+        return httpx.post(
+            f"{server.base_url}/predict/tag",
+            files={"image": ("a.png", IMAGE)},
+            headers={"Authorization": bearer(key)},
+            timeout=30,
+        ).status_code
+
+    deadline = time.monotonic() + 10
+    while status(SHOP) != 401:
+        assert time.monotonic() < deadline, "the revoked key still works"
+        time.sleep(0.1)
+    assert status("rotated-shop-key") == 200
+    path.write_text("keys: [")
+    server.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    time.sleep(1.0)
+    assert status("rotated-shop-key") == 200  # the keys in force stay
