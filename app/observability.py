@@ -144,6 +144,7 @@ def _describe(span: Any, method: str, route: str, status: int, state: dict[str, 
         served_id=state.get("model_id"),
         images=state.get("images"),
         batch_size=state.get("batch_size"),
+        tenant=getattr(state.get("caller"), "tenant", None),
     )
     if status >= 500:
         tracing.set_error(span, status)

@@ -43,10 +43,12 @@ def served(
     served_id: str | None = None,
     images: int | None = None,
     batch_size: int | None = None,
+    tenant: str | None = None,
 ) -> None:
-    """A request span's attributes for what served it (those known), the same for every
-    protocol."""
+    """A request span's attributes for what served it and whom (those known), the same for
+    every protocol."""
     for attribute, value in (
+        ("microbatch.tenant", tenant),
         ("microbatch.model", model),
         ("microbatch.model.version", version),
         ("microbatch.served_id", served_id),

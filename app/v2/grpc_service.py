@@ -377,6 +377,7 @@ def _describe(span: Any, call: Call) -> None:
     version, error = call.version, call.error
     code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
     span.set_attribute("rpc.grpc.status_code", code.value[0])
+    tenant = call.caller.tenant if call.caller is not None else None
     if version is not None:
         tracing.served(
             span,
@@ -385,7 +386,10 @@ def _describe(span: Any, call: Call) -> None:
             served_id=version.served_id,
             images=call.images,
             batch_size=call.batch_size,
+            tenant=tenant,
         )
+    elif tenant is not None:
+        tracing.served(span, tenant=tenant)
     if error is not None:
         tracing.failed(span, error)
 

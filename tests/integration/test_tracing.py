@@ -72,6 +72,7 @@ def test_one_request_is_one_trace_across_the_http_process_and_its_worker(
     request = the(spans, "POST /predict/tag")
     assert request.parent_id == CALLER_SPAN and request.kind == SERVER
     assert request.attributes["microbatch.request_id"] == "req-7"
+    assert request.attributes["microbatch.tenant"] == "anonymous"  # no API_KEY: open to all
     assert request.service == "microbatch"
     steps = {span.name for span in children(spans, request)}
     assert {"admission", "read upload", "queue", "encode", "reply", "batch"} <= steps
