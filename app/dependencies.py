@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
 
+from app.batching import Ticket
 from app.errors import NotReady
 from app.services.registry import ModelVersion
 from app.settings import Settings
-from app.tenancy import Caller, Scope, Tenancy, bearer_token
+from app.tenancy import PRIORITY, Caller, Scope, Tenancy, bearer_token
 
 if TYPE_CHECKING:  # the engine is wired by app.main; the routes only read it
     from app.engine import Engine
@@ -144,6 +145,15 @@ def caller_of(request: HTTPConnection) -> Caller | None:
     """The caller a route's guard admitted (None on a route without one)."""
     caller: Caller | None = getattr(request.state, "caller", None)
     return caller
+
+
+def ticket_of(request: HTTPConnection, asked: object = None, where: str = PRIORITY) -> Ticket:
+    """Where the request queues (``Tenancy.ticket``): its caller's tenant, at the priority
+    ``asked`` (``where`` names it for a 422; default: the ``X-Priority`` header)."""
+    if asked is None:
+        asked, where = header(request, PRIORITY), PRIORITY
+    tenancy: Tenancy = request.app.state.tenancy
+    return tenancy.ticket(caller_of(request), asked, where)
 
 
 async def _settings(request: Request) -> Settings:

@@ -12,7 +12,7 @@ from contextlib import ExitStack, asynccontextmanager
 from types import TracebackType
 
 from app import tracing
-from app.batching import ClusterView, QueueBacklog, Streamer, Transport
+from app.batching import ClusterView, LevelPolicy, QueueBacklog, Streamer, Transport
 from app.errors import NotReady
 from app.jobs import BatchKey, ImageJob
 from app.lifecycle import ModelSpec, Route
@@ -227,6 +227,10 @@ class Engine:
                 max_concurrent_batches=self._transport.capacity,
                 default_timeout_s=limits.request_timeout_s,
                 on_batch=self._on_batch if self.metrics and not plan.remote_workers else None,
+                levels=[
+                    LevelPolicy(level.max_queue, level.timeout_s, level.on_timeout)
+                    for level in limits.levels
+                ],
             )
             if plan.decode.server_threads:
                 self._decode_pool = ThreadPoolExecutor(

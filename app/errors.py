@@ -14,6 +14,7 @@ imports a web framework, so ``app.batching`` and ``app.workers`` can raise them 
     │   ├── Unauthorized             no key, or an unknown one                 401
     │   ├── Forbidden                the key may not do this (its scopes)      403
     │   ├── QuotaExceeded            the tenant is over its quota (+ Retry-After) 429
+    │   ├── Shed                     its priority gives way to higher ones     429
     │   ├── NoClassifier             tags asked of an embedding-only model     404
     │   ├── NoEmbedding              an embedding asked of a whole-model import 404
     │   ├── ModelNotFound            no such model (or version) here            404
@@ -46,6 +47,7 @@ The two 422s differ in whose rule the request breaks:
     ClientError          bad_input
     ClientDisconnected   client_disconnected
     QuotaExceeded        over_quota
+    Shed                 shed
     QueueFull            queue_full
     NotReady             not_ready
     WorkerDied           worker_died
@@ -167,6 +169,15 @@ class ClientDisconnected(ClientError):
 
     code = "client_closed_request"
     reject_reason = "client_disconnected"
+
+
+class Shed(QuotaExceeded):
+    """Busy with higher priorities (429): this request's priority level is full, or it
+    waited its level's queue timeout, or work of a higher level took its place in a full
+    queue. Retry later, or at a higher priority if the key allows one."""
+
+    code = "shed"
+    reject_reason = "shed"
 
 
 class Unavailable(ServerError):

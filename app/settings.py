@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from pydantic import (
+    BaseModel,
     ByteSize,
+    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -31,6 +33,16 @@ from app.settings_values import (
 )
 
 KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
+
+
+class PriorityLevel(BaseModel):
+    """One priority level's queue policy (``MB_PRIORITY_LEVELS``), in Triton's terms."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_queue: int | None = Field(None, ge=1, description="most items waiting at this level")
+    timeout_s: float | None = Field(None, gt=0, description="longest wait in the queue")
+    on_timeout: Literal["reject", "delay"] = Field("reject", description="then: 429, or last")
 
 
 class Settings(BaseSettings, TestHooks):
@@ -213,6 +225,25 @@ class Settings(BaseSettings, TestHooks):
             "'Authorization: Bearer <key>' (without it they are not there at all)."
         ),
     )
+    mb_priority_levels: list[PriorityLevel] = Field(
+        default_factory=lambda: [PriorityLevel()],
+        min_length=1,
+        max_length=16,
+        description=(
+            "Priority levels, 1 the highest: their count (3), or each one's queue policy as "
+            'JSON: [{}, {"max_queue": 256}, {"max_queue": 64, "timeout_s": 2, "on_timeout": '
+            '"reject"}] (reject: 429; delay: run after everything else). Lower levels fill '
+            "what a batch has left, and are refused (429) before higher ones wait."
+        ),
+    )
+    mb_default_priority: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The priority of a request that asks none and whose key sets none (default: the "
+            "lowest level). X-Priority, v2's parameters.priority ask; a key caps them."
+        ),
+    )
     mb_keys_file: Path | None = Field(
         None,
         description=(
@@ -355,6 +386,24 @@ class Settings(BaseSettings, TestHooks):
                 if not (value == "" and str(key).lower() not in KEEP_EMPTY)
             }
         return data
+
+    @field_validator("mb_priority_levels", mode="before")
+    @classmethod
+    def _levels_by_count(cls, value: object) -> object:
+        """``MB_PRIORITY_LEVELS=3``: three levels with the default policy."""
+        if isinstance(value, int | str) and str(value).strip().isdigit():
+            return [{} for _ in range(int(value))]
+        return value
+
+    @model_validator(mode="after")
+    def _default_priority_is_a_level(self) -> Settings:
+        levels = len(self.mb_priority_levels)
+        if self.mb_default_priority is not None and self.mb_default_priority > levels:
+            raise ValueError(
+                f"MB_DEFAULT_PRIORITY {self.mb_default_priority} is not one of the "
+                f"{levels} levels of MB_PRIORITY_LEVELS"
+            )
+        return self
 
     @field_validator("mb_broker", "mb_broker_admin")
     @classmethod

@@ -7,6 +7,10 @@ Dispatch policy (the reason this exists instead of service-streamer):
   wait); or the oldest queued item has waited ``max_latency_s``.
 * While every slot is busy, items accumulate, so batches grow with load by themselves.
 * Items carry a ``key`` (e.g. the endpoint); one batch only ever holds items of one key.
+* Items carry a ``Ticket``: a batch takes the highest priority level first, and the tenants
+  of a level in turn (``app.batching.fair``). Each level has its queue policy
+  (``LevelPolicy``): a bound, a queue timeout, then refused or delayed. Work of a lower level
+  is refused (``Shed``, 429) before work of a higher one would be: it gives up its place.
 
 Everything is asyncio and stdlib: no threads, no web framework, no torch.
 """
@@ -19,20 +23,19 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
+from app.batching.contract import as_server_error, deliver, fail
+from app.batching.fair import FairQueue, LevelPolicy, Ticket
 from app.batching.observe import BatchObserver, Trace
 from app.batching.transport import BatchFn, BatchItem
 from app.errors import (
-    BatchContractError,
     DeadlineExceeded,
-    InferenceError,
     NotReady,
     QueueFull,
-    ServerError,
+    Shed,
     Unavailable,
 )
 
@@ -51,6 +54,9 @@ class _Pending(Generic[T, R]):
     enqueued_at: float
     deadline: float | None
     trace: Trace | None = None
+    level: int = 0  # its priority level (0: the highest); the delayed level once delayed
+    tenant: Hashable = None
+    weight: float = 1.0
     run: _Run | None = None  # once dispatched: its batch's run
     wait: list[int] | None = None  # traced: [enqueued, dispatched] in epoch ns
 
@@ -87,6 +93,7 @@ class Streamer(Generic[T, R]):
         clock: Callable[[], float] = time.monotonic,
         on_batch: BatchObserver | None = None,
         batch_size_for: Callable[[Hashable], int] | None = None,
+        levels: Sequence[LevelPolicy] = (LevelPolicy(),),
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -106,7 +113,8 @@ class Streamer(Generic[T, R]):
         self.default_timeout_s = default_timeout_s
         self._clock = clock
         self._on_batch = on_batch
-        self._queue: deque[_Pending[T, R]] = deque()
+        self.levels = tuple(levels)
+        self._queue: FairQueue[_Pending[T, R]] = FairQueue(len(self.levels))
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._in_flight = 0
@@ -133,8 +141,9 @@ class Streamer(Generic[T, R]):
             self._dispatcher.cancel()
             await asyncio.gather(self._dispatcher, return_exceptions=True)
             self._dispatcher = None
-        while self._queue:
-            self._fail(self._queue.popleft(), NotReady("server is shutting down"))
+        for item in list(self._queue):
+            self._queue.remove(item)
+            fail(item, NotReady("server is shutting down"))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -156,15 +165,24 @@ class Streamer(Generic[T, R]):
     def in_flight(self) -> int:
         return self._in_flight
 
-    def check_admission(self) -> None:
-        """Raise ``QueueFull``/``NotReady`` now if ``submit`` would refuse: lets callers skip
-        costly preparation (decoding an upload) when the answer is already 503."""
+    def check_admission(self, level: int = 0) -> None:
+        """Raise now if ``submit`` at priority ``level`` would refuse: lets callers skip
+        costly preparation (decoding an upload) when the answer is already known.
+        ``NotReady`` while closing; at a bound, ``QueueFull`` (503) for the highest level,
+        whom nobody may displace, and ``Shed`` (429) for a lower one. A full queue still
+        takes work of a level while it holds work of a lower one (which gives way)."""
         if self._closing or self._dispatcher is None:
             raise NotReady("server is not accepting work")
-        if len(self._queue) >= self.max_queue_size:
-            raise QueueFull(
-                f"queue is full ({self.max_queue_size} waiting)", retry_after_s=self.retry_after_s()
-            )
+        bound = self.levels[level].max_queue
+        if bound is not None and self._queue.count(level) >= bound:
+            self._refuse(level, f"priority {level + 1}'s queue is full ({bound} waiting)")
+        if len(self._queue) >= self.max_queue_size and self._queue.newest_below(level) is None:
+            self._refuse(level, f"queue is full ({self.max_queue_size} waiting)")
+
+    def _refuse(self, level: int, why: str) -> None:
+        if level == 0:
+            raise QueueFull(why, retry_after_s=self.retry_after_s())
+        raise Shed(f"{why}; higher priorities come first", retry_after_s=self.retry_after_s())
 
     async def submit(
         self,
@@ -173,15 +191,22 @@ class Streamer(Generic[T, R]):
         key: Hashable = "default",
         timeout_s: float | None = None,
         trace: Trace | None = None,
+        ticket: Ticket | None = None,
     ) -> R:
         """Queue ``payload`` and wait for its result.
 
-        Raises ``QueueFull`` at once when the queue is at its bound, ``DeadlineExceeded`` when
-        ``timeout_s`` (or the default) passes first, ``NotReady`` while closing, and whatever
-        the batch produced for this item otherwise. ``trace``, if given, is filled in with the
-        size of the batch the item ran in and, when it has a ``link``, its time in the queue.
+        Raises ``QueueFull`` or ``Shed`` at once when its level cannot take it
+        (``check_admission``), ``DeadlineExceeded`` when ``timeout_s`` (or the default)
+        passes first, ``Shed`` when its level's queue timeout does, ``NotReady`` while
+        closing, and whatever the batch produced for this item otherwise. ``ticket`` (who
+        asks, at which priority) orders it in the queue. ``trace``, if given, is filled in
+        with the size of the batch the item ran in and, when it has a ``link``, its time in
+        the queue.
         """
-        self.check_admission()
+        level = 0 if ticket is None else ticket.level
+        if not 0 <= level < len(self.levels):
+            raise ValueError(f"priority level {level} is not one of {len(self.levels)}")
+        self.check_admission(level)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
         loop = asyncio.get_running_loop()
@@ -194,21 +219,29 @@ class Streamer(Generic[T, R]):
             now,
             None if timeout is None else now + timeout,
             trace,
+            level,
+            None if ticket is None else ticket.tenant,
+            1.0 if ticket is None else ticket.weight,
         )
         if trace is not None:
             trace.images += 1
             if trace.link is not None:
                 item.wait = [time.time_ns(), 0]
                 trace.waits.append(item.wait)
+        if len(self._queue) >= self.max_queue_size:
+            self._give_way(level)
         self._queue.append(item)
         self._wake.set()
-        timer = None
+        timers = []
         if timeout is not None:
-            timer = loop.call_later(timeout, self._expire, item, timeout)
+            timers.append(loop.call_later(timeout, self._expire, item, timeout))
+        waits = self.levels[level].timeout_s
+        if waits is not None and (timeout is None or waits < timeout):
+            timers.append(loop.call_later(waits, self._queue_timeout, item, waits))
         try:
             return await future
         finally:
-            if timer is not None:
+            for timer in timers:
                 timer.cancel()
             # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
             # so its item is never computed. Once every caller of a dispatched batch has
@@ -218,8 +251,7 @@ class Streamer(Generic[T, R]):
                 future.cancel()
             run = item.run
             if run is None:
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(item)
+                self._queue.remove(item)
             else:
                 run.waiting -= 1
                 if run.waiting == 0:
@@ -228,6 +260,29 @@ class Streamer(Generic[T, R]):
     def _expire(self, item: _Pending[T, R], timeout: float) -> None:
         if not item.future.done():
             item.future.set_exception(DeadlineExceeded(f"no result within {timeout:g} s"))
+
+    def _queue_timeout(self, item: _Pending[T, R], waited: float) -> None:
+        """Its level's queue timeout passed while it was still queued: refused, or moved
+        behind everything else (``delay``)."""
+        if item.run is not None or item.future.done():
+            return
+        policy = self.levels[item.level]
+        if policy.on_timeout == "delay":
+            self._queue.remove(item)
+            item.level = self._queue.delayed_level
+            self._queue.append(item)
+            return
+        why = f"priority {item.level + 1} waits at most {waited:g} s in the queue"
+        fail(item, Shed(why, retry_after_s=self.retry_after_s()))
+
+    def _give_way(self, level: int) -> None:
+        """The queue is full: the newest item of the lowest level below ``level`` is
+        refused, to make room (``check_admission`` made sure there is one)."""
+        lower = self._queue.newest_below(level)
+        assert lower is not None, "admitted into a full queue with nothing to displace"
+        self._queue.remove(lower)
+        why = f"queue is full ({self.max_queue_size} waiting); higher priorities come first"
+        fail(lower, Shed(why, retry_after_s=self.retry_after_s()))
 
     def retry_after_s(self) -> float:
         """Seconds until the current queue is likely drained (at least 1)."""
@@ -251,17 +306,19 @@ class Streamer(Generic[T, R]):
     def _dispatch_ready(self) -> float | None:
         """Send every batch that may go now. Returns how long to sleep before looking again
         (``None``: until woken, ``0.0``: look again at once)."""
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()  # cancelled callers that were not removed yet
-        if not self._queue or self._in_flight >= self.max_concurrent_batches:
+        head = self._queue.head()
+        while head is not None and head.future.done():
+            self._queue.remove(head)  # cancelled callers that were not removed yet
+            head = self._queue.head()
+        if head is None or self._in_flight >= self.max_concurrent_batches:
             return None
         now = self._clock()
-        head = self._queue[0]
         waited = now - head.enqueued_at
         if (
             self._in_flight == 0
             or waited >= self.max_latency_s
-            or self._count_key(head.key) >= self.batch_size(head.key)
+            or self._queue.count_key(head.key, self.batch_size(head.key))
+            >= self.batch_size(head.key)
         ):
             self._launch(self._take_batch(head.key, now))
             return 0.0
@@ -273,31 +330,16 @@ class Streamer(Generic[T, R]):
             return self.max_batch_size
         return max(1, min(self.max_batch_size, self._batch_size_for(key)))
 
-    def _count_key(self, key: Hashable) -> int:
-        count, limit = 0, self.batch_size(key)
-        for item in self._queue:
-            if item.key == key:
-                count += 1
-                if count >= limit:
-                    break
-        return count
-
     def _take_batch(self, key: Hashable, now: float) -> list[_Pending[T, R]]:
-        batch: list[_Pending[T, R]] = []
-        kept: deque[_Pending[T, R]] = deque()
-        limit = self.batch_size(key)
-        while self._queue:
-            item = self._queue.popleft()
-            if len(batch) >= limit or item.key != key:
-                kept.append(item)
-            elif item.future.done():
-                continue
-            elif item.deadline is not None and item.deadline <= now:
-                self._fail(item, DeadlineExceeded("deadline passed while queued"))
-            else:
-                batch.append(item)
-        self._queue = kept
-        return batch
+        def usable(item: _Pending[T, R]) -> bool:
+            if item.future.done():
+                return False
+            if item.deadline is not None and item.deadline <= now:
+                fail(item, DeadlineExceeded("deadline passed while queued"))
+                return False
+            return True
+
+        return self._queue.take(key, self.batch_size(key), usable)
 
     def _launch(self, batch: list[_Pending[T, R]]) -> None:
         if not batch:
@@ -341,11 +383,11 @@ class Streamer(Generic[T, R]):
                         await self._run_guarded(key, [item])
         except asyncio.CancelledError:
             for item in batch:
-                self._fail(item, NotReady("server is shutting down"))
+                fail(item, NotReady("server is shutting down"))
             raise
         except Exception as exc:
             for item in batch:
-                self._fail(item, self._as_server_error(exc, key, len(batch)))
+                fail(item, as_server_error(exc, key, len(batch)))
         finally:
             elapsed = self._clock() - started
             per_item = elapsed / len(batch)
@@ -361,39 +403,11 @@ class Streamer(Generic[T, R]):
             for item in batch
         ]
         results = await self._batch_fn(key, items)
-        self._deliver(batch, results)
+        deliver(batch, results)
 
     async def _run_guarded(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
         try:
             await self._run(key, batch)
         except Exception as exc:
             for item in batch:
-                self._fail(item, self._as_server_error(exc, key, len(batch)))
-
-    @staticmethod
-    def _as_server_error(exc: Exception, key: Hashable, size: int) -> ServerError:
-        if isinstance(exc, ServerError):
-            return exc
-        log.error("batch of %d %r items failed", size, key, exc_info=exc)
-        return InferenceError(f"model call failed ({type(exc).__name__})")
-
-    def _deliver(self, batch: list[_Pending[T, R]], results: Mapping[int, Any]) -> None:
-        expected = {item.id for item in batch}
-        if not isinstance(results, Mapping) or set(results) != expected:
-            got = sorted(results) if isinstance(results, Mapping) else type(results).__name__
-            raise BatchContractError(
-                f"batch function returned results for {got}, expected ids {sorted(expected)}"
-            )
-        for item in batch:
-            value = results[item.id]
-            if item.future.done():
-                continue
-            if isinstance(value, BaseException):
-                item.future.set_exception(value)
-            else:
-                item.future.set_result(value)
-
-    @staticmethod
-    def _fail(item: _Pending[T, R], error: BaseException) -> None:
-        if not item.future.done():
-            item.future.set_exception(error)
+                fail(item, as_server_error(exc, key, len(batch)))

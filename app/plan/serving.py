@@ -21,7 +21,7 @@ from typing import Literal
 from app.errors import WorkerStartError
 from app.plan.decode import DecodePlan, DecodeSetting, plan_decode
 from app.plan.devices import assign_workers, count_gpus, resolve_devices
-from app.settings import Settings
+from app.settings import PriorityLevel, Settings
 from app.settings_values import BrokerAddress
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class Limits:
     batch_timeout_s: float
     start_timeout_s: float
     max_image_bytes: int  # a broker worker's bound on one encoded upload
+    levels: tuple[PriorityLevel, ...] = (PriorityLevel(),)  # MB_PRIORITY_LEVELS
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,7 @@ def plan_serving(
             batch_timeout_s=settings.mb_batch_timeout,
             start_timeout_s=settings.mb_worker_start_timeout,
             max_image_bytes=settings.max_upload_bytes,
+            levels=tuple(settings.mb_priority_levels),
         ),
         batch_size_setting=settings.mb_batch_size,
         broker=broker,

@@ -12,9 +12,9 @@ from app.dependencies import (
     REQUIRES_API_KEY,
     admitted,
     app_settings,
-    caller_of,
     header,
     query_param,
+    ticket_of,
 )
 from app.errors import InvalidRequest
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
@@ -145,7 +145,7 @@ async def embedding(request: Request) -> Response:
             vectors = await unless_disconnected(
                 request,
                 predictor.embeddings(
-                    upload.data, deadline, trace, names=upload.names, caller=caller_of(request)
+                    upload.data, deadline, trace, names=upload.names, ticket=ticket_of(request)
                 ),
             )
     with tracing.span("encode"):
@@ -193,7 +193,7 @@ async def tag(request: Request) -> JSONResponse:
                     deadline,
                     trace,
                     names=upload.names,
-                    caller=caller_of(request),
+                    ticket=ticket_of(request),
                 ),
             )
     with tracing.span("encode"):

@@ -19,9 +19,9 @@ from app.dependencies import (
     REQUIRES_API_KEY,
     admitted,
     app_settings,
-    caller_of,
     is_ready,
     serving_engine,
+    ticket_of,
 )
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
@@ -81,7 +81,7 @@ async def _predict(request: Request) -> JSONResponse:
         with batch_trace(request) as trace:
             (tags,) = await unless_disconnected(
                 request,
-                predictor.tags(upload.data[:1], k, deadline, trace, caller=caller_of(request)),
+                predictor.tags(upload.data[:1], k, deadline, trace, ticket=ticket_of(request)),
             )
     return JSONResponse({tag.name: tag.prob for tag in tags})
 

@@ -24,16 +24,17 @@ from app.dependencies import (
     REQUIRES_METRICS_KEY,
     admitted,
     app_settings,
-    caller_of,
     header,
     is_ready,
     readiness_response,
     serving_engine,
+    ticket_of,
 )
 from app.routers.common import V2_ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
 from app.v2 import http_body, inference
 from app.v2.http_body import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, InferBody, inlined_schema
+from app.v2.inference import PRIORITY_PARAMETER
 from app.v2.server import EXTENSIONS, SERVER, config_of, statistics_of
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
@@ -184,7 +185,7 @@ async def infer(request: Request) -> Response:
                 trace,
                 max_images=settings.max_images_per_request,
                 wait=lambda work: unless_disconnected(request, work),
-                caller=caller_of(request),
+                ticket=ticket_of(request, call.parameters.get("priority"), PRIORITY_PARAMETER),
             )
     head = {"model_name": served.name, "model_version": str(served.version)}
     if body.id is not None:

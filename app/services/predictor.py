@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from app.batching import Streamer, Trace
+from app.batching import Streamer, Ticket, Trace
 from app.errors import (
     ClientError,
     DeadlineExceeded,
@@ -26,10 +26,9 @@ from app.images import preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.plan import DecodePlan
-from app.tenancy import Caller
 
-# Draws a request's images from its caller's tenant's quota (``Tenancy.charge``).
-Charge = Callable[[Caller, int], Awaitable[None]]
+# Draws a request's images from its ticket's tenant's quota (``Tenancy.charge``).
+Charge = Callable[[Ticket, int], Awaitable[None]]
 
 # An image as the services take it: encoded (an upload), or uint8 pixels at the model's
 # input size, ``[crop, crop, 3]`` RGB (preprocessed by the client: v2's FP32 input).
@@ -113,13 +112,19 @@ class Predictor:
         self._plan = plan
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
-        self._charge = charge  # draws a request's images from its caller's quota
+        self._charge = charge  # draws a request's images from its tenant's quota
 
     async def _run(
-        self, task: Task, data: Image, top_k: int, deadline: float, trace: Trace | None
+        self,
+        task: Task,
+        data: Image,
+        top_k: int,
+        deadline: float,
+        trace: Trace | None,
+        ticket: Ticket | None = None,
     ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
-        self._streamer.check_admission()
+        self._streamer.check_admission(0 if ticket is None else ticket.level)
         image: Image = data
         encoded = not self._plan.server_decodes and isinstance(data, bytes)
         if isinstance(data, bytes) and not encoded:
@@ -135,6 +140,7 @@ class Predictor:
             key=BatchKey(task, encoded, self.model_id),
             timeout_s=remaining,
             trace=trace,
+            ticket=ticket,
         )
 
     def require_classifier(self) -> None:
@@ -161,19 +167,20 @@ class Predictor:
         deadline: float,
         trace: Trace | None,
         names: Sequence[str],
-        caller: Caller | None,
+        ticket: Ticket | None,
     ) -> list[object]:
         """Each image's result, in order; each image travels as an item of its own, so they
-        may be split over batches. The images are drawn from the caller's quota first (a
-        request without a caller is the server's own: the batch job). The first image that
-        fails fails them all (the others are cancelled, and leave the queue): a client error
-        names the image."""
-        if caller is not None and self._charge is not None:
-            await self._charge(caller, len(images))
+        may be split over batches, queued by their ``ticket`` (its tenant's turn and its
+        priority), drawn from the tenant's quota first (no ticket: the server's own work, the
+        batch job). The first image that fails fails them all (the others are cancelled,
+        and leave the queue): a client error names the image."""
+        if ticket is not None and self._charge is not None:
+            await self._charge(ticket, len(images))
         if len(images) == 1:
-            return [await self._run(task, images[0], top_k, deadline, trace)]
+            return [await self._run(task, images[0], top_k, deadline, trace, ticket)]
         runs = [
-            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace)) for data in images
+            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace, ticket))
+            for data in images
         ]
         try:
             await asyncio.wait(runs, return_when=asyncio.FIRST_EXCEPTION)
@@ -204,12 +211,12 @@ class Predictor:
         trace: Trace | None = None,
         names: Sequence[str] = (),
         *,
-        caller: Caller | None = None,
+        ticket: Ticket | None = None,
     ) -> npt.NDArray[np.float32]:
         """The embeddings of encoded images, ``[len(images), dim]`` float32 in order,
         answered before ``deadline`` (monotonic)."""
         self.require_embedding()
-        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names, caller)
+        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names, ticket)
         return np.stack([np.asarray(result, dtype=np.float32) for result in results])
 
     async def embedding(
@@ -237,12 +244,12 @@ class Predictor:
         trace: Trace | None = None,
         names: Sequence[str] = (),
         *,
-        caller: Caller | None = None,
+        ticket: Ticket | None = None,
     ) -> list[TopK]:
         """The ``k`` (``None``: the default) most probable class indices of each encoded
         image, with their probabilities, in order, before ``deadline``."""
         k = self.labels_to_return(k)
-        results = await self._many(Task.TAG, images, k, deadline, trace, names, caller)
+        results = await self._many(Task.TAG, images, k, deadline, trace, names, ticket)
         assert all(isinstance(result, TopK) for result in results)
         return results  # type: ignore[return-value]
 
@@ -255,7 +262,7 @@ class Predictor:
         *,
         embedding: bool,
         top_k: bool,
-        caller: Caller | None = None,
+        ticket: Ticket | None = None,
     ) -> Inference:
         """The embeddings and/or the top ``k`` (``None``: the default) classes of encoded
         images, in order, before ``deadline``: each image runs through the model once,
@@ -263,12 +270,12 @@ class Predictor:
         if not (embedding or top_k):
             raise ValueError("ask for the embedding, the top k, or both")
         if not top_k:
-            return Inference(await self.embeddings(images, deadline, trace, caller=caller), None)
+            return Inference(await self.embeddings(images, deadline, trace, ticket=ticket), None)
         if not embedding:
-            return Inference(None, await self.top_k(images, k, deadline, trace, caller=caller))
+            return Inference(None, await self.top_k(images, k, deadline, trace, ticket=ticket))
         self.require_embedding()
         k = self.labels_to_return(k)
-        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, (), caller)
+        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, (), ticket)
         assert all(isinstance(result, EmbeddingAndTopK) for result in results)
         both: list[EmbeddingAndTopK] = results  # type: ignore[assignment]
         vectors = np.stack([np.asarray(result.embedding, dtype=np.float32) for result in both])
@@ -282,7 +289,7 @@ class Predictor:
         trace: Trace | None = None,
         names: Sequence[str] = (),
         *,
-        caller: Caller | None = None,
+        ticket: Ticket | None = None,
     ) -> list[list[Tag]]:
         """The top-``k`` classes of each encoded image, in order, before ``deadline``."""
         return [
@@ -290,7 +297,7 @@ class Predictor:
                 Tag(self.classes[int(index)], float(prob))
                 for index, prob in zip(result.indices, result.probs, strict=True)
             ]
-            for result in await self.top_k(images, k, deadline, trace, names, caller=caller)
+            for result in await self.top_k(images, k, deadline, trace, names, ticket=ticket)
         ]
 
     async def tag(

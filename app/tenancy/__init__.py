@@ -1,12 +1,13 @@
 """Tenants: API keys with scopes (``keys``), per-tenant quotas (``quota``) and the gate
 that checks both for every request (``gate``)."""
 
-from app.tenancy.gate import Tenancy
+from app.tenancy.gate import PRIORITY, Tenancy, parse_priority
 from app.tenancy.keys import ANONYMOUS, Caller, Keyring, Scope, Tenant, bearer_token, key_hash
 from app.tenancy.quota import LocalBuckets, RedisBuckets, Verdict
 
 __all__ = [
     "ANONYMOUS",
+    "PRIORITY",
     "Caller",
     "Keyring",
     "LocalBuckets",
@@ -17,4 +18,5 @@ __all__ = [
     "Verdict",
     "bearer_token",
     "key_hash",
+    "parse_priority",
 ]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
+from app.batching import Ticket
 from app.errors import Forbidden, InvalidParameter, QuotaExceeded, SettingsError, Unauthorized
 from app.tenancy.keys import Caller, Keyring, Scope, bearer_token
 from app.tenancy.quota import LocalBuckets, RedisBuckets
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from app.settings import Settings
 
 log = logging.getLogger("app")
+
+PRIORITY = "X-Priority"  # the header a request asks its priority with (1 is the highest)
 
 # What a request without the right key is told to send, by where the keys come from.
 _SETTING_FOR = {Scope.INFER: "API_KEY", Scope.ADMIN: "ADMIN_API_KEY"}
@@ -44,8 +47,13 @@ class Tenancy:
         path: Path | None = None,
         buckets: LocalBuckets | RedisBuckets | None = None,
         metrics: Metrics | None = None,
+        *,
+        levels: int = 1,
+        default_priority: int | None = None,
     ) -> None:
-        self.keyring = keyring
+        self.levels = levels
+        self.default_priority = default_priority or levels  # unset: the lowest level
+        self.keyring = self._checked(keyring)
         self._path = path
         self._buckets = buckets or LocalBuckets()
         self._metrics = metrics
@@ -75,7 +83,43 @@ class Tenancy:
             )
         local = LocalBuckets()
         buckets = redis_buckets(local) if redis_buckets is not None else local
-        return cls(keyring, path, buckets, metrics)
+        return cls(
+            keyring,
+            path,
+            buckets,
+            metrics,
+            levels=len(settings.mb_priority_levels),
+            default_priority=settings.mb_default_priority,
+        )
+
+    def _checked(self, keyring: Keyring) -> Keyring:
+        """``keyring``, if every priority it names is one of the levels."""
+        for caller in keyring.callers:
+            for priority in (caller.priority, caller.top_priority):
+                if priority is not None and priority > self.levels:
+                    raise SettingsError(
+                        f"{keyring.source}: tenant {caller.tenant}'s key has priority "
+                        f"{priority}, but MB_PRIORITY_LEVELS has {self.levels} level(s)"
+                    )
+        return keyring
+
+    def ticket(self, caller: Caller | None, asked: object = None, where: str = PRIORITY) -> Ticket:
+        """Where a request of ``caller`` queues: the priority it ``asked`` (``where`` names
+        the field, for the 422 a malformed one gets; 0 or None: its key's default, else
+        ``MB_DEFAULT_PRIORITY``), never above its key's ``top_priority``; its tenant's
+        turn and weight in a batch."""
+        level = parse_priority(asked, self.levels, where)
+        own = (
+            self.default_priority if caller is None or caller.priority is None else caller.priority
+        )
+        if level is None:
+            level = own
+        else:
+            top = own if caller is None or caller.top_priority is None else caller.top_priority
+            level = max(level, top)  # 1 is the highest: a key's allowance caps what it asks
+        if caller is None:
+            return Ticket(None, level - 1)
+        return Ticket(caller.tenant, level - 1, self.keyring.tenant(caller.tenant).weight)
 
     def key_name(self, scope: Scope) -> str:
         """What to put after ``Bearer``, for a refusal's message."""
@@ -110,24 +154,25 @@ class Tenancy:
             f"Bearer <{self.key_name(scope)}>"
         )
 
-    async def charge(self, caller: Caller, images: int) -> None:
-        """Draw ``images`` from the caller's tenant's quota: ``QuotaExceeded`` (429) when
+    async def charge(self, ticket: Ticket, images: int) -> None:
+        """Draw ``images`` from the ticket's tenant's quota: ``QuotaExceeded`` (429) when
         its bucket lacks them; ``InvalidParameter`` (422) for a request larger than the
         bucket itself (it could never pass: split it)."""
-        share = self.keyring.tenant(caller.tenant)
+        tenant = str(ticket.tenant)
+        share = self.keyring.tenant(tenant)
         if share.rate is None:
-            self._count(caller.tenant, images, True)
+            self._count(tenant, images, True)
             return
         if images > share.burst:
             raise InvalidParameter(
-                f"{images} images in one request is more than tenant {caller.tenant}'s burst "
+                f"{images} images in one request is more than tenant {tenant}'s burst "
                 f"of {int(share.burst)}: send them in smaller requests"
             )
         verdict = await self._buckets.draw(share, images)
-        self._count(caller.tenant, images, verdict.allowed)
+        self._count(tenant, images, verdict.allowed)
         if not verdict.allowed:
             raise QuotaExceeded(
-                f"tenant {caller.tenant} is over its quota of {share.rate:g} images/s "
+                f"tenant {tenant} is over its quota of {share.rate:g} images/s "
                 f"(burst {int(share.burst)})",
                 retry_after_s=verdict.retry_after_s,
                 headers=verdict.headers(share),
@@ -143,7 +188,7 @@ class Tenancy:
         if self._path is None:
             return False
         try:
-            keyring = Keyring.read(self._path)
+            keyring = self._checked(Keyring.read(self._path))
         except SettingsError as exc:
             log.error("keys not reloaded, the previous keys stay in force: %s", exc)
             return False
@@ -156,6 +201,33 @@ class Tenancy:
     async def aclose(self) -> None:
         if isinstance(self._buckets, RedisBuckets):
             await self._buckets.aclose()
+
+
+def parse_priority(value: object, levels: int, where: str = PRIORITY) -> int | None:
+    """A priority as a request gave it (a header's text, a JSON or protobuf integer), checked
+    against the levels; None for none asked (absent, or 0 as Triton's clients send it).
+
+    >>> parse_priority("2", 3), parse_priority(0, 3), parse_priority(None, 3)
+    (2, None, None)
+    >>> parse_priority("high", 3, "p")
+    Traceback (most recent call last):
+    app.errors.InvalidParameter: p must be an integer from 1 to 3 (1 is the highest), got 'high'
+    """
+    if value is None:
+        return None
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if number == 0:
+        return None
+    if number is None or not 1 <= number <= levels:
+        shown = value[:20] if isinstance(value, str) else value
+        raise InvalidParameter(
+            f"{where} must be an integer from 1 to {levels} (1 is the highest), got {shown!r}"
+        )
+    return number
 
 
 def _secret(value: SecretStr | None) -> str | None:

@@ -170,6 +170,11 @@ class Keyring:
         keys themselves are never held (``anonymous`` is the caller without a key)."""
         return self._callers.get(key_hash(key))
 
+    @property
+    def callers(self) -> list[Caller]:
+        """Every caller: the keys' and the anonymous one."""
+        return [*self._callers.values(), *([self.anonymous] if self.anonymous else [])]
+
     def tenant(self, name: str) -> Tenant:
         """A tenant's share (a tenant the file does not describe has no quota)."""
         return self._tenants.get(name) or Tenant(name)
@@ -184,8 +189,7 @@ class Keyring:
 
     def any_allows(self, scope: Scope) -> bool:
         """Whether some caller has ``scope`` (the admin routes exist only then)."""
-        callers = [*self._callers.values(), *([self.anonymous] if self.anonymous else [])]
-        return any(c.allows(scope) for c in callers)
+        return any(c.allows(scope) for c in self.callers)
 
     def needs_key(self, scope: Scope) -> bool:
         """Whether a request without a key is refused ``scope`` (the OpenAPI docs say so)."""
@@ -194,13 +198,15 @@ class Keyring:
     @classmethod
     def of_settings(cls, api_key: str | None, admin_api_key: str | None) -> Keyring:
         """``API_KEY`` and ``ADMIN_API_KEY``, as they always worked."""
+        # One tenant: its requests may ask any priority (their own work's order).
         callers = {}
         if api_key is not None:
-            callers[key_hash(api_key)] = Caller("default", frozenset({Scope.INFER}))
+            callers[key_hash(api_key)] = Caller("default", frozenset({Scope.INFER}), None, 1)
         if admin_api_key is not None:
             callers[key_hash(admin_api_key)] = Caller("admin", frozenset({Scope.ADMIN}))
         open_scopes = {Scope.METRICS} | ({Scope.INFER} if api_key is None else set())
-        return cls(callers, {}, Caller(ANONYMOUS, frozenset(open_scopes)), "API_KEY")
+        anonymous = Caller(ANONYMOUS, frozenset(open_scopes), None, 1)
+        return cls(callers, {}, anonymous, "API_KEY")
 
     @classmethod
     def parse(cls, data: Any, source: str = "<keys>") -> Keyring:

@@ -51,6 +51,7 @@ from app.settings import Settings
 from app.tenancy import Caller, Scope, Tenancy
 from app.v2 import inference
 from app.v2.grpc_messages import infer_call, infer_response, parameter
+from app.v2.inference import PRIORITY_PARAMETER
 from app.v2.proto import inference_pb2 as pb
 from app.v2.proto import inference_pb2_grpc as pb_grpc
 from app.v2.server import (
@@ -359,7 +360,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     deadline,
                     trace,
                     max_images=self.settings.max_images_per_request,
-                    caller=call.caller,
+                    ticket=self.tenancy.ticket(
+                        call.caller, infer.parameters.get("priority"), PRIORITY_PARAMETER
+                    ),
                 )
             finally:
                 call.batch_size, call.images = trace.batch_size, trace.images

@@ -29,12 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from app.batching import Trace
+from app.batching import Ticket, Trace
 from app.errors import InvalidRequest, PayloadTooLarge
 from app.manifest import InputSpec, Manifest
 from app.services.predictor import Predictor, parse_k
 from app.services.registry import ModelVersion
-from app.tenancy import Caller
 from app.v2.tensors import BYTES, Tensor
 
 IMAGE = "image"
@@ -171,6 +170,9 @@ def to_pixels(tensor: Tensor, spec: InputSpec) -> npt.NDArray[np.uint8]:
     return np.ascontiguousarray(rounded.transpose(0, 2, 3, 1))
 
 
+PRIORITY_PARAMETER = "parameters.priority"  # as Triton's clients send it (0: the default)
+
+
 def shortened(deadline: float, parameters: dict[str, Any]) -> float:
     """``deadline`` (monotonic), sooner when the request's ``parameters.timeout`` asks (in
     microseconds, as Triton's clients send it): a client can shorten it, never extend it."""
@@ -215,11 +217,11 @@ async def infer(
     *,
     max_images: int,
     wait: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
-    caller: Caller | None = None,
+    ticket: Ticket | None = None,
 ) -> list[Tensor]:
     """Run ``call`` on a serving ``version``: each image once through the model, whichever
     outputs are asked. ``wait`` wraps the wait for the answer (HTTP: drop it when the client
-    leaves). ``caller``: whose quota the images are drawn from."""
+    leaves). ``ticket``: whose quota the images are drawn from, and where they queue."""
     predictor: Predictor | None = version.predictor
     assert predictor is not None and version.manifest is not None, "a serving version"
     manifest = version.manifest
@@ -228,7 +230,7 @@ async def infer(
     names = {output.name for output in asked}
     top_k = bool(names & set(CLASSIFIER_OUTPUTS))
     work = predictor.infer(
-        images, k, deadline, trace, embedding=EMBEDDING in names, top_k=top_k, caller=caller
+        images, k, deadline, trace, embedding=EMBEDDING in names, top_k=top_k, ticket=ticket
     )
     inferred = await (wait(work) if wait is not None else work)
     outputs: list[Tensor] = []

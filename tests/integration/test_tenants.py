@@ -96,7 +96,9 @@ def test_front_ends_share_a_tenants_quota(tiny_store: Path, keys: Path) -> None:
     """bulk has 2 images/s, burst 2: whichever front end it asks, over 4 s it gets about
     2 + 2 x 4 images, not twice that; shop is not refused."""
     with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
-        env = broker_env(redis_server.url, tiny_store, MB_KEYS_FILE=str(keys))
+        env = broker_env(
+            redis_server.url, tiny_store, MB_KEYS_FILE=str(keys), MB_PRIORITY_LEVELS="2"
+        )
         with ServerProcess(**env) as one, ServerProcess(**env) as two:
             started = time.monotonic()
             admitted = 0
@@ -118,6 +120,7 @@ def server(tiny_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "MB_WORKER_NUM": "1",
         "MB_GRPC_PORT": str(free_port()),
         "MB_KEYS_FILE": str(path),
+        "MB_PRIORITY_LEVELS": "2",
     }
     with ServerProcess(**env) as server:
         yield server

@@ -31,6 +31,7 @@ REFUSALS = [
     (errors.Unauthorized, "bad_input"),
     (errors.Forbidden, "bad_input"),
     (errors.QuotaExceeded, "over_quota"),
+    (errors.Shed, "shed"),
     (errors.NoClassifier, "bad_input"),
     (errors.NoEmbedding, "bad_input"),
     (errors.ModelNotFound, "bad_input"),

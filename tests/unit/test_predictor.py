@@ -28,7 +28,7 @@ class FakeStreamer:
     def __init__(self) -> None:
         self.submitted: list[tuple[ImageJob, Any]] = []
 
-    def check_admission(self) -> None:
+    def check_admission(self, level: int = 0) -> None:
         pass
 
     async def submit(self, job: ImageJob, *, key: Any, **_: Any) -> object:

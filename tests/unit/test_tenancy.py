@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app.batching import Ticket
 from app.errors import Forbidden, InvalidParameter, QuotaExceeded, SettingsError, Unauthorized
 from app.metrics import Metrics
 from app.settings import Settings
@@ -126,9 +127,9 @@ def test_a_keys_file_of_another_kind_or_missing_is_refused(tmp_path: Path) -> No
 
 def test_api_key_and_admin_api_key_are_a_one_line_keyring() -> None:
     ring = Keyring.of_settings("user", "admin")
-    assert ring.caller("user") == Caller("default", frozenset({Scope.INFER}))
+    assert ring.caller("user") == Caller("default", frozenset({Scope.INFER}), None, 1)
     assert ring.caller("admin") == Caller("admin", frozenset({Scope.ADMIN}))
-    assert ring.anonymous == Caller("anonymous", frozenset({Scope.METRICS}))
+    assert ring.anonymous == Caller("anonymous", frozenset({Scope.METRICS}), None, 1)
     open_ring = Keyring.of_settings(None, None)
     assert open_ring.anonymous is not None and open_ring.anonymous.allows(Scope.INFER)
     assert not open_ring.any_allows(Scope.ADMIN)
@@ -143,7 +144,7 @@ def test_a_keys_file_and_api_key_together_are_refused(tmp_path: Path) -> None:
 def test_who_calls_401_for_no_or_unknown_key_403_for_a_key_without_the_scope(
     tmp_path: Path,
 ) -> None:
-    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), tmp_path / "keys.yaml")
+    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), tmp_path / "keys.yaml", levels=2)
     assert gate.caller(bearer(SHOP), Scope.INFER).tenant == "shop"
     assert gate.caller(None, Scope.METRICS).tenant == "public"  # the file allows it
     assert gate.caller(bearer(OPS), Scope.METRICS).tenant == "ops"
@@ -190,15 +191,15 @@ def test_a_tenant_over_its_quota_gets_429_with_retry_after_and_ratelimit_fields(
     tmp_path: Path,
 ) -> None:
     metrics = Metrics()
-    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), metrics=metrics)
+    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), metrics=metrics, levels=2)
     bulk = gate.caller(bearer(BULK), Scope.INFER)
     shop = gate.caller(bearer(SHOP), Scope.INFER)
 
     async def run() -> QuotaExceeded:
-        await gate.charge(bulk, 2)  # its whole burst
+        await gate.charge(gate.ticket(bulk), 2)  # its whole burst
         with pytest.raises(QuotaExceeded) as refused:
-            await gate.charge(bulk, 1)
-        await gate.charge(shop, 20)  # another tenant's bucket is its own
+            await gate.charge(gate.ticket(bulk), 1)
+        await gate.charge(gate.ticket(shop), 20)  # another tenant's bucket is its own
         return refused.value
 
     refused = asyncio.run(run())
@@ -215,19 +216,19 @@ def test_a_tenant_over_its_quota_gets_429_with_retry_after_and_ratelimit_fields(
 
 
 def test_a_request_larger_than_its_burst_is_422_not_an_endless_429(tmp_path: Path) -> None:
-    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)))
+    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), levels=2)
     bulk = gate.caller(bearer(BULK), Scope.INFER)
     with pytest.raises(InvalidParameter, match=r"3 images in one request.*burst of 2"):
-        asyncio.run(gate.charge(bulk, 3))
+        asyncio.run(gate.charge(gate.ticket(bulk), 3))
 
 
 def test_a_tenant_without_a_rate_is_never_refused(tmp_path: Path) -> None:
-    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)))
+    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), levels=2)
     ops = Caller("ops", frozenset({Scope.INFER}))
 
     async def run() -> None:
         for _ in range(1000):
-            await gate.charge(ops, 64)
+            await gate.charge(gate.ticket(ops), 64)
 
     asyncio.run(run())
 
@@ -236,7 +237,7 @@ def test_a_reload_takes_the_new_keys_and_a_bad_file_keeps_the_old(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = write(tmp_path, KEYS_YAML)
-    gate = Tenancy(Keyring.read(path), path)
+    gate = Tenancy(Keyring.read(path), path, levels=2)
     revoked = KEYS_YAML.replace(key_hash(BULK), key_hash("new-bulk-key"))
     path.write_text(revoked)
     assert gate.reload()
@@ -268,3 +269,36 @@ def test_the_command_line_makes_hashes_and_checks_a_file(
     assert "without a key: metrics" in out
     assert main(["check", str(write(tmp_path, "keys: ["))]) == 2
     assert "not valid yaml" in capsys.readouterr().err
+
+
+def test_a_ticket_takes_the_asked_priority_capped_by_the_key_else_its_default(
+    tmp_path: Path,
+) -> None:
+    gate = Tenancy(Keyring.read(write(tmp_path, KEYS_YAML)), levels=3)
+    shop = gate.caller(bearer(SHOP), Scope.INFER)  # priority 2, top 1
+    bulk = gate.caller(bearer(BULK), Scope.INFER)  # neither: the server's default
+    assert gate.ticket(shop) == Ticket("shop", level=1, weight=4.0)
+    assert gate.ticket(shop, "1").level == 0  # within its allowance
+    assert gate.ticket(shop, "3").level == 2  # lower is always allowed
+    assert gate.ticket(bulk).level == 2  # default: the lowest of 3
+    assert gate.ticket(bulk, 1).level == 2  # capped: it may not raise itself
+    assert gate.ticket(bulk, 0).level == 2  # 0, as Triton's clients send it: the default
+    for bad in ("high", "4", -1, 1.5, True):
+        with pytest.raises(InvalidParameter, match="X-Priority must be an integer from 1 to 3"):
+            gate.ticket(shop, bad)
+    with pytest.raises(InvalidParameter, match=r"parameters\.priority must be"):
+        gate.ticket(shop, "x", "parameters.priority")
+    middle = Tenancy(Keyring.of_settings("user", None), levels=3, default_priority=2)
+    user = middle.caller(bearer("user"), Scope.INFER)
+    assert middle.ticket(user).level == 1 and middle.ticket(user, "1").level == 0  # free choice
+
+
+def test_a_key_priority_beyond_the_levels_is_refused_at_start_and_on_reload(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, KEYS_YAML)
+    with pytest.raises(SettingsError, match="has priority 2, but MB_PRIORITY_LEVELS has 1"):
+        Tenancy(Keyring.read(path), path)
+    gate = Tenancy(Keyring.read(path), path, levels=2)
+    path.write_text(KEYS_YAML.replace("priority: 2", "priority: 3"))
+    assert not gate.reload()

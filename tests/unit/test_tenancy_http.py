@@ -5,7 +5,7 @@ each prediction route, and the refusals are counted under the tenant."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ async def serving(tmp_path: Path, keys: str) -> AsyncIterator[tuple[Any, httpx.A
     settings = Settings(
         model_store=export_tiny(tmp_path / "store"),
         mb_keys_file=write(tmp_path, keys),
+        mb_priority_levels=2,  # the file's keys name priorities 1 and 2
         mb_decode="worker",
     )
     app = create_app(settings, transport=FakeTransport(answer))
@@ -140,3 +141,76 @@ def test_a_bad_keys_file_refuses_to_start_with_one_line(
         create_app(Settings(model_store=export_tiny(tmp_path / "store"), mb_keys_file=path))
     assert stopped.value.code == 2
     assert f"not valid {shape}" in capsys.readouterr().err
+
+
+def test_a_malformed_priority_is_422_on_every_protocol(tmp_path: Path) -> None:
+    v2_body = {
+        "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [""]}],
+        "parameters": {"priority": "urgent"},
+    }
+
+    async def run() -> list[httpx.Response]:
+        async with serving(tmp_path, KEYS_YAML) as (_, client):
+            files = {"image": ("a.png", IMAGE)}
+            headers = {**as_(SHOP), "X-Priority": "9"}
+            return [
+                await client.post("/predict/tag", files=files, headers=headers),
+                await client.post("/v2/models/tiny-test/infer", json=v2_body, headers=as_(SHOP)),
+            ]
+
+    tagged, v2 = asyncio.run(run())
+    assert tagged.status_code == 422
+    assert "X-Priority must be an integer from 1 to 2" in tagged.json()["error"]["message"]
+    assert v2.status_code == 422 and "parameters.priority must be" in v2.json()["error"]
+
+
+def test_a_higher_priority_is_batched_first_and_a_key_cannot_raise_itself(
+    tmp_path: Path,
+) -> None:
+    """The only batch slot busy; bulk (priority 2, may not ask 1) queues two images, then
+    shop asks priority 1: shop's image leads the next batch, bulk's asking 1 changes nothing."""
+    release = asyncio.Event()
+    seen: list[list[object]] = []
+    urgent_image, bulk_image = distinct_images(2)
+
+    async def gated(task: Task, jobs: Sequence[ImageJob]) -> list[object]:
+        seen.append([job.image for job in jobs])  # the uploads, left to the worker to decode
+        await release.wait()
+        return answer(task, jobs)
+
+    async def run() -> None:
+        settings = Settings(
+            model_store=export_tiny(tmp_path / "store"),
+            mb_keys_file=write(tmp_path, KEYS_YAML),
+            mb_priority_levels=2,
+            mb_decode="worker",
+        )
+        app = create_app(settings, transport=FakeTransport(gated, batch_size=8))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
+                async def send(key: str, priority: str, image: bytes) -> httpx.Response:
+                    headers = {**as_(key), "X-Priority": priority}
+                    files = {"image": ("a.png", image)}
+                    return await client.post("/predict/embedding", files=files, headers=headers)
+
+                streamer = app.state.engine.streamer
+                first = asyncio.create_task(send(SHOP, "2", IMAGE))
+                await wait_until(lambda: len(seen) == 1)
+                queued = [asyncio.create_task(send(BULK, "1", bulk_image)) for _ in range(2)]
+                await wait_until(lambda: streamer.queue_depth == 2)
+                urgent = asyncio.create_task(send(SHOP, "1", urgent_image))
+                await wait_until(lambda: streamer.queue_depth == 3)
+                release.set()
+                for response in await asyncio.gather(first, *queued, urgent):
+                    assert response.status_code == 200, response.text
+
+    asyncio.run(run())
+    assert seen[1] == [urgent_image, bulk_image, bulk_image]
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not predicate():
+            await asyncio.sleep(0.001)
