@@ -269,9 +269,12 @@ class Engine:
             charge=self._charge,
         )
 
-    def _on_batch(self, key: Hashable, size: int, waits: Sequence[float]) -> None:
+    def _on_batch(
+        self, key: Hashable, size: int, waits: Sequence[float], tenants: Sequence[Hashable]
+    ) -> None:
         assert self.metrics is not None and isinstance(key, BatchKey)
         self.metrics.on_batch(key.task.value, size, waits, *self.labels(key.model))
+        self.metrics.on_tenant_waits(waits, tenants)
 
     async def aclose(self) -> None:
         """Let admitted work finish (up to ``drain_timeout_s``), then stop everything.

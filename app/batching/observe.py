@@ -21,5 +21,6 @@ class Trace:
     waits: list[list[int]] = field(default_factory=list)
 
 
-# Called once per dispatched batch with its key, its size and each item's queue wait (s).
-BatchObserver = Callable[[Hashable, int, Sequence[float]], None]
+# Called once per dispatched batch with its key, its size, and each item's queue wait (s)
+# and tenant (its ``Ticket``'s; None without one), in the same order.
+BatchObserver = Callable[[Hashable, int, Sequence[float], Sequence[Hashable]], None]

@@ -352,7 +352,7 @@ class Streamer(Generic[T, R]):
             if item.wait is not None:
                 item.wait[1] = time.time_ns()
         if self._on_batch is not None:
-            self._on_batch(batch[0].key, len(batch), waits)
+            self._on_batch(batch[0].key, len(batch), waits, [item.tenant for item in batch])
         self._in_flight += 1
         task = asyncio.create_task(self._execute(batch))
         run = _Run(task, len(batch))

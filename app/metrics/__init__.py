@@ -19,7 +19,7 @@ labels; ``labels`` turns a served id into them (the engine's registry knows).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,13 @@ class Metrics:
                 buckets=LATENCY_BUCKETS,
                 registry=r,
             )
+            self.tenant_queue_wait = Histogram(
+                "microbatch_tenant_queue_wait_seconds",
+                "Time an item waited for its batch, by its caller's tenant.",
+                ["tenant"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
             self.batch_size = Histogram(
                 "microbatch_batch_size",
                 "Images per model call, by task and model version.",
@@ -182,6 +189,13 @@ class Metrics:
         histogram = self.queue_wait.labels(task, model, version)
         for wait in waits:
             histogram.observe(wait)
+
+    def on_tenant_waits(self, waits: Sequence[float], tenants: Sequence[Hashable]) -> None:
+        """Each item's queue wait under its tenant (items of no tenant, the batch job's, are
+        not counted)."""
+        for wait, tenant in zip(waits, tenants, strict=True):
+            if tenant is not None:
+                self.tenant_queue_wait.labels(str(tenant)).observe(wait)
 
     def on_run(self, run: BatchRun, model: str = "", version: str = "") -> None:
         self.model_time.labels(run.task, model, version).observe(run.compute_s)

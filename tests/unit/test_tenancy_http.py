@@ -111,6 +111,8 @@ def test_over_quota_is_429_with_retry_after_and_ratelimit_on_every_prediction_ro
             metrics = (await client.get("/metrics")).text
             assert 'microbatch_tenant_refused_total{reason="over_quota",tenant="bulk"}' in metrics
             assert 'microbatch_rejected_total{reason="over_quota"}' in metrics
+            waited = 'microbatch_tenant_queue_wait_seconds_count{tenant="shop"} 1.0'
+            assert waited in metrics  # shop's one image, queued and run
             return over
 
     for response in asyncio.run(run()):
