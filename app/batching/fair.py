@@ -92,17 +92,14 @@ class FairQueue(Generic[Q]):
         if levels < 1:
             raise ValueError(f"levels must be >= 1, got {levels}")
         self._levels: list[_Level[Q]] = [_Level() for _ in range(levels + 1)]
-        self._size = 0
+        self.size = 0  # items queued (an attribute: read on every request)
 
     @property
     def delayed_level(self) -> int:
         return len(self._levels) - 1
 
     def __len__(self) -> int:
-        return self._size
-
-    def __bool__(self) -> bool:
-        return self._size > 0
+        return self.size
 
     def __iter__(self) -> Iterator[Q]:
         for level in self._levels:
@@ -119,7 +116,7 @@ class FairQueue(Generic[Q]):
             queue = level.queues[item.tenant] = deque()
         queue.append(item)
         level.size += 1
-        self._size += 1
+        self.size += 1
 
     def remove(self, item: Q) -> bool:
         """Take ``item`` out (a caller that left); False if it is not queued."""
@@ -132,7 +129,7 @@ class FairQueue(Generic[Q]):
         except ValueError:
             return False
         level.size -= 1
-        self._size -= 1
+        self.size -= 1
         if not queue:
             level.drop(item.tenant)
         return True
@@ -147,11 +144,15 @@ class FairQueue(Generic[Q]):
     def count_key(self, key: Hashable, limit: int) -> int:
         """Items of ``key`` queued, counted up to ``limit``."""
         count = 0
-        for item in self:
-            if item.key == key:
-                count += 1
-                if count >= limit:
-                    break
+        for level in self._levels:
+            if not level.size:
+                continue
+            for queue in level.queues.values():
+                for item in queue:
+                    if item.key == key:
+                        count += 1
+                        if count >= limit:
+                            return count
         return count
 
     def newest_below(self, level: int) -> Q | None:
@@ -183,6 +184,9 @@ class FairQueue(Generic[Q]):
         usable: Callable[[Q], bool],
         batch: list[Q],
     ) -> None:
+        if len(level.queues) == 1:
+            self._fill_alone(level, key, limit, usable, batch)
+            return
         left = sum(1 for queue in level.queues.values() for item in queue if item.key == key)
         while left and len(batch) < limit:
             tenant, queue = next(iter(level.queues.items()))
@@ -201,7 +205,7 @@ class FairQueue(Generic[Q]):
                     continue
                 left -= 1
                 level.size -= 1
-                self._size -= 1
+                self.size -= 1
                 if usable(item):
                     batch.append(item)
                     credit -= 1
@@ -215,6 +219,35 @@ class FairQueue(Generic[Q]):
             else:
                 level.deficit[tenant] = credit if more else 0.0
                 level.rotate(tenant)
+
+    def _fill_alone(
+        self,
+        level: _Level[Q],
+        key: Hashable,
+        limit: int,
+        usable: Callable[[Q], bool],
+        batch: list[Q],
+    ) -> None:
+        """One tenant at this level: its items in order, no turns (the common case, kept as
+        cheap as the plain FIFO this queue replaced)."""
+        tenant, queue = next(iter(level.queues.items()))
+        kept: deque[Q] | None = None
+        while queue and len(batch) < limit:
+            item = queue.popleft()
+            if item.key != key:
+                if kept is None:
+                    kept = deque()
+                kept.append(item)
+                continue
+            level.size -= 1
+            self.size -= 1
+            if usable(item):
+                batch.append(item)
+        if kept:
+            kept.extend(queue)
+            level.queues[tenant] = queue = kept
+        if not queue:
+            level.drop(tenant)
 
 
 def _newest(item: Queued) -> float:

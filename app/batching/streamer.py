@@ -114,6 +114,8 @@ class Streamer(Generic[T, R]):
         self._clock = clock
         self._on_batch = on_batch
         self.levels = tuple(levels)
+        self._bounds = tuple(policy.max_queue for policy in self.levels)  # read per request
+        self._waits = tuple(policy.timeout_s for policy in self.levels)
         self._queue: FairQueue[_Pending[T, R]] = FairQueue(len(self.levels))
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -159,7 +161,7 @@ class Streamer(Generic[T, R]):
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return self._queue.size
 
     @property
     def in_flight(self) -> int:
@@ -173,10 +175,11 @@ class Streamer(Generic[T, R]):
         takes work of a level while it holds work of a lower one (which gives way)."""
         if self._closing or self._dispatcher is None:
             raise NotReady("server is not accepting work")
-        bound = self.levels[level].max_queue
+        bound = self._bounds[level]
         if bound is not None and self._queue.count(level) >= bound:
             self._refuse(level, f"priority {level + 1}'s queue is full ({bound} waiting)")
-        if len(self._queue) >= self.max_queue_size and self._queue.newest_below(level) is None:
+        full = self._queue.size >= self.max_queue_size
+        if full and self._queue.newest_below(level) is None:
             self._refuse(level, f"queue is full ({self.max_queue_size} waiting)")
 
     def _refuse(self, level: int, why: str) -> None:
@@ -204,8 +207,8 @@ class Streamer(Generic[T, R]):
         the queue.
         """
         level = 0 if ticket is None else ticket.level
-        if not 0 <= level < len(self.levels):
-            raise ValueError(f"priority level {level} is not one of {len(self.levels)}")
+        if not 0 <= level < len(self._bounds):
+            raise ValueError(f"priority level {level} is not one of {len(self._bounds)}")
         self.check_admission(level)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
@@ -228,21 +231,23 @@ class Streamer(Generic[T, R]):
             if trace.link is not None:
                 item.wait = [time.time_ns(), 0]
                 trace.waits.append(item.wait)
-        if len(self._queue) >= self.max_queue_size:
+        if self._queue.size >= self.max_queue_size:
             self._give_way(level)
         self._queue.append(item)
         self._wake.set()
-        timers = []
+        timer = waits_timer = None
         if timeout is not None:
-            timers.append(loop.call_later(timeout, self._expire, item, timeout))
-        waits = self.levels[level].timeout_s
+            timer = loop.call_later(timeout, self._expire, item, timeout)
+        waits = self._waits[level]
         if waits is not None and (timeout is None or waits < timeout):
-            timers.append(loop.call_later(waits, self._queue_timeout, item, waits))
+            waits_timer = loop.call_later(waits, self._queue_timeout, item, waits)
         try:
             return await future
         finally:
-            for timer in timers:
+            if timer is not None:
                 timer.cancel()
+            if waits_timer is not None:
+                waits_timer.cancel()
             # A caller that gave up (deadline, disconnect, cancellation) leaves the queue now,
             # so its item is never computed. Once every caller of a dispatched batch has
             # gone, the batch is cancelled: a transport may still stop it (a broker drops
