@@ -56,7 +56,10 @@ ADMIN_KEY = "admin-secret"
 IMAGES = distinct_images(16, size=40)
 # A broker front end does not count its workers' model loads (only a pool's host hears of
 # each, app.workers.hosting): the load-failure counter never has a series there.
-IN_PROCESS_ONLY = frozenset({"microbatch_model_load_failures_total"})
+# Nor does it time its requests' queue wait per tenant (the workers batch, across front ends).
+IN_PROCESS_ONLY = frozenset(
+    {"microbatch_model_load_failures_total", "microbatch_tenant_queue_wait_seconds_bucket"}
+)
 
 
 def combinations(prometheus: PrometheusServer) -> list[dict[str, str]]:
