@@ -1,7 +1,7 @@
-"""``Tenancy``: the one place a request's key becomes a caller, and a caller's images are
-drawn from its tenant's quota. HTTP (``app.dependencies``), gRPC (``app.v2.grpc_service``) and
-the Predictor ask it; the keys file is re-read on SIGHUP (a file with an error keeps the
-keys that were in force, and says why)."""
+"""``Tenancy``: the one place a request's key becomes a caller, its priority a ``Ticket``, and
+its images are drawn from its tenant's quota. HTTP (``app.dependencies``), gRPC
+(``app.v2.grpc_service``) and the Predictor ask it; the keys file is re-read on SIGHUP (a file
+with an error keeps the keys that were in force, and says why)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ _SETTING_FOR = {Scope.INFER: "API_KEY", Scope.ADMIN: "ADMIN_API_KEY"}
 
 
 class Tenancy:
-    """Keys, scopes and quotas of one server process.
+    """Keys, scopes, quotas and priorities of one server process: ``caller`` (who asks,
+    and may they), ``ticket`` (where their work queues), ``charge`` (their quota).
 
-    >>> from app.tenancy.keys import key_hash
     >>> gate = Tenancy(Keyring.of_settings("s3cret", None))
     >>> gate.caller("Bearer s3cret", Scope.INFER).tenant
     'default'
