@@ -32,6 +32,7 @@ from app.exporters.precision import PrecisionRequest
 from app.images import preprocess
 from app.jobs import Task
 from app.manifest import Gate, read_manifest, split_served_id
+from app.tenancy import key_hash
 from app.workers.models import load_models
 from app.workers.runner import BatchRunner
 from tests.broker import RedisServer, Workers, broker_env
@@ -43,6 +44,28 @@ from tests.server import ServerProcess, alive, free_port
 NAME = "tagger"
 ADMIN_KEY = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# Tenants (docs/tenants.md) in every deployment: traffic comes from two tenants at two
+# priorities and a weight apart, pinned requests from one of them, probes without a key.
+# No quotas: every answer must still be its own result or a documented refusal.
+TENANT_KEYS = {"shop": "shop-secret", "bulk": "bulk-secret"}
+PRIORITY = {"shop": "1", "bulk": "2"}
+KEYS_FILE = f"""
+tenants:
+  shop: {{weight: 3}}
+  bulk: {{weight: 1}}
+keys:
+  - {{sha256: {key_hash(ADMIN_KEY)}, tenant: ops, scopes: [admin, metrics]}}
+  - {{sha256: {key_hash(TENANT_KEYS["shop"])}, tenant: shop, scopes: [infer], top_priority: 1}}
+  - {{sha256: {key_hash(TENANT_KEYS["bulk"])}, tenant: bulk, scopes: [infer]}}
+anonymous: {{tenant: public, scopes: [infer, metrics]}}
+"""
+
+
+def as_tenant(tenant: str) -> dict[str, str]:
+    """A tenant's key and priority, as its requests send them."""
+    return {"Authorization": f"Bearer {TENANT_KEYS[tenant]}", "X-Priority": PRIORITY[tenant]}
+
+
 IMAGES = distinct_images(3)
 Mode = Literal["inprocess", "broker"]
 Outcome = Literal["fp32", "bf16", "int8"]
@@ -199,7 +222,7 @@ class Config:
             "MB_DTYPE": "auto",
             "MB_WORKER_NUM": str(self.workers),
             "MB_WORKER_THREADS": "1",
-            "ADMIN_API_KEY": ADMIN_KEY,
+            "MB_PRIORITY_LEVELS": "2",
             "MB_STATE_DIR": str(state_dir),
             "MB_TEST_FASTEST_DTYPE": "bfloat16" if self.outcome == "bf16" else "float32",
             "LOG_LEVEL": "info",
@@ -220,7 +243,14 @@ class Deployment:
         self.config = config
         self.root = root
         self.grpc_port = free_port()
-        self.env = {**config.env(scratch / "state"), "MB_GRPC_PORT": str(self.grpc_port)}
+        keys = scratch / "keys.yaml"
+        keys.parent.mkdir(parents=True, exist_ok=True)
+        keys.write_text(KEYS_FILE)
+        self.env = {
+            **config.env(scratch / "state"),
+            "MB_GRPC_PORT": str(self.grpc_port),
+            "MB_KEYS_FILE": str(keys),
+        }
         self.seen_pids: set[int] = set()
         self._stack = contextlib.ExitStack()
         self.server: ServerProcess | None = None
@@ -363,10 +393,17 @@ def _answer(protocol: str, response: httpx.Response, image: int) -> Answer:
 
 
 def http_embedding(
-    http: httpx.Client, image: int, *, model: str | None = NAME, pin: str | None = None
+    http: httpx.Client,
+    image: int,
+    *,
+    model: str | None = NAME,
+    pin: str | None = None,
+    tenant: str | None = None,
 ) -> Answer:
     params = {"model": model} if model else {}
     headers = {"X-Model-Id": pin} if pin else {}
+    if tenant is not None:
+        headers |= as_tenant(tenant)
     files = {"image": ("x.png", IMAGES[image])}
     response = http.post("/predict/embedding", params=params, files=files, headers=headers)
     answer = _answer("embedding" + (" pinned" if pin else ""), response, image)
@@ -464,7 +501,8 @@ def _triton(module: Any, protocol: str, url: str, image: int) -> Answer:
 
 class Traffic:
     """``clients`` threads sending ``/predict/embedding`` for ``NAME`` without pause while a
-    step runs; every answer is kept, with when it was sent and received."""
+    step runs, as the tenants ``bulk`` and ``shop`` in turn (each at its priority); every
+    answer is kept, with when it was sent and received."""
 
     def __init__(self, base_url: str, clients: int = 3) -> None:
         self.base_url = base_url
@@ -475,13 +513,14 @@ class Traffic:
         self._lock = threading.Lock()
 
     def _run(self, offset: int) -> None:
+        tenant = sorted(TENANT_KEYS)[offset % len(TENANT_KEYS)]  # bulk, shop, bulk...
         with httpx.Client(base_url=self.base_url, timeout=60) as http:
             sent = offset
             while not self._stop.is_set():
                 image = sent % len(IMAGES)
                 started = time.monotonic()
                 try:
-                    answer = http_embedding(http, image)
+                    answer = http_embedding(http, image, tenant=tenant)
                 except httpx.TransportError as exc:
                     answer = Answer("embedding", 0, image=image, message=repr(exc))
                 with self._lock:

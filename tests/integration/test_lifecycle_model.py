@@ -378,7 +378,7 @@ class Lifecycle(RuleBasedStateMachine):
         ]
 
     def _check_pins(self, want: str) -> None:
-        pinned = http_embedding(self.http, 0, pin=want)
+        pinned = http_embedding(self.http, 0, pin=want, tenant="shop")  # a tenant's pin
         assert pinned.status == 200 and pinned.served_id == want, (pinned, self.log)
         bare, suffix = split_served_id(want)
         if suffix != "float32":  # the export's id without its precision: not what serves
