@@ -24,7 +24,7 @@ With one level and one tenant it is the plain FIFO it replaces, at the same cost
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -162,6 +162,44 @@ class FairQueue(Generic[Q]):
             lower = self._levels[index]
             if lower.size:
                 return max((queue[-1] for queue in lower.queues.values()), key=_newest)
+        return None
+
+    def heaviest(self, level: int, tenant: Hashable, weight: float = 1.0) -> Q | None:
+        """The newest item of the tenant holding the most at ``level`` for its weight, if
+        that is more than ``tenant`` would hold with one more: the one to refuse so that
+        ``tenant``'s is queued (a full level is shared out, not first come first served)."""
+        queues = self._levels[level].queues
+        if not queues:
+            return None
+        name, queue = max(queues.items(), key=lambda pair: len(pair[1]) / pair[1][0].weight)
+        own = len(queues.get(tenant, ()))
+        if name != tenant and len(queue) / queue[0].weight > (own + 1) / weight:
+            return queue[-1]
+        return None
+
+    def holds_most(self, level: int, tenant: Hashable) -> bool:
+        """Whether ``tenant`` holds at least as much as any other at ``level``, beside
+        another tenant (a full level is then its excess, not the server's limit)."""
+        queues = self._levels[level].queues
+        own = len(queues.get(tenant, ()))
+        others = [len(queue) for name, queue in queues.items() if name != tenant]
+        return bool(others) and own >= max(others)
+
+    def room_for(
+        self, ticket: Ticket, bounds: Sequence[int | None], max_size: int
+    ) -> tuple[Q | None, str] | None:
+        """Whether work of ``ticket`` fits: None when there is room; else why not, with the
+        item that gives way for it (None: none does, it is refused). At its level's bound
+        (``bounds``), the newest of the tenant holding the most at that level for its weight;
+        at the whole queue's (``max_size``), the newest of a lower level, else that one."""
+        level, tenant, weight = ticket.level, ticket.tenant, ticket.weight
+        bound = bounds[level]
+        if bound is not None and self.count(level) >= bound:
+            why = f"priority {level + 1}'s queue is full ({bound} waiting)"
+            return self.heaviest(level, tenant, weight), why
+        if self.size >= max_size:
+            why = f"queue is full ({max_size} waiting)"
+            return self.newest_below(level) or self.heaviest(level, tenant, weight), why
         return None
 
     def take(self, key: Hashable, limit: int, usable: Callable[[Q], bool]) -> list[Q]:

@@ -44,6 +44,8 @@ R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
+NO_TICKET = Ticket()  # the server's own work (the batch job): the highest level, no tenant
+
 
 @dataclass(eq=False, slots=True)
 class _Pending(Generic[T, R]):
@@ -167,25 +169,25 @@ class Streamer(Generic[T, R]):
     def in_flight(self) -> int:
         return self._in_flight
 
-    def check_admission(self, level: int = 0) -> None:
-        """Raise now if ``submit`` at priority ``level`` would refuse: lets callers skip
-        costly preparation (decoding an upload) when the answer is already known.
-        ``NotReady`` while closing; at a bound, ``QueueFull`` (503) for the highest level,
-        whom nobody may displace, and ``Shed`` (429) for a lower one. A full queue still
-        takes work of a level while it holds work of a lower one (which gives way)."""
+    def check_admission(self, ticket: Ticket | None = None) -> None:
+        """Raise now if ``submit`` with ``ticket`` would refuse: lets callers skip costly
+        preparation (decoding an upload) when the answer is already known. ``NotReady``
+        while closing. At a bound, someone gives way: the newest work of a lower level, else
+        of the tenant holding the most at this level for its weight (a full level is shared
+        out, and a noisy tenant cannot keep a quiet one out). If none does: ``Shed`` (429)
+        for a lower level or the tenant holding the most, else ``QueueFull`` (503)."""
         if self._closing or self._dispatcher is None:
             raise NotReady("server is not accepting work")
-        bound = self._bounds[level]
-        if bound is not None and self._queue.count(level) >= bound:
-            self._refuse(level, f"priority {level + 1}'s queue is full ({bound} waiting)")
-        full = self._queue.size >= self.max_queue_size
-        if full and self._queue.newest_below(level) is None:
-            self._refuse(level, f"queue is full ({self.max_queue_size} waiting)")
-
-    def _refuse(self, level: int, why: str) -> None:
-        if level == 0:
-            raise QueueFull(why, retry_after_s=self.retry_after_s())
-        raise Shed(f"{why}; higher priorities come first", retry_after_s=self.retry_after_s())
+        ticket = ticket or NO_TICKET
+        full = self._queue.room_for(ticket, self._bounds, self.max_queue_size)
+        if full is not None and full[0] is None:
+            if self._queue.holds_most(ticket.level, ticket.tenant):
+                why = f"{full[1]}; its tenant holds the most"
+            elif ticket.level > 0:
+                why = f"{full[1]}; higher priorities come first"
+            else:  # the server is full, whoever asks
+                raise QueueFull(full[1], retry_after_s=self.retry_after_s())
+            raise Shed(why, retry_after_s=self.retry_after_s())
 
     async def submit(
         self,
@@ -209,7 +211,7 @@ class Streamer(Generic[T, R]):
         level = 0 if ticket is None else ticket.level
         if not 0 <= level < len(self._bounds):
             raise ValueError(f"priority level {level} is not one of {len(self._bounds)}")
-        self.check_admission(level)
+        self.check_admission(ticket)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         now = self._clock()
         loop = asyncio.get_running_loop()
@@ -231,8 +233,7 @@ class Streamer(Generic[T, R]):
             if trace.link is not None:
                 item.wait = [time.time_ns(), 0]
                 trace.waits.append(item.wait)
-        if self._queue.size >= self.max_queue_size:
-            self._give_way(level)
+        self._make_room(item, ticket or NO_TICKET)
         self._queue.append(item)
         self._wake.set()
         timer = waits_timer = None
@@ -280,14 +281,18 @@ class Streamer(Generic[T, R]):
         why = f"priority {item.level + 1} waits at most {waited:g} s in the queue"
         fail(item, Shed(why, retry_after_s=self.retry_after_s()))
 
-    def _give_way(self, level: int) -> None:
-        """The queue is full: the newest item of the lowest level below ``level`` is
-        refused, to make room (``check_admission`` made sure there is one)."""
-        lower = self._queue.newest_below(level)
-        assert lower is not None, "admitted into a full queue with nothing to displace"
-        self._queue.remove(lower)
-        why = f"queue is full ({self.max_queue_size} waiting); higher priorities come first"
-        fail(lower, Shed(why, retry_after_s=self.retry_after_s()))
+    def _make_room(self, item: _Pending[T, R], ticket: Ticket) -> None:
+        """At a full level or a full queue, refuse the one that gives way
+        (``check_admission`` made sure there is one)."""
+        full = self._queue.room_for(ticket, self._bounds, self.max_queue_size)
+        if full is None:
+            return
+        heavy, why = full
+        assert heavy is not None, "admitted into a full queue with nothing to displace"
+        self._queue.remove(heavy)
+        lower = heavy.level > item.level
+        own = "higher priorities come first" if lower else "its tenant holds the most"
+        fail(heavy, Shed(f"{why}; {own}", retry_after_s=self.retry_after_s()))
 
     def retry_after_s(self) -> float:
         """Seconds until the current queue is likely drained (at least 1)."""

@@ -124,7 +124,7 @@ class Predictor:
         ticket: Ticket | None = None,
     ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
-        self._streamer.check_admission(0 if ticket is None else ticket.level)
+        self._streamer.check_admission(ticket)
         image: Image = data
         encoded = not self._plan.server_decodes and isinstance(data, bytes)
         if isinstance(data, bytes) and not encoded:

@@ -230,3 +230,44 @@ def test_a_priority_outside_the_levels_is_a_bug_not_a_request_error() -> None:
                 await s.submit("x", ticket=ticket("t", 3))
 
     asyncio.run(run())
+
+
+def test_a_full_level_is_shared_out_the_tenant_holding_most_gives_way() -> None:
+    queue = queue_of(("bulk", 3, 1.0, 0), ("shop", 1, 1.0, 0))
+    heavy = queue.heaviest(0, "shop")
+    assert heavy is not None and heavy.name == "bulk2"  # bulk 3 > shop's 1 + 1
+    assert queue.heaviest(0, "bulk") is None  # the heaviest itself gives way to nobody
+    even = queue_of(("bulk", 2, 1.0, 0), ("shop", 1, 1.0, 0))
+    assert even.heaviest(0, "shop") is None  # 2 is not more than shop's 1 + 1
+    weighted = queue_of(("bulk", 3, 3.0, 0), ("shop", 1, 1.0, 0))
+    assert weighted.heaviest(0, "shop") is None  # 3 for a weight of 3 is its share
+
+
+def test_a_noisy_tenant_at_a_full_level_cannot_keep_a_quiet_one_out() -> None:
+    levels = (LevelPolicy(max_queue=3),)
+
+    async def run() -> tuple[list[Any], FakeModel]:
+        model = FakeModel(gated=True)
+        async with Streamer[Any, Any](
+            model, max_batch_size=8, max_latency_s=10, levels=levels
+        ) as streamer:
+            blocker = await busy(streamer, model)
+            noisy = [
+                asyncio.create_task(streamer.submit(f"bulk{i}", ticket=ticket("bulk")))
+                for i in range(3)
+            ]
+            await wait_until(lambda: streamer.queue_depth == 3)
+            with pytest.raises(QueueFull):  # one tenant alone: the server is full
+                await streamer.submit("bulk3", ticket=ticket("bulk"))
+            quiet = asyncio.create_task(streamer.submit("shop0", ticket=ticket("shop")))
+            await wait_until(lambda: noisy[2].done())
+            with pytest.raises(Shed, match="its tenant holds the most"):  # bulk's excess now
+                await streamer.submit("bulk4", ticket=ticket("bulk"))
+            model.release.set()
+            results = await asyncio.gather(blocker, *noisy, quiet, return_exceptions=True)
+            return list(results), model
+
+    results, model = asyncio.run(run())
+    assert isinstance(results[3], Shed) and "its tenant holds the most" in results[3].message
+    assert results[4] == ("default", "shop0")
+    assert model.batches[1][1] == ["bulk0", "shop0", "bulk1"]

@@ -28,7 +28,7 @@ class FakeStreamer:
     def __init__(self) -> None:
         self.submitted: list[tuple[ImageJob, Any]] = []
 
-    def check_admission(self, level: int = 0) -> None:
+    def check_admission(self, ticket: object = None) -> None:
         pass
 
     async def submit(self, job: ImageJob, *, key: Any, **_: Any) -> object:
