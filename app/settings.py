@@ -43,6 +43,9 @@ class PriorityLevel(BaseModel):
     max_queue: int | None = Field(None, ge=1, description="most items waiting at this level")
     timeout_s: float | None = Field(None, gt=0, description="longest wait in the queue")
     on_timeout: Literal["reject", "delay"] = Field("reject", description="then: 429, or last")
+    max_batch: int | None = Field(
+        None, ge=1, description="its work joins a batch only while it holds fewer images"
+    )
 
 
 class Settings(BaseSettings, TestHooks):

@@ -43,11 +43,14 @@ class Ticket:
 class LevelPolicy:
     """A priority level's queue, in Triton's terms: at most ``max_queue`` items (None: the
     Streamer's whole bound), each waiting at most ``timeout_s`` (None: its request's own
-    deadline), then refused (``reject``) or run after everything else (``delay``)."""
+    deadline), then refused (``reject``) or run after everything else (``delay``). Its work
+    joins a batch only while the batch holds fewer than ``max_batch`` (None: any size): a
+    lower level's short batches keep the wait of higher work short, at some throughput."""
 
     max_queue: int | None = None
     timeout_s: float | None = None
     on_timeout: Literal["reject", "delay"] = "reject"
+    max_batch: int | None = None
 
 
 class Queued(Protocol):
@@ -202,16 +205,25 @@ class FairQueue(Generic[Q]):
             return self.newest_below(level) or self.heaviest(level, tenant, weight), why
         return None
 
-    def take(self, key: Hashable, limit: int, usable: Callable[[Q], bool]) -> list[Q]:
-        """Up to ``limit`` items of ``key``, highest level first, tenants in turn. Each is
-        taken out; ``usable`` says whether it still goes in the batch (False: dropped, for
-        a caller gone or a deadline passed, which ``usable`` answers itself)."""
+    def take(
+        self,
+        key: Hashable,
+        limit: int,
+        usable: Callable[[Q], bool],
+        level_limits: Sequence[int | None] = (),
+    ) -> list[Q]:
+        """Up to ``limit`` items of ``key``, highest level first, tenants in turn; a level
+        adds items only while the batch holds fewer than its own ``level_limits`` (its
+        ``max_batch``: a batch with its work in it stays short, so the next higher work
+        waits less for it). Each is taken out; ``usable`` says whether it still goes in the
+        batch (False: dropped, for a caller gone or a deadline passed, which ``usable``
+        answers itself)."""
         batch: list[Q] = []
-        for level in self._levels:
-            if len(batch) >= limit:
-                break
-            if level.size:
-                self._fill(level, key, limit, usable, batch)
+        for index, level in enumerate(self._levels):
+            own = level_limits[min(index, len(level_limits) - 1)] if level_limits else None
+            bound = limit if own is None else min(limit, own)
+            if level.size and len(batch) < bound:
+                self._fill(level, key, bound, usable, batch)
         return batch
 
     def _fill(

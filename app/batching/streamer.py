@@ -118,6 +118,7 @@ class Streamer(Generic[T, R]):
         self.levels = tuple(levels)
         self._bounds = tuple(policy.max_queue for policy in self.levels)  # read per request
         self._waits = tuple(policy.timeout_s for policy in self.levels)
+        self._batch_limits = tuple(policy.max_batch for policy in self.levels)
         self._queue: FairQueue[_Pending[T, R]] = FairQueue(len(self.levels))
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -349,7 +350,7 @@ class Streamer(Generic[T, R]):
                 return False
             return True
 
-        return self._queue.take(key, self.batch_size(key), usable)
+        return self._queue.take(key, self.batch_size(key), usable, self._batch_limits)
 
     def _launch(self, batch: list[_Pending[T, R]]) -> None:
         if not batch:

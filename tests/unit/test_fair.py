@@ -271,3 +271,13 @@ def test_a_noisy_tenant_at_a_full_level_cannot_keep_a_quiet_one_out() -> None:
     assert isinstance(results[3], Shed) and "its tenant holds the most" in results[3].message
     assert results[4] == ("default", "shop0")
     assert model.batches[1][1] == ["bulk0", "shop0", "bulk1"]
+
+
+def test_a_levels_max_batch_keeps_batches_with_its_work_short() -> None:
+    queue = queue_of(("shop", 2, 1.0, 0), ("bulk", 10, 1.0, 1), levels=2)
+    limits = (None, 3)
+    first = queue.take("k", 8, always, limits)
+    assert [item.name for item in first] == ["shop0", "shop1", "bulk0"]  # bulk joins below 3
+    assert [item.name for item in queue.take("k", 8, always, limits)] == ["bulk1", "bulk2", "bulk3"]
+    queue.append(Item("shop", 0, name="shop2"))
+    assert len(queue.take("k", 8, always, limits)) == 3  # shop2, then bulk up to 3

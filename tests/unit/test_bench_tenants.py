@@ -1,0 +1,34 @@
+"""bench/tenants.py's pieces that need no server: the keys file it serves with, the headers
+each stream sends, and how it reads a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.tenancy import Keyring, Scope, Tenancy
+from bench.tenants import KEYS, Stream, keys_file, stream
+
+
+def test_its_keys_file_is_one_the_server_takes(tmp_path: Path) -> None:
+    gate = Tenancy(Keyring.read(keys_file(tmp_path, capacity=200.0)), levels=2)
+    assert gate.keyring.tenant("A").rate == pytest.approx(100.0)
+    assert gate.keyring.tenant("B").rate == pytest.approx(40.0)
+    ticket = gate.ticket(gate.caller(f"Bearer {KEYS['L']}", Scope.INFER), "1")
+    assert ticket.level == 1  # L may not raise itself to priority 1
+    assert gate.ticket(gate.caller(f"Bearer {KEYS['H']}", Scope.INFER), "1").level == 0
+
+
+def test_a_stream_sends_its_key_and_priority_only_with_the_features_on() -> None:
+    on = dict(stream("H", 10.0, on=True, priority="1").headers)
+    off = dict(stream("H", 10.0, on=False, priority="1").headers)
+    assert on["Authorization"] == f"Bearer {KEYS['H']}" and on["X-Priority"] == "1"
+    assert set(off) == {"X-Request-Timeout"}
+
+
+def test_a_streams_p99_and_refusals() -> None:
+    run = Stream("B", 1.0, ())
+    run.latencies_s = [0.001 * i for i in range(1, 101)]
+    run.statuses.update({200: 100, 429: 2, 0: 1})
+    assert run.p99_ms() == pytest.approx(100.0) and run.refused == 3
