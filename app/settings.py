@@ -235,7 +235,8 @@ class Settings(BaseSettings, TestHooks):
         description=(
             "Priority levels, 1 the highest: their count (3), or each one's queue policy as "
             'JSON: [{}, {"max_queue": 256}, {"max_queue": 64, "timeout_s": 2, "on_timeout": '
-            '"reject"}] (reject: 429; delay: run after everything else). Lower levels fill '
+            '"reject", "max_batch": 8}] (reject: 429; delay: run after everything else; '
+            "max_batch: its work joins only batches smaller than that). Lower levels fill "
             "what a batch has left, and are refused (429) before higher ones wait."
         ),
     )

@@ -137,7 +137,10 @@ async def open_loop(port: int, jpegs: list[bytes], streams: list[Stream], second
 def keys_file(folder: Path, capacity: float) -> Path:
     """A's quota 0.5 C, B's 0.2 C, both at priority 1; H may ask priority 1, L has 2."""
     document = {  # the default burst: a second of each rate
-        "tenants": {"A": {"rate": 0.5 * capacity}, "B": {"rate": 0.2 * capacity}},
+        "tenants": {
+            "A": {"rate": 0.5 * capacity, "burst": max(1.0, 0.05 * capacity)},
+            "B": {"rate": 0.2 * capacity},
+        },
         "keys": [
             {"sha256": key_hash(KEYS["A"]), "tenant": "A", "scopes": ["infer"], "priority": 1},
             {"sha256": key_hash(KEYS["B"]), "tenant": "B", "scopes": ["infer"], "priority": 1},

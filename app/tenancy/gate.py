@@ -14,8 +14,8 @@ from pydantic import SecretStr
 
 from app.batching import Ticket
 from app.errors import Forbidden, InvalidParameter, QuotaExceeded, SettingsError, Unauthorized
-from app.tenancy.keys import Caller, Keyring, Scope, bearer_token
-from app.tenancy.quota import LocalBuckets, RedisBuckets
+from app.tenancy.keys import Caller, Keyring, Scope, Tenant, bearer_token
+from app.tenancy.quota import LocalBuckets, RedisBuckets, Verdict
 
 if TYPE_CHECKING:
     from app.metrics import Metrics
@@ -154,6 +154,19 @@ class Tenancy:
             f"Bearer <{self.key_name(scope)}>"
         )
 
+    def precheck(self, caller: Caller) -> None:
+        """``QuotaExceeded`` at once when the caller's tenant could not have even one image
+        now: a request over its quota is refused before its upload is read, so a tenant
+        far over its share costs the server little (in-process; broker mode's buckets are
+        in Redis, and ``charge`` decides alone)."""
+        share = self.keyring.tenant(caller.tenant)
+        if share.rate is None or not isinstance(self._buckets, LocalBuckets):
+            return
+        verdict = self._buckets.peek(share)
+        if not verdict.allowed:
+            self._count(caller.tenant, 1, False)
+            raise self._over(share, verdict)
+
     async def charge(self, ticket: Ticket, images: int) -> None:
         """Draw ``images`` from the ticket's tenant's quota: ``QuotaExceeded`` (429) when
         its bucket lacks them; ``InvalidParameter`` (422) for a request larger than the
@@ -171,12 +184,16 @@ class Tenancy:
         verdict = await self._buckets.draw(share, images)
         self._count(tenant, images, verdict.allowed)
         if not verdict.allowed:
-            raise QuotaExceeded(
-                f"tenant {tenant} is over its quota of {share.rate:g} images/s "
-                f"(burst {int(share.burst)})",
-                retry_after_s=verdict.retry_after_s,
-                headers=verdict.headers(share),
-            )
+            raise self._over(share, verdict)
+
+    @staticmethod
+    def _over(share: Tenant, verdict: Verdict) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"tenant {share.name} is over its quota of {share.rate:g} images/s "
+            f"(burst {int(share.burst)})",
+            retry_after_s=verdict.retry_after_s,
+            headers=verdict.headers(share),
+        )
 
     def _count(self, tenant: str, images: int, allowed: bool) -> None:
         if self._metrics is not None:
