@@ -124,9 +124,7 @@ class Requires(HTTPBearer):
     async def __call__(self, request: HTTPConnection) -> HTTPAuthorizationCredentials | None:
         tenancy: Tenancy = request.app.state.tenancy
         sent = header(request, "authorization")
-        request.state.caller = caller = tenancy.caller(sent, self.scope)
-        if self.scope is Scope.INFER:  # a tenant over its quota: 429 before the upload is read
-            tenancy.precheck(caller)
+        request.state.caller = tenancy.caller(sent, self.scope)
         if sent is None:
             return None
         return HTTPAuthorizationCredentials(scheme="Bearer", credentials=bearer_token(sent) or "")

@@ -154,19 +154,6 @@ class Tenancy:
             f"Bearer <{self.key_name(scope)}>"
         )
 
-    def precheck(self, caller: Caller) -> None:
-        """``QuotaExceeded`` at once when the caller's tenant could not have even one image
-        now: a request over its quota is refused before its upload is read, so a tenant
-        far over its share costs the server little (in-process; broker mode's buckets are
-        in Redis, and ``charge`` decides alone)."""
-        share = self.keyring.tenant(caller.tenant)
-        if share.rate is None or not isinstance(self._buckets, LocalBuckets):
-            return
-        verdict = self._buckets.peek(share)
-        if not verdict.allowed:
-            self._count(caller.tenant, 1, False)
-            raise self._over(share, verdict)
-
     async def charge(self, ticket: Ticket, images: int) -> None:
         """Draw ``images`` from the ticket's tenant's quota: ``QuotaExceeded`` (429) when
         its bucket lacks them; ``InvalidParameter`` (422) for a request larger than the

@@ -80,15 +80,6 @@ class LocalBuckets:
         """``take``, as ``RedisBuckets.draw`` is called."""
         return self.take(share, cost)
 
-    def peek(self, share: Tenant) -> Verdict:
-        """Whether one image would be taken now, taking nothing."""
-        assert share.rate is not None
-        now = self._clock()
-        tokens, at = self._state.get(share.name, (share.burst, now))
-        tokens = min(share.burst, tokens + max(0.0, now - at) * share.rate)
-        allowed = tokens >= 1
-        return Verdict(allowed, tokens, 0.0 if allowed else (1 - tokens) / share.rate)
-
 
 # KEYS[1]: the tenant's bucket; ARGV: rate, burst, cost. Redis's clock, so every front end
 # agrees; floats travel as strings (Lua numbers come back as truncated integers).

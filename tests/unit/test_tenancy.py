@@ -302,12 +302,3 @@ def test_a_key_priority_beyond_the_levels_is_refused_at_start_and_on_reload(
     gate = Tenancy(Keyring.read(path), path, levels=2)
     path.write_text(KEYS_YAML.replace("priority: 2", "priority: 3"))
     assert not gate.reload()
-
-
-def test_a_peek_takes_nothing() -> None:
-    buckets = LocalBuckets(clock=lambda: 0.0)
-    share = Tenant("t", rate=1.0, burst=2.0)
-    assert buckets.peek(share).allowed and buckets.peek(share).remaining == 2.0
-    buckets.take(share, 2)
-    empty = buckets.peek(share)
-    assert not empty.allowed and empty.retry_after_s == pytest.approx(1.0)
