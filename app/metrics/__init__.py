@@ -218,13 +218,6 @@ class Metrics:
             if tenant is not None:
                 self.tenant_refused.labels(tenant, reason).inc()
 
-    def on_tenants(self, tenants: Sequence[str]) -> None:
-        """The tenants of the keys in force: each one's series start at 0."""
-        for tenant in tenants:
-            for outcome in ("admitted", "over_quota"):
-                self.tenant_requests.labels(tenant, outcome)
-                self.tenant_images.labels(tenant, outcome)
-
     def on_tenant_images(self, tenant: str, images: int, allowed: bool) -> None:
         """A request of ``tenant`` drew ``images`` from its quota (or had none)."""
         outcome = "admitted" if allowed else "over_quota"

@@ -57,8 +57,6 @@ class Tenancy:
         self._path = path
         self._buckets = buckets or LocalBuckets()
         self._metrics = metrics
-        if metrics is not None:
-            metrics.on_tenants(keyring.tenants)
 
     @classmethod
     def of_settings(
@@ -197,8 +195,6 @@ class Tenancy:
             log.error("keys not reloaded, the previous keys stay in force: %s", exc)
             return False
         self.keyring = keyring
-        if self._metrics is not None:
-            self._metrics.on_tenants(keyring.tenants)
         log.info("keys reloaded from %s: tenants %s", self._path, ", ".join(keyring.tenants))
         return True
 

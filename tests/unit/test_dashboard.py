@@ -70,7 +70,6 @@ def _exported(remote_workers: bool) -> dict[str, set[str]]:
     metrics.on_request("/predict/tag", 200, 0.01, "tiny", "1", inference=True)
     for error in (QueueFull, InvalidImage, ClientDisconnected, BrokerUnavailable):
         metrics.on_error(error)
-    metrics.on_tenants(["shop"])
     metrics.on_tenant_images("shop", 2, True)
     metrics.on_error(QueueFull, "shop")
     metrics.on_load("tiny", 2, 1.0, None)
