@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import uvloop
@@ -189,6 +190,19 @@ def run(port: int, jpegs: list[bytes], streams: list[Stream], seconds: float) ->
     return streams
 
 
+def runs(
+    port: int,
+    jpegs: list[bytes],
+    capacity: float,
+    seconds: float,
+    on: bool,
+    *spec: tuple[str, float, str | None],
+) -> list[Stream]:
+    """One open-loop run of (tenant, share of C, priority) streams."""
+    streams = [stream(name, share * capacity, on=on, priority=p) for name, share, p in spec]
+    return run(port, jpegs, streams, seconds)
+
+
 def row(label: str, item: Stream) -> None:
     codes = ", ".join(f"{status}: {count}" for status, count in sorted(item.statuses.items()))
     lag = 1000 * sorted(item.lags_s)[int(0.99 * (len(item.lags_s) - 1))] if item.lags_s else 0
@@ -225,41 +239,13 @@ def measure(store: Path, mode: str, seconds: float = SECONDS) -> list[dict[str, 
         for features, settings in (("off", {}), ("on", on)):
             flag = features == "on"
             with server(mode, store, settings) as running:
-                port = running.port
-                alone_b = run(port, jpegs, [stream("B", 0.1 * capacity, on=flag)], seconds)[0]
-                noisy = run(
-                    port,
-                    jpegs,
-                    [stream("A", 1.0 * capacity, on=flag), stream("B", 0.1 * capacity, on=flag)],
-                    seconds,
-                )
-                shared_b = run(
-                    port,
-                    jpegs,
-                    [stream("A", 0.5 * capacity, on=flag), stream("B", 0.1 * capacity, on=flag)],
-                    seconds,
-                )[1]
-                alone_h = run(
-                    port, jpegs, [stream("H", 0.3 * capacity, on=flag, priority="1")], seconds
-                )[0]
-                shared_h = run(
-                    port,
-                    jpegs,
-                    [
-                        stream("H", 0.3 * capacity, on=flag, priority="1"),
-                        stream("L", 0.4 * capacity, on=flag, priority="2"),
-                    ],
-                    seconds,
-                )[0]
-                mixed = run(
-                    port,
-                    jpegs,
-                    [
-                        stream("H", 0.3 * capacity, on=flag, priority="1"),
-                        stream("L", 1.7 * capacity, on=flag, priority="2"),
-                    ],
-                    seconds,
-                )
+                go = partial(runs, running.port, jpegs, capacity, seconds, flag)
+                (alone_b,) = go(("B", 0.1, None))
+                noisy = go(("A", 1.0, None), ("B", 0.1, None))
+                shared_b = go(("A", 0.5, None), ("B", 0.1, None))[1]
+                (alone_h,) = go(("H", 0.3, "1"))
+                shared_h = go(("H", 0.3, "1"), ("L", 0.4, "2"))[0]
+                mixed = go(("H", 0.3, "1"), ("L", 1.7, "2"))
             print(f"{mode}, features {features}:", flush=True)
             row("noisy neighbour: B alone", alone_b)
             row("reference: B beside A at its quota", shared_b)

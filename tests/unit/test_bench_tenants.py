@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.tenancy import Keyring, Scope, Tenancy
+from bench import tenants
 from bench.tenants import KEYS, Stream, keys_file, stream
 
 
@@ -32,3 +33,18 @@ def test_a_streams_p99_and_refusals() -> None:
     run.latencies_s = [0.001 * i for i in range(1, 101)]
     run.statuses.update({200: 100, 429: 2, 0: 1})
     assert run.p99_ms() == pytest.approx(100.0) and run.refused == 3
+
+
+def test_a_run_sends_each_tenant_its_share_of_the_capacity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[Stream] = []
+
+    def run(port: int, jpegs: list[bytes], streams: list[Stream], seconds: float) -> list[Stream]:
+        sent.extend(streams)
+        return streams
+
+    monkeypatch.setattr(tenants, "run", run)
+    got = tenants.runs(8000, [b"x"], 200.0, 1.0, True, ("H", 0.3, "1"), ("L", 1.7, "2"))
+    assert [(s.name, s.rate) for s in got] == [("H", pytest.approx(60.0)), ("L", 340.0)]
+    assert dict(sent[1].headers)["X-Priority"] == "2"
