@@ -740,3 +740,41 @@ def test_a_grpc_port_that_cannot_work_is_refused(
     output = result.stdout + result.stderr
     assert result.returncode != 0, f"{sets} was accepted:\n{output}"
     assert message in output, output
+
+
+@pytest.mark.parametrize("profile", ["cpu-single", "cpu-broker"])
+def test_a_keys_secret_is_mounted_as_the_keys_file_of_every_front(profile: str) -> None:
+    """auth.keysSecret (docs/tenants.md): the Secret's keys.yaml, read-only, named by
+    MB_KEYS_FILE in the server and the front ends; the workers check no keys."""
+    docs = render(profile, sets=("auth.keysSecret=mb-keys",))
+    fronts = 0
+    for workload in m.workloads(docs):
+        if m.component(workload) not in ("server", "frontend", "worker"):
+            continue
+        volumes = {v["name"]: v for v in m.pod_spec(workload).get("volumes") or []}
+        assert volumes["keys"]["secret"]["secretName"] == "mb-keys"
+        assert volumes["keys"]["secret"]["items"] == [{"key": "keys.yaml", "path": "keys.yaml"}]
+        for container in m.containers(workload):
+            names = m.env_names(container)
+            assert "API_KEY" not in names and "ADMIN_API_KEY" not in names
+            if m.component(workload) == "worker":
+                assert "MB_KEYS_FILE" not in names
+                continue
+            fronts += 1
+            path = m.env_value(container, "MB_KEYS_FILE")
+            assert path == "/etc/microbatch/keys/keys.yaml"
+            mounts = {v["name"]: v for v in container.get("volumeMounts") or []}
+            assert mounts["keys"] == {
+                "name": "keys",
+                "mountPath": "/etc/microbatch/keys",
+                "readOnly": True,
+            }
+    assert fronts, f"{profile}: no server or front end got the keys file"
+
+
+def test_a_keys_secret_beside_an_api_key_is_refused(chart: Path) -> None:
+    sets = ("auth.keysSecret=mb-keys", "auth.apiKey=secret")
+    result = run_helm("template", RELEASE, str(chart), *(a for s in sets for a in ("--set", s)))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "auth.keysSecret replaces auth.apiKey" in output

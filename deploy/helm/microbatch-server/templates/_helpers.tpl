@@ -244,6 +244,15 @@ the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
     secretName: {{ .Values.redis.external.tlsSecret }}
     defaultMode: 0440
 {{- end }}
+{{- if .Values.auth.keysSecret }}
+- name: keys
+  secret:
+    secretName: {{ .Values.auth.keysSecret }}
+    defaultMode: 0440
+    items:
+      - key: keys.yaml
+        path: keys.yaml
+{{- end }}
 {{- if eq .Values.models.source "pvc" }}
 - name: models
   persistentVolumeClaim:
@@ -263,6 +272,11 @@ the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
 {{- if include "microbatch-server.redisTls" . }}
 - name: redis-tls
   mountPath: /etc/microbatch/redis-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.auth.keysSecret }}
+- name: keys
+  mountPath: /etc/microbatch/keys
   readOnly: true
 {{- end }}
 {{- if ne .Values.models.source "image" }}
@@ -447,6 +461,10 @@ live process per name); said here rather than left to the host name. */}}
     fieldRef:
       fieldPath: metadata.name
 {{- end }}
+{{- if and (ne $c "worker") $v.auth.keysSecret }}
+- name: MB_KEYS_FILE
+  value: /etc/microbatch/keys/keys.yaml
+{{- end }}
 {{- if ne $c "worker" }}
 {{- /* API keys, from the Secret only. ADMIN_API_KEY only where models load: a front end
 refuses loads (its workers load), so the admin routes would be there for nothing. */}}
@@ -500,6 +518,9 @@ Included once, from validate.yaml.
 {{- if and $v.kserve.enabled (eq (int .) 8080) }}
 {{- fail "grpc.port 8080 is the KServe container's HTTP port: pick another, e.g. 8001" }}
 {{- end }}
+{{- end }}
+{{- if and $v.auth.keysSecret (or $v.auth.existingSecret $v.auth.apiKey $v.auth.adminApiKey) }}
+{{- fail "auth.keysSecret replaces auth.apiKey, auth.adminApiKey and auth.existingSecret: give those keys an entry in the keys file (python -m app.tenancy new), or leave keysSecret empty" }}
 {{- end }}
 {{- if and $v.auth.existingSecret (or $v.auth.apiKey $v.auth.adminApiKey) }}
 {{- fail "auth.existingSecret and auth.apiKey/adminApiKey are exclusive: put the keys in the existing Secret (keys api-key, admin-api-key), or leave existingSecret empty" }}
