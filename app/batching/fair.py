@@ -239,10 +239,11 @@ class FairQueue(Generic[Q]):
             return
         left = sum(1 for queue in level.queues.values() for item in queue if item.key == key)
         while left and len(batch) < limit:
+            if len(level.queues) == 1:  # the others emptied: alone now, no turn to share
+                self._fill_alone(level, key, limit, usable, batch)
+                return
             tenant, queue = next(iter(level.queues.items()))
-            if len(level.queues) == 1:
-                credit = float(limit)  # alone: no turn to share
-            elif level.mid == tenant:
+            if level.mid == tenant:
                 credit = level.deficit.get(tenant, 0.0)
             else:
                 credit = level.deficit.get(tenant, 0.0) + queue[0].weight
@@ -279,8 +280,11 @@ class FairQueue(Generic[Q]):
         batch: list[Q],
     ) -> None:
         """One tenant at this level: its items in order, no turns (the common case, kept as
-        cheap as the plain FIFO this queue replaced)."""
+        cheap as the plain FIFO this queue replaced), and no credit carried into a batch
+        where another tenant is back."""
         tenant, queue = next(iter(level.queues.items()))
+        level.deficit.pop(tenant, None)
+        level.mid = None
         kept: deque[Q] | None = None
         while queue and len(batch) < limit:
             item = queue.popleft()

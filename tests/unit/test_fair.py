@@ -281,3 +281,14 @@ def test_a_levels_max_batch_keeps_batches_with_its_work_short() -> None:
     assert [item.name for item in queue.take("k", 8, always, limits)] == ["bulk1", "bulk2", "bulk3"]
     queue.append(Item("shop", 0, name="shop2"))
     assert len(queue.take("k", 8, always, limits)) == 3  # shop2, then bulk up to 3
+
+
+def test_a_tenant_left_alone_mid_batch_carries_no_credit_into_the_next_one() -> None:
+    """bulk is left alone in its level when tiny empties, with slots to fill: it takes them,
+    but owes nothing when late comes; the next batch alternates again (bulk used to carry
+    the unused credit of "alone" over, 7 images to late's 1)."""
+    queue = queue_of(("shop", 5, 1.0, 0), ("bulk", 10, 1.0, 1), ("tiny", 1, 1.0, 1), levels=2)
+    assert tenants(queue.take("k", 8, always)) == Counter(shop=5, bulk=2, tiny=1)
+    for i in range(3):
+        queue.append(Item("late", 1, name=f"late{i}"))
+    assert tenants(queue.take("k", 8, always)) == Counter(bulk=5, late=3)
