@@ -144,7 +144,7 @@ class Tenancy:
             return anonymous
         if scope is Scope.ADMIN and not ring.any_allows(Scope.ADMIN):
             raise Unauthorized("ADMIN_API_KEY is not set: loading and unloading are off")
-        if caller is None or authorization is None:
+        if caller is None:  # no key, not a bearer token, or an unknown key
             send = "metadata 'authorization" if where == "metadata" else "'Authorization"
             raise Unauthorized(f"send {send}: Bearer <{self.key_name(scope)}>'")
         raise Forbidden(
