@@ -228,7 +228,7 @@ class Engine:
                 default_timeout_s=limits.request_timeout_s,
                 on_batch=self._on_batch if self.metrics and not plan.remote_workers else None,
                 levels=[
-                    LevelPolicy(level.max_queue, level.timeout_s, level.on_timeout, level.max_batch)
+                    LevelPolicy(**level.model_dump())  # the same fields: batching reads no settings
                     for level in limits.levels
                 ],
             )
