@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
 
 from app.batching import Ticket
+from app.cache import CacheUse
 from app.errors import NotReady
 from app.services.registry import ModelVersion
 from app.settings import Settings
@@ -154,6 +155,18 @@ def ticket_of(request: HTTPConnection, asked: object = None, where: str = PRIORI
         asked, where = header(request, PRIORITY), PRIORITY
     tenancy: Tenancy = request.app.state.tenancy
     return tenancy.ticket(caller_of(request), asked, where)
+
+
+def cache_use_of(request: HTTPConnection) -> CacheUse | None:
+    """How this request uses the response cache (None when the server has none): afresh if
+    it says ``Cache-Control: no-cache`` (or ``max-age=0``); the outcome goes out as
+    ``X-Cache`` (``app.observability``)."""
+    engine = running_engine(request)  # type: ignore[arg-type]
+    if engine is None or engine.cache is None:
+        return None
+    use = CacheUse.asked(header(request, "cache-control"))
+    request.state.cache = use
+    return use
 
 
 async def _settings(request: Request) -> Settings:

@@ -13,6 +13,7 @@ from types import TracebackType
 
 from app import tracing
 from app.batching import ClusterView, LevelPolicy, QueueBacklog, Streamer, Transport
+from app.cache import ResponseCache
 from app.errors import NotReady
 from app.jobs import BatchKey, ImageJob
 from app.lifecycle import ModelSpec, Route
@@ -106,6 +107,7 @@ class Engine:
         self._decode_pool: ThreadPoolExecutor | None = None
         self._transport: Transport[ImageJob] | None = None
         self._streamer: Streamer[ImageJob, object] | None = None
+        self.cache: ResponseCache | None = None  # MB_CACHE_BYTES, MB_CACHE_REDIS
         self.registry = ModelRegistry(plan.repository.default_model)
         self._manager: Models | None = None
 
@@ -198,6 +200,7 @@ class Engine:
         front_end = plan.role is Role.FRONT_END
         repository = repository_of(plan)
         try:
+            self.cache = self._response_cache()  # before any Predictor is made
             # A broker front end holds no weights: it needs each version's identity, input
             # size and class names only.
             chosen = repository.read_chosen(
@@ -251,6 +254,25 @@ class Engine:
             plan.decode.describe(),
         )
 
+    def _response_cache(self) -> ResponseCache | None:
+        """The response cache the plan asks for (``app.cache``), or None."""
+        plan, metrics = self.plan.cache, self.metrics
+        if not plan.on:
+            return None
+        shared = None
+        if plan.redis_url is not None:
+            from app.cache.shared import SharedCache  # no redis client unless asked for
+
+            shared = SharedCache.connect(
+                plan.redis_url, plan.prefix, plan.ttl_s,
+                metrics.on_cache_error if metrics else lambda: None,
+            )  # fmt: skip
+        if metrics is None:
+            return ResponseCache(plan.max_bytes, shared)
+        cache = ResponseCache(plan.max_bytes, shared, metrics.on_cache, metrics.on_cache_evict)
+        metrics.watch_cache(cache)
+        return cache
+
     def _follow(self, view: ClusterView) -> None:
         """Each new view of the workers: the models served follow them."""
         if self._manager is not None:
@@ -267,6 +289,7 @@ class Engine:
             max_pixels=plan.worker.max_pixels,
             model_id=served_id,
             charge=self._charge,
+            cache=self.cache,
         )
 
     def _on_batch(
@@ -288,6 +311,9 @@ class Engine:
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=False, cancel_futures=True)
             self._decode_pool = None
+        if self.cache is not None:
+            await self.cache.aclose()
+            self.cache = None
 
     async def __aenter__(self) -> Engine:
         await self.start()

@@ -18,6 +18,7 @@ log = logging.getLogger("app.request")
 
 REQUEST_ID_HEADER = "x-request-id"
 MODEL_ID_HEADER = b"x-model-id"
+CACHE_HEADER = b"x-cache"
 # Probes and scrapes: a trace every few seconds from each, of nothing worth seeing.
 UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -30,8 +31,9 @@ class RequestLog:
     request was admitted for (``model_id`` in ``request.state``, put there at admission),
     else the default model's, so answers of two exports never mix unknowingly.
 
-    Handlers may put ``batch_size`` into ``request.state`` for the log line, and at
-    admission ``model_id``, ``model`` and ``model_version`` for it and the metrics."""
+    Handlers may put ``batch_size`` into ``request.state`` for the log line, at admission
+    ``model_id``, ``model`` and ``model_version`` for it and the metrics, and ``cache``
+    (``app.cache.CacheUse``), which answers ``X-Cache``."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -59,6 +61,9 @@ class RequestLog:
                 model_id = state.get("model_id") or _default_model_id(app_state)
                 if model_id:
                     headers.append((MODEL_ID_HEADER, model_id.encode()))
+                cache = state.get("cache")
+                if cache is not None and cache.header is not None:
+                    headers.append((CACHE_HEADER, cache.header.encode()))
                 message = {**message, "headers": headers}
                 if traced:
                     reply_started = tracing.now_ns()

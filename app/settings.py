@@ -256,6 +256,24 @@ class Settings(BaseSettings, TestHooks):
             "ADMIN_API_KEY."
         ),
     )
+    mb_cache_bytes: ByteSize = Field(
+        ByteSize(0),
+        description=(
+            "A response cache in each server process, this large ('256MiB'; 0: none): an "
+            "image's answer by its bytes and the served id, identical requests in flight "
+            "computed once (docs/cache.md)."
+        ),
+    )
+    mb_cache_redis: SecretStr | None = Field(
+        None,
+        description=(
+            "A Redis URL for a response cache every front end shares (best a Redis of its "
+            "own with maxmemory and allkeys-lru; docs/cache.md). Down or slow: served without."
+        ),
+    )
+    mb_cache_ttl_s: float = Field(
+        3600.0, gt=0, description="How long the shared cache (MB_CACHE_REDIS) keeps an answer."
+    )
     mb_broker: SecretStr | None = Field(
         None,
         description=(
@@ -409,7 +427,7 @@ class Settings(BaseSettings, TestHooks):
             )
         return self
 
-    @field_validator("mb_broker", "mb_broker_admin")
+    @field_validator("mb_broker", "mb_broker_admin", "mb_cache_redis")
     @classmethod
     def _check_broker(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:

@@ -35,6 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from app import tracing
+from app.cache import ResponseCache
 from app.errors import ServerError
 from app.metrics.labels import (
     BATCH_BUCKETS,
@@ -44,7 +45,7 @@ from app.metrics.labels import (
     BatchRun,
     Labels,
 )
-from app.metrics.live import LiveGauges, LiveState, VersionState
+from app.metrics.live import CacheGauges, LiveGauges, LiveState, VersionState
 from app.metrics.reported import WorkerReport, WorkerReported
 from app.metrics.statistics import Statistics
 
@@ -155,6 +156,25 @@ class Metrics:
             "bucket answered instead).",
             registry=r,
         )
+        # The response cache (app.cache), per image asked.
+        self.cache_images = Counter(
+            "microbatch_cache_images",
+            "Images the response cache answered (hit: this process's; shared_hit: Redis's; "
+            "coalesced: an identical request's in flight) or not (miss; fresh: no-cache).",
+            ["outcome"],
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "microbatch_cache_evictions",
+            "Answers the response cache let go to stay within MB_CACHE_BYTES.",
+            registry=r,
+        )
+        self.cache_errors = Counter(
+            "microbatch_cache_errors",
+            "Reads and writes the shared cache (MB_CACHE_REDIS) failed or timed out "
+            "(served without it).",
+            registry=r,
+        )
         self.load_time = Histogram(
             "microbatch_model_load_seconds",
             "Loads of a model version that ended serving: from the call to the switch.",
@@ -172,6 +192,19 @@ class Metrics:
     def watch(self, read_state: Callable[[], LiveState]) -> None:
         """Export gauges read from ``read_state()`` at every scrape."""
         self._live.append(LiveGauges(read_state))
+
+    def watch_cache(self, cache: ResponseCache) -> None:
+        """Export the response cache's size at every scrape."""
+        self._live.append(CacheGauges(cache))
+
+    def on_cache(self, outcome: str) -> None:
+        self.cache_images.labels(outcome).inc()
+
+    def on_cache_evict(self) -> None:
+        self.cache_evictions.inc()
+
+    def on_cache_error(self) -> None:
+        self.cache_errors.inc()
 
     def on_broker_event(self, event: str) -> None:
         """Broker mode: ``app.broker.front.failover``'s ``reconnect``, ``resent``, ``lost``."""

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from app.batching import WorkerStatus
+from app.cache import ResponseCache
 from app.manifest import Manifest
 
 
@@ -149,3 +150,27 @@ def _versions(versions: Sequence[VersionState]) -> Iterator[GaugeMetricFamily | 
                 },
             )
     yield info
+
+
+class CacheGauges(Collector):
+    """The response cache's size in this process, read at every scrape."""
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        memory = self._cache.memory
+        size = GaugeMetricFamily(
+            "microbatch_cache_bytes", "Bytes the response cache holds in this process."
+        )
+        size.add_metric([], memory.bytes if memory is not None else 0)
+        entries = GaugeMetricFamily(
+            "microbatch_cache_entries", "Answers the response cache holds in this process."
+        )
+        entries.add_metric([], len(memory) if memory is not None else 0)
+        flights = GaugeMetricFamily(
+            "microbatch_cache_in_flight",
+            "Distinct answers being computed now, each for one request or more (single-flight).",
+        )
+        flights.add_metric([], self._cache.in_flight)
+        yield from (size, entries, flights)

@@ -5,6 +5,7 @@ or broker mode, the batching limits) that every other piece receives."""
 from app.plan.decode import DecodePlan
 from app.plan.serving import (
     BrokerPlan,
+    CachePlan,
     Limits,
     Placement,
     RepositoryPlan,
@@ -17,6 +18,7 @@ from app.plan.serving import (
 
 __all__ = [
     "BrokerPlan",
+    "CachePlan",
     "DecodePlan",
     "Limits",
     "Placement",

@@ -131,6 +131,20 @@ class BrokerPlan:
 
 
 @dataclass(frozen=True)
+class CachePlan:
+    """The response cache (``app.cache``): this process's share, and a shared Redis."""
+
+    max_bytes: int = 0  # MB_CACHE_BYTES; 0: none in the process
+    redis_url: str | None = field(default=None, repr=False)  # MB_CACHE_REDIS; may hold a password
+    prefix: str = "mb"  # its keys are <prefix>:cache:<sha-256>
+    ttl_s: float = 3600.0
+
+    @property
+    def on(self) -> bool:
+        return self.max_bytes > 0 or self.redis_url is not None
+
+
+@dataclass(frozen=True)
 class ServingPlan:
     """How this process serves, decided once from the settings.
 
@@ -147,6 +161,7 @@ class ServingPlan:
     limits: Limits
     batch_size_setting: int | str  # MB_BATCH_SIZE as given ("auto" or a number), for /info
     broker: BrokerPlan | None = None
+    cache: CachePlan = CachePlan()
 
     @property
     def decode(self) -> DecodePlan:
@@ -304,4 +319,12 @@ def plan_serving(
         ),
         batch_size_setting=settings.mb_batch_size,
         broker=broker,
+        cache=CachePlan(
+            max_bytes=int(settings.mb_cache_bytes),
+            redis_url=(
+                settings.mb_cache_redis.get_secret_value() if settings.mb_cache_redis else None
+            ),
+            prefix=settings.mb_broker_prefix,
+            ttl_s=settings.mb_cache_ttl_s,
+        ),
     )

@@ -12,6 +12,7 @@ from app.dependencies import (
     REQUIRES_API_KEY,
     admitted,
     app_settings,
+    cache_use_of,
     header,
     query_param,
     ticket_of,
@@ -145,7 +146,12 @@ async def embedding(request: Request) -> Response:
             vectors = await unless_disconnected(
                 request,
                 predictor.embeddings(
-                    upload.data, deadline, trace, names=upload.names, ticket=ticket_of(request)
+                    upload.data,
+                    deadline,
+                    trace,
+                    names=upload.names,
+                    ticket=ticket_of(request),
+                    cache=cache_use_of(request),
                 ),
             )
     with tracing.span("encode"):
@@ -194,6 +200,7 @@ async def tag(request: Request) -> JSONResponse:
                     trace,
                     names=upload.names,
                     ticket=ticket_of(request),
+                    cache=cache_use_of(request),
                 ),
             )
     with tracing.span("encode"):

@@ -19,6 +19,7 @@ from app.dependencies import (
     REQUIRES_API_KEY,
     admitted,
     app_settings,
+    cache_use_of,
     is_ready,
     serving_engine,
     ticket_of,
@@ -81,7 +82,14 @@ async def _predict(request: Request) -> JSONResponse:
         with batch_trace(request) as trace:
             (tags,) = await unless_disconnected(
                 request,
-                predictor.tags(upload.data[:1], k, deadline, trace, ticket=ticket_of(request)),
+                predictor.tags(
+                    upload.data[:1],
+                    k,
+                    deadline,
+                    trace,
+                    ticket=ticket_of(request),
+                    cache=cache_use_of(request),
+                ),
             )
     return JSONResponse({tag.name: tag.prob for tag in tags})
 

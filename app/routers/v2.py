@@ -24,6 +24,7 @@ from app.dependencies import (
     REQUIRES_METRICS_KEY,
     admitted,
     app_settings,
+    cache_use_of,
     header,
     is_ready,
     readiness_response,
@@ -186,6 +187,7 @@ async def infer(request: Request) -> Response:
                 max_images=settings.max_images_per_request,
                 wait=lambda work: unless_disconnected(request, work),
                 ticket=ticket_of(request, call.parameters.get("priority"), PRIORITY_PARAMETER),
+                cache=cache_use_of(request),
             )
     head = {"model_name": served.name, "model_version": str(served.version)}
     if body.id is not None:

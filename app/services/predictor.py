@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.batching import Streamer, Ticket, Trace
+from app.cache import CacheUse, ResponseCache, cache_key
 from app.errors import (
     ClientError,
     DeadlineExceeded,
@@ -101,6 +102,7 @@ class Predictor:
         max_pixels: int,
         model_id: str | None = None,
         charge: Charge | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         if (decode_pool is None) != (plan.server_threads == 0):
             raise ValueError("a decode pool is needed exactly when the plan decodes here")
@@ -113,6 +115,7 @@ class Predictor:
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
         self._charge = charge  # draws a request's images from its tenant's quota
+        self._cache = cache  # answers kept by content and served id (app.cache)
 
     async def _run(
         self,
@@ -121,7 +124,27 @@ class Predictor:
         top_k: int,
         deadline: float,
         trace: Trace | None,
-        ticket: Ticket | None = None,
+        ticket: Ticket | None,
+        use: CacheUse | None,
+    ) -> object:
+        """One image's answer: from the cache when it keeps it (before admission: a hit
+        answers even when the queue is full), else computed."""
+        if self._cache is None:
+            return await self._compute(task, data, top_k, deadline, trace, ticket)
+        return await self._cache.answer(
+            cache_key(self.model_id, task, top_k, data),
+            lambda: self._compute(task, data, top_k, deadline, trace, ticket),
+            use,
+        )
+
+    async def _compute(
+        self,
+        task: Task,
+        data: Image,
+        top_k: int,
+        deadline: float,
+        trace: Trace | None,
+        ticket: Ticket | None,
     ) -> object:
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission(ticket)
@@ -168,18 +191,20 @@ class Predictor:
         trace: Trace | None,
         names: Sequence[str],
         ticket: Ticket | None,
+        use: CacheUse | None,
     ) -> list[object]:
         """Each image's result, in order; each image travels as an item of its own, so they
         may be split over batches, queued by their ``ticket`` (its tenant's turn and its
         priority), drawn from the tenant's quota first (no ticket: the server's own work, the
         batch job). The first image that fails fails them all (the others are cancelled,
-        and leave the queue): a client error names the image."""
+        and leave the queue): a client error names the image. ``use``: how the response
+        cache answered each (``X-Cache``)."""
         if ticket is not None and self._charge is not None:
             await self._charge(ticket, len(images))
         if len(images) == 1:
-            return [await self._run(task, images[0], top_k, deadline, trace, ticket)]
+            return [await self._run(task, images[0], top_k, deadline, trace, ticket, use)]
         runs = [
-            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace, ticket))
+            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace, ticket, use))
             for data in images
         ]
         try:
@@ -212,11 +237,12 @@ class Predictor:
         names: Sequence[str] = (),
         *,
         ticket: Ticket | None = None,
+        cache: CacheUse | None = None,
     ) -> npt.NDArray[np.float32]:
         """The embeddings of encoded images, ``[len(images), dim]`` float32 in order,
         answered before ``deadline`` (monotonic)."""
         self.require_embedding()
-        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names, ticket)
+        results = await self._many(Task.EMBEDDING, images, 0, deadline, trace, names, ticket, cache)
         return np.stack([np.asarray(result, dtype=np.float32) for result in results])
 
     async def embedding(
@@ -245,11 +271,12 @@ class Predictor:
         names: Sequence[str] = (),
         *,
         ticket: Ticket | None = None,
+        cache: CacheUse | None = None,
     ) -> list[TopK]:
         """The ``k`` (``None``: the default) most probable class indices of each encoded
         image, with their probabilities, in order, before ``deadline``."""
         k = self.labels_to_return(k)
-        results = await self._many(Task.TAG, images, k, deadline, trace, names, ticket)
+        results = await self._many(Task.TAG, images, k, deadline, trace, names, ticket, cache)
         assert all(isinstance(result, TopK) for result in results)
         return results  # type: ignore[return-value]
 
@@ -263,6 +290,7 @@ class Predictor:
         embedding: bool,
         top_k: bool,
         ticket: Ticket | None = None,
+        cache: CacheUse | None = None,
     ) -> Inference:
         """The embeddings and/or the top ``k`` (``None``: the default) classes of encoded
         images, in order, before ``deadline``: each image runs through the model once,
@@ -270,12 +298,16 @@ class Predictor:
         if not (embedding or top_k):
             raise ValueError("ask for the embedding, the top k, or both")
         if not top_k:
-            return Inference(await self.embeddings(images, deadline, trace, ticket=ticket), None)
+            vectors = await self.embeddings(images, deadline, trace, ticket=ticket, cache=cache)
+            return Inference(vectors, None)
         if not embedding:
-            return Inference(None, await self.top_k(images, k, deadline, trace, ticket=ticket))
+            tops = await self.top_k(images, k, deadline, trace, ticket=ticket, cache=cache)
+            return Inference(None, tops)
         self.require_embedding()
         k = self.labels_to_return(k)
-        results = await self._many(Task.EMBEDDING_AND_TAG, images, k, deadline, trace, (), ticket)
+        results = await self._many(
+            Task.EMBEDDING_AND_TAG, images, k, deadline, trace, (), ticket, cache
+        )
         assert all(isinstance(result, EmbeddingAndTopK) for result in results)
         both: list[EmbeddingAndTopK] = results  # type: ignore[assignment]
         vectors = np.stack([np.asarray(result.embedding, dtype=np.float32) for result in both])
@@ -290,6 +322,7 @@ class Predictor:
         names: Sequence[str] = (),
         *,
         ticket: Ticket | None = None,
+        cache: CacheUse | None = None,
     ) -> list[list[Tag]]:
         """The top-``k`` classes of each encoded image, in order, before ``deadline``."""
         return [
@@ -297,7 +330,9 @@ class Predictor:
                 Tag(self.classes[int(index)], float(prob))
                 for index, prob in zip(result.indices, result.probs, strict=True)
             ]
-            for result in await self.top_k(images, k, deadline, trace, names, ticket=ticket)
+            for result in await self.top_k(
+                images, k, deadline, trace, names, ticket=ticket, cache=cache
+            )
         ]
 
     async def tag(

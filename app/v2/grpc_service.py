@@ -34,6 +34,7 @@ from google.protobuf import json_format
 
 from app import tracing
 from app.batching import Trace
+from app.cache import CacheUse
 from app.errors import (
     ClientDisconnected,
     ClientError,
@@ -70,6 +71,7 @@ log = logging.getLogger("app.request")
 T = TypeVar("T")
 SERVICE = "inference.GRPCInferenceService"
 PIN_METADATA = "x-model-id"
+CACHE_METADATA = "x-cache"  # a unary call's trailing metadata: hit, coalesced or miss
 
 
 class Call:
@@ -84,6 +86,7 @@ class Call:
         self.images = 0
         self.error: ServerError | None = None
         self.caller: Caller | None = None
+        self.cache: CacheUse | None = None  # how the response cache answered it
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -284,7 +287,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def work(call: Call) -> Any:
-            return await self._infer(request, context, call)
+            response = await self._infer(request, context, call)
+            said = call.cache.header if call.cache is not None else None
+            if said is not None:
+                context.set_trailing_metadata(((CACHE_METADATA, said),))
+            return response
 
         return await self._answer(context, "ModelInfer", work, scope=Scope.INFER)
 
@@ -350,6 +357,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             timeout = min(timeout, max(remaining, 0.0))
         deadline = inference.shortened(time.monotonic() + timeout, infer.parameters)
         number = request.model_version
+        if self.engine.cache is not None:  # cache-control metadata as HTTP's header
+            call.cache = CacheUse.asked(_metadata(context).get("cache-control"))
         async with self._admitted(context, call, request.model_name, number) as served:
             trace = Trace(link=tracing.link())
             call.inference = True
@@ -363,6 +372,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     ticket=self.tenancy.ticket(
                         call.caller, infer.parameters.get("priority"), PRIORITY_PARAMETER
                     ),
+                    cache=call.cache,
                 )
             finally:
                 call.batch_size, call.images = trace.batch_size, trace.images

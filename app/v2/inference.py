@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.batching import Ticket, Trace
+from app.cache import CacheUse
 from app.errors import InvalidRequest, PayloadTooLarge
 from app.manifest import InputSpec, Manifest
 from app.services.predictor import Predictor, parse_k
@@ -218,10 +219,12 @@ async def infer(
     max_images: int,
     wait: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
     ticket: Ticket | None = None,
+    cache: CacheUse | None = None,
 ) -> list[Tensor]:
     """Run ``call`` on a serving ``version``: each image once through the model, whichever
     outputs are asked. ``wait`` wraps the wait for the answer (HTTP: drop it when the client
-    leaves). ``ticket``: whose quota the images are drawn from, and where they queue."""
+    leaves). ``ticket``: whose quota the images are drawn from, and where they queue;
+    ``cache``: how the response cache answers them."""
     predictor: Predictor | None = version.predictor
     assert predictor is not None and version.manifest is not None, "a serving version"
     manifest = version.manifest
@@ -230,7 +233,14 @@ async def infer(
     names = {output.name for output in asked}
     top_k = bool(names & set(CLASSIFIER_OUTPUTS))
     work = predictor.infer(
-        images, k, deadline, trace, embedding=EMBEDDING in names, top_k=top_k, ticket=ticket
+        images,
+        k,
+        deadline,
+        trace,
+        embedding=EMBEDDING in names,
+        top_k=top_k,
+        ticket=ticket,
+        cache=cache,
     )
     inferred = await (wait(work) if wait is not None else work)
     outputs: list[Tensor] = []

@@ -5,6 +5,8 @@ broker (they fill its Transport); app.main starts v2's gRPC edge
 plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs: leaves that any
 layer may import (batching only the vocabulary of lifecycle, for the seam's types)
 tracing: the spans workers, broker, v2 and routers make (batching carries a trace unopened)
+tenancy and cache: what services ask before the Streamer (keys and quotas; kept answers),
+each with its Redis side on the broker's wire
 engine and main wire the layers together; nothing below them imports them
 broker's rooms: front -> wire <- worker (a front end and a worker share only the wire)
 and no two modules import each other, in any form or round any circle
@@ -70,13 +72,15 @@ def layer_imports(layer: str) -> set[str]:
         ("tracing", {"errors"}),
         ("plan", {"settings", "settings_values", "errors"}),
         ("tenancy", {"broker"} | BELOW),
-        ("services", {"tenancy"} | BELOW),
+        ("cache", {"broker"} | BELOW),
+        ("services", {"tenancy", "cache"} | BELOW),
         ("workers", {"metrics", "tracing"} | BELOW),
         ("broker", {"workers", "metrics", "tracing"} | BELOW),
-        ("v2", {"services", "tenancy", "tracing"} | BELOW),
+        ("v2", {"services", "tenancy", "cache", "tracing"} | BELOW),
         (
             "routers",
-            {"services", "dependencies", "schemas", "metrics", "v2", "tracing", "tenancy"} | BELOW,
+            {"services", "dependencies", "schemas", "metrics", "v2", "tracing", "tenancy", "cache"}
+            | BELOW,
         ),
     ],
 )

@@ -1,0 +1,180 @@
+"""The response cache as the services use it: an answer kept in this process, then in the
+shared Redis, else computed once however many identical requests are in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from app.cache.memory import BytesLRU, frozen
+from app.errors import ClientError
+
+if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for
+    from app.cache.shared import SharedCache
+
+
+class Outcome(StrEnum):
+    """How the cache answered one image (``microbatch_cache_images_total``'s label)."""
+
+    HIT = "hit"  # kept in this process
+    SHARED_HIT = "shared_hit"  # kept in the shared Redis
+    COALESCED = "coalesced"  # an identical request in flight computed it
+    MISS = "miss"  # computed for this request
+    FRESH = "fresh"  # computed, as ``Cache-Control: no-cache`` asked
+
+
+# What X-Cache says of a request, from its images' outcomes: a miss if any image was
+# computed for it, else coalesced if any waited on another's computation, else a hit.
+_HEADER = {
+    Outcome.HIT: "hit",
+    Outcome.SHARED_HIT: "hit",
+    Outcome.COALESCED: "coalesced",
+    Outcome.MISS: "miss",
+    Outcome.FRESH: "miss",
+}
+
+
+@dataclass
+class CacheUse:
+    """One request's use of the cache: whether it asked for a fresh answer
+    (``Cache-Control: no-cache``), and how each of its images was answered."""
+
+    fresh: bool = False
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @classmethod
+    def asked(cls, cache_control: str | None) -> CacheUse:
+        """The use a ``Cache-Control`` request header (or gRPC metadata) asks: afresh for
+        ``no-cache`` or ``max-age=0``.
+
+        >>> CacheUse.asked("no-cache").fresh, CacheUse.asked("Max-Age=0, x").fresh
+        (True, True)
+        >>> CacheUse.asked("max-age=60").fresh, CacheUse.asked(None).fresh
+        (False, False)
+        """
+        if not cache_control:
+            return cls()
+        said = {part.strip().lower().replace(" ", "") for part in cache_control.split(",")}
+        return cls(fresh=bool(said & {"no-cache", "max-age=0"}))
+
+    @property
+    def header(self) -> str | None:
+        """``X-Cache``: ``hit``, ``coalesced`` or ``miss`` (None before any image).
+
+        >>> CacheUse(outcomes=[Outcome.HIT, Outcome.COALESCED]).header
+        'coalesced'
+        """
+        said = {_HEADER[outcome] for outcome in self.outcomes}
+        for answer in ("miss", "coalesced", "hit"):
+            if answer in said:
+                return answer
+        return None
+
+
+@dataclass(frozen=True)
+class _Landed:
+    """What a computation left its followers: its answer, or the error to share (a client
+    error: the same bytes fail the same way), or neither (it timed out or was cancelled:
+    each follower then computes for itself, within its own deadline)."""
+
+    answer: object = None
+    error: ClientError | None = None
+
+
+class ResponseCache:
+    """``answer(key, compute, use)``: the answer kept under ``key``, in this process
+    (``max_bytes``, 0 for none) or ``shared``; else the answer of the computation already in
+    flight for ``key`` (single-flight: it shares that request's batch slot); else
+    ``compute()``'s, kept in both. Errors are never kept. ``on_outcome`` hears each image's
+    ``Outcome``, ``on_evict`` each answer this process's share let go.
+
+    >>> # cache = ResponseCache(64 << 20, shared=None)
+    >>> # vector = await cache.answer(cache_key(...), lambda: streamer.submit(...), CacheUse())
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        shared: SharedCache | None = None,
+        on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+        on_evict: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.memory = BytesLRU(max_bytes, on_evict) if max_bytes > 0 else None
+        self.shared = shared
+        self._on_outcome = on_outcome
+        self._flights: dict[bytes, asyncio.Future[_Landed]] = {}
+
+    async def answer(
+        self, key: bytes, compute: Callable[[], Awaitable[object]], use: CacheUse | None
+    ) -> object:
+        fresh = use is not None and use.fresh
+        while not fresh:
+            kept = self.memory.get(key) if self.memory is not None else None
+            if kept is not None:
+                return self._told(use, Outcome.HIT, kept)
+            flight = self._flights.get(key)
+            if flight is None:
+                break
+            landed = await asyncio.shield(flight)
+            if landed.error is not None:
+                raise landed.error
+            if landed.answer is not None:
+                return self._told(use, Outcome.COALESCED, landed.answer)
+            # It came to nothing (a timeout, a cancel): look again, maybe compute.
+        return await self._lead(key, compute, use, fresh)
+
+    async def _lead(
+        self,
+        key: bytes,
+        compute: Callable[[], Awaitable[object]],
+        use: CacheUse | None,
+        fresh: bool,
+    ) -> object:
+        """Compute ``key``'s answer (first asking the shared tier, unless ``fresh``), with
+        every identical request that comes meanwhile waiting on it."""
+        flight: asyncio.Future[_Landed] | None = None
+        if key not in self._flights:  # a fresh request beside a flight computes alone
+            flight = self._flights[key] = asyncio.get_running_loop().create_future()
+        landed = _Landed()
+        try:
+            if not fresh and self.shared is not None:
+                kept = await self.shared.get(key)
+                if kept is not None:
+                    kept = frozen(kept)
+                    landed = _Landed(kept)
+                    if self.memory is not None:
+                        self.memory.put(key, kept)
+                    return self._told(use, Outcome.SHARED_HIT, kept)
+            try:
+                computed = frozen(await compute())
+            except ClientError as exc:
+                landed = _Landed(error=exc)
+                raise
+            landed = _Landed(computed)
+            if self.memory is not None:
+                self.memory.put(key, computed)
+            if self.shared is not None:
+                self.shared.put(key, computed)
+            return self._told(use, Outcome.FRESH if fresh else Outcome.MISS, computed)
+        finally:
+            if flight is not None:
+                del self._flights[key]
+                flight.set_result(landed)
+
+    def _told(self, use: CacheUse | None, outcome: Outcome, answer: object) -> object:
+        if use is not None:
+            use.outcomes.append(outcome)
+        self._on_outcome(outcome)
+        return answer
+
+    @property
+    def in_flight(self) -> int:
+        """Keys being computed now, each for one request or more."""
+        return len(self._flights)
+
+    async def aclose(self) -> None:
+        if self.shared is not None:
+            await self.shared.aclose()

@@ -1,0 +1,240 @@
+"""The response cache on its own (``app.cache``): what its key covers, how its bytes are
+bounded, single-flight, and that only successes are kept; its shared tier against a real
+Redis, and without one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from app.cache import CacheUse, Outcome, ResponseCache, cache_key
+from app.cache.memory import BytesLRU, frozen, size_of
+from app.cache.shared import COOL_OFF_S, SharedCache
+from app.errors import DeadlineExceeded, InvalidImage, QueueFull
+from app.jobs import EmbeddingAndTopK, Task, TopK
+from tests.broker import RedisServer, free_port
+
+PIXELS = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+
+
+def test_no_two_requests_that_differ_in_what_the_answer_depends_on_share_a_key() -> None:
+    asked = [
+        ("m@1", Task.EMBEDDING, 0, b"jpeg"),
+        ("m@1", Task.TAG, 5, b"jpeg"),
+        ("m@1", Task.TAG, 3, b"jpeg"),
+        ("m@1", Task.EMBEDDING_AND_TAG, 5, b"jpeg"),
+        ("m@1", Task.EMBEDDING_AND_TAG, 3, b"jpeg"),
+        ("m@2", Task.TAG, 5, b"jpeg"),  # another export
+        ("m@1+bf16", Task.TAG, 5, b"jpeg"),  # another precision of it
+        ("m@1", Task.TAG, 5, b"jpeg2"),
+        ("m@1", Task.TAG, 5, PIXELS),
+        ("m@1", Task.TAG, 5, PIXELS.reshape(3, 2, 3)),  # same bytes, another shape
+        ("m@1", Task.TAG, 5, PIXELS.tobytes()),  # the same bytes as an upload
+        ("m@1", Task.TAG, 51, b""),  # the fields run into each other: NUL keeps them apart
+        ("m@1", Task.TAG, 5, b"1"),
+    ]
+    keys = [cache_key(*a) for a in asked]
+    assert len(set(keys)) == len(keys)
+    assert keys == [cache_key(*a) for a in asked]  # and each is the same every time
+    assert cache_key("m@1", Task.TAG, 5, PIXELS[:, :, :]) == keys[8]
+
+
+def test_the_memory_tier_stays_within_its_bytes_least_recently_used_first() -> None:
+    one = np.zeros(256, np.float32)
+    evicted: list[int] = []
+    lru = BytesLRU(3 * size_of(one), on_evict=lambda: evicted.append(1))
+    for key in (b"a", b"b", b"c"):
+        lru.put(key, frozen(one))
+    assert lru.get(b"a") is not None  # a is now the most recent: b goes first
+    lru.put(b"d", frozen(one))
+    assert [k for k in (b"a", b"b", b"c", b"d") if lru.get(k) is not None] == [b"a", b"c", b"d"]
+    assert lru.bytes == 3 * size_of(one) <= lru.max_bytes and len(evicted) == lru.evictions == 1
+    lru.put(b"huge", frozen(np.zeros(4096, np.float32)))  # more than all of it: not kept
+    assert lru.get(b"huge") is None and len(lru) == 3
+    lru.put(b"a", frozen(one))  # kept again under the same key: counted once
+    assert lru.bytes == 3 * size_of(one)
+
+
+def test_a_kept_answer_is_a_read_only_copy_not_a_view_of_its_batch() -> None:
+    batch = np.arange(12, dtype=np.float32).reshape(3, 4)
+    kept = frozen(EmbeddingAndTopK(batch[1], TopK(np.arange(3), batch[2, :3])))
+    assert isinstance(kept, EmbeddingAndTopK)
+    batch[:] = -1  # the buffer is reused for the next batch
+    assert kept.embedding.tolist() == [4, 5, 6, 7] and kept.top_k.probs.tolist() == [8, 9, 10]
+    assert not kept.embedding.flags.writeable and kept.embedding.base is None
+    with pytest.raises(TypeError):
+        frozen(InvalidImage("not an answer"))
+
+
+def counting(
+    answer: object = None, error: BaseException | None = None, gate: asyncio.Event | None = None
+) -> tuple[list[int], Callable[[], Awaitable[object]]]:
+    """A computation that counts its calls, waits for ``gate``, then answers or fails."""
+    calls: list[int] = []
+
+    async def compute() -> object:
+        calls.append(1)
+        if gate is not None:
+            await gate.wait()
+        if error is not None:
+            raise error
+        return np.full(4, len(calls), np.float32) if answer is None else answer
+
+    return calls, compute
+
+
+async def test_a_hit_is_the_miss_that_filled_it_and_no_cache_computes_afresh() -> None:
+    seen: list[Outcome] = []
+    cache = ResponseCache(1 << 20, on_outcome=seen.append)
+    calls, compute = counting()
+    first, second = CacheUse(), CacheUse()
+    miss = await cache.answer(b"k", compute, first)
+    hit = await cache.answer(b"k", compute, second)
+    assert calls == [1] and hit is miss and first.header == "miss" and second.header == "hit"
+    fresh = CacheUse.asked("no-cache")
+    renewed = await cache.answer(b"k", compute, fresh)
+    assert calls == [1, 1] and fresh.header == "miss" and np.asarray(renewed)[0] == 2
+    assert await cache.answer(b"k", compute, None) is renewed  # the fresh answer is kept
+    assert seen == [Outcome.MISS, Outcome.HIT, Outcome.FRESH, Outcome.HIT]
+
+
+async def test_thirty_two_identical_requests_in_flight_are_computed_once() -> None:
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    calls, compute = counting(gate=gate)
+    uses = [CacheUse() for _ in range(32)]
+    waiting = [asyncio.ensure_future(cache.answer(b"k", compute, use)) for use in uses]
+    await asyncio.sleep(0.01)
+    assert cache.in_flight == 1
+    gate.set()
+    answers = await asyncio.gather(*waiting)
+    assert calls == [1] and all(answer is answers[0] for answer in answers)
+    assert sorted(use.header or "" for use in uses) == ["coalesced"] * 31 + ["miss"]
+    assert cache.in_flight == 0
+
+
+async def test_errors_are_never_kept_and_a_client_error_is_shared_with_those_waiting() -> None:
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    calls, compute = counting(error=InvalidImage("not an image"), gate=gate)
+    waiting = [asyncio.ensure_future(cache.answer(b"k", compute, CacheUse())) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    failed = await asyncio.gather(*waiting, return_exceptions=True)
+    assert calls == [1] and all(isinstance(error, InvalidImage) for error in failed)
+    with pytest.raises(InvalidImage):
+        await cache.answer(b"k", compute, CacheUse())
+    assert calls == [1, 1]  # computed again: nothing was kept
+
+
+@pytest.mark.parametrize("how", ["timeout", "overload", "cancel"])
+async def test_when_the_computation_comes_to_nothing_each_waiting_request_tries_itself(
+    how: str,
+) -> None:
+    """The first request timed out (its deadline, not the others'), was refused, or its
+    client left: those that waited on it compute their own answer (one of them for all)."""
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    first_calls, first = counting(
+        error={"timeout": DeadlineExceeded("late"), "overload": QueueFull("full")}.get(how),
+        gate=gate,
+    )
+    leader = asyncio.ensure_future(cache.answer(b"k", first, CacheUse()))
+    await asyncio.sleep(0.01)
+    calls, compute = counting()
+    followers = [asyncio.ensure_future(cache.answer(b"k", compute, CacheUse())) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    if how == "cancel":
+        leader.cancel()
+    gate.set()
+    outcome = await asyncio.gather(leader, return_exceptions=True)
+    assert isinstance(outcome[0], BaseException)
+    answers = await asyncio.gather(*followers)
+    assert calls == [1] and all(answer is answers[0] for answer in answers)
+    assert first_calls == [1]
+
+
+async def test_only_answers_the_key_names_are_handed_out() -> None:
+    """An answer is never another key's, even for keys that arrive together."""
+    cache = ResponseCache(1 << 20)
+    keys = [bytes([n]) for n in range(8)]
+
+    async def one(key: bytes) -> None:
+        async def compute() -> object:
+            await asyncio.sleep(0.001 * (key[0] % 3))
+            return np.full(2, key[0], np.float32)
+
+        for _ in range(3):
+            answer = await cache.answer(key, compute, CacheUse())
+            assert np.asarray(answer)[0] == key[0]
+
+    await asyncio.gather(*(one(key) for key in itertools.chain(keys, keys, keys)))
+
+
+@pytest.fixture
+def redis_url() -> str:  # type: ignore[misc]
+    with RedisServer() as server:
+        yield server.url
+
+
+async def test_the_shared_tier_hands_one_front_end_s_answer_to_another_bit_for_bit(
+    redis_url: str,
+) -> None:
+    errors: list[int] = []
+    front_ends = [
+        ResponseCache(1 << 20, SharedCache.connect(redis_url, "t", 60, lambda: errors.append(1)))
+        for _ in range(2)
+    ]
+    try:
+        answer = EmbeddingAndTopK(
+            np.random.default_rng(0).random(16, dtype=np.float32),
+            TopK(np.array([3, 1]), np.array([0.7, 0.2], np.float32)),
+        )
+        calls, compute = counting(answer=answer)
+        first, second = CacheUse(), CacheUse()
+        await front_ends[0].answer(b"k", compute, first)
+        await asyncio.sleep(0.05)  # the write is in the background
+        got = await front_ends[1].answer(b"k", compute, second)
+        assert calls == [1] and first.outcomes == [Outcome.MISS]
+        assert second.outcomes == [Outcome.SHARED_HIT] and second.header == "hit"
+        assert isinstance(got, EmbeddingAndTopK)
+        assert got.embedding.tobytes() == answer.embedding.tobytes()
+        assert got.top_k.indices.tolist() == [3, 1]
+        assert got.top_k.probs.tobytes() == answer.top_k.probs.tobytes()
+        assert await front_ends[1].answer(b"k", compute, third := CacheUse()) is got
+        assert third.outcomes == [Outcome.HIT]  # now in that front end's own memory
+        assert errors == []
+    finally:
+        for cache in front_ends:
+            await cache.aclose()
+
+
+async def test_a_shared_entry_that_is_not_an_answer_is_a_miss(redis_url: str) -> None:
+    shared = SharedCache.connect(redis_url, "t", 60, lambda: None)
+    try:
+        await shared._client.set(shared._name(b"k"), b"forged")
+        assert await shared.get(b"k") is None
+    finally:
+        await shared.aclose()
+
+
+async def test_without_its_redis_the_cache_serves_on_each_request_waiting_little() -> None:
+    errors: list[int] = []
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    cache = ResponseCache(0, SharedCache.connect(dead, "t", 60, lambda: errors.append(1)))
+    try:
+        calls, compute = counting()
+        started = time.perf_counter()
+        for _ in range(5):
+            await cache.answer(b"k", compute, CacheUse())
+        took = time.perf_counter() - started
+        assert calls == [1] * 5  # no memory tier, no Redis: each computed, none failed
+        assert errors and len(errors) <= 2  # then it leaves Redis alone for COOL_OFF_S
+        assert took < COOL_OFF_S
+    finally:
+        await cache.aclose()
