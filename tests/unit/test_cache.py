@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,13 +18,14 @@ from app.cache.memory import BytesLRU, frozen, size_of
 from app.cache.shared import COOL_OFF_S, SharedCache
 from app.errors import DeadlineExceeded, InvalidImage, QueueFull
 from app.jobs import EmbeddingAndTopK, Task, TopK
-from tests.broker import RedisServer, free_port
+from tests.broker import RedisServer
+from tests.server import free_port
 
 PIXELS = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
 
 
 def test_no_two_requests_that_differ_in_what_the_answer_depends_on_share_a_key() -> None:
-    asked = [
+    asked: list[tuple[str, Task, int, bytes | np.ndarray[Any, np.dtype[np.uint8]]]] = [
         ("m@1", Task.EMBEDDING, 0, b"jpeg"),
         ("m@1", Task.TAG, 5, b"jpeg"),
         ("m@1", Task.TAG, 3, b"jpeg"),

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from app.errors import BrokerUnavailable
 from app.images import preprocess
 from app.jobs import EmbeddingAndTopK, ImageJob, Task, TopK
 from app.main import create_app
@@ -70,12 +71,12 @@ def images_run(fake: FakeTransport) -> int:
 
 
 async def embed(
-    client: httpx.AsyncClient, image: bytes = IMAGES[0], **headers: str
+    client: httpx.AsyncClient, image: bytes = IMAGES[0], headers: dict[str, str] | None = None
 ) -> httpx.Response:
     return await client.post(
         "/predict/embedding",
         files={"image": ("x.png", image)},
-        headers={"Accept": "application/octet-stream", **headers},
+        headers={"Accept": "application/octet-stream", **(headers or {})},
     )
 
 
@@ -86,7 +87,7 @@ async def test_a_repeat_is_a_hit_bit_for_bit_with_the_same_model_id(tmp_path: Pa
         assert hit.content == miss.content and len(miss.content) == 32
         assert hit.headers["X-Model-Id"] == miss.headers["X-Model-Id"]
         assert images_run(fake) == 1
-        fresh = await embed(client, **{"Cache-Control": "no-cache"})
+        fresh = await embed(client, headers={"Cache-Control": "no-cache"})
         assert fresh.headers["X-Cache"] == "miss" and images_run(fake) == 2
         other = await embed(client, IMAGES[1])
         assert other.headers["X-Cache"] == "miss" and other.content != miss.content
@@ -243,9 +244,31 @@ async def test_a_pin_or_a_rollout_never_gets_another_export_s_answer(tmp_path: P
         rolled = await embed(client)
         assert rolled.headers["X-Model-Id"] == v1 and rolled.headers["X-Cache"] == "hit"
         assert rolled.content == first.content
-        pinned = await embed(client, **{"X-Model-Id": v1})
+        pinned = await embed(client, headers={"X-Model-Id": v1})
         assert pinned.headers["X-Cache"] == "hit" and pinned.content == first.content
         # v2 no longer served: a request pinned to it is refused, never handed its entry.
-        gone = await embed(client, **{"X-Model-Id": v2})
+        gone = await embed(client, headers={"X-Model-Id": v2})
         assert gone.status_code == 409 and "X-Cache" not in gone.headers
         assert [batch.key.model for batch in fake.batches] == [v1, v2]
+
+
+async def test_a_hit_is_answered_while_the_workers_cannot_be_reached(tmp_path: Path) -> None:
+    """Found by the model-based lifecycle test: during a Redis failover, a repeat was
+    answered (a hit) while new images got 503 ``broker_unavailable``: the cache answers
+    what it holds whatever happens behind it; a request past it hears the truth."""
+    broken: list[bool] = []
+
+    def sometimes(task: Task, jobs: Sequence[ImageJob]) -> list[object]:
+        if broken:
+            return [BrokerUnavailable("Redis is unreachable") for _ in jobs]
+        return answer(task, jobs)
+
+    async with serving(tmp_path, FakeTransport(sometimes)) as (_, client):
+        kept = await embed(client)
+        broken.append(True)
+        new = await embed(client, IMAGES[1])
+        assert new.status_code == 503 and new.json()["error"]["type"] == "broker_unavailable"
+        hit = await embed(client)
+        assert hit.status_code == 200 and hit.content == kept.content
+        past = await embed(client, headers={"Cache-Control": "no-cache"})
+        assert past.status_code == 503
