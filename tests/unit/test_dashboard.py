@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.batching import WorkerStatus
+from app.cache import ResponseCache
 from app.errors import BrokerUnavailable, ClientDisconnected, InvalidImage, QueueFull
 from app.jobs import Task
 from app.metrics import LATENCY_BUCKETS, BatchRun, LiveState, Metrics, VersionState
@@ -72,6 +73,8 @@ def _exported(remote_workers: bool) -> dict[str, set[str]]:
         metrics.on_error(error)
     metrics.on_tenant_images("shop", 2, True)
     metrics.on_error(QueueFull, "shop")
+    metrics.watch_cache(ResponseCache(1 << 20))
+    metrics.on_cache("hit")
     metrics.on_load("tiny", 2, 1.0, None)
     metrics.on_load("tiny", 3, 1.0, "verify")
     if remote_workers:
