@@ -223,6 +223,7 @@ class Config:
             "MB_WORKER_NUM": str(self.workers),
             "MB_WORKER_THREADS": "1",
             "MB_PRIORITY_LEVELS": "2",
+            "MB_CACHE_BYTES": "32MiB",  # answers kept: each must still be its own id's
             "MB_STATE_DIR": str(state_dir),
             "MB_TEST_FASTEST_DTYPE": "bfloat16" if self.outcome == "bf16" else "float32",
             "LOG_LEVEL": "info",
@@ -289,6 +290,7 @@ class Deployment:
             self.workers = workers.start(timeout_s=180)
             env = broker_env(redis_server.url, self.root, **repository, **self.env)
             env.pop("MB_WORKER_NUM")  # a front end has no workers
+            env["MB_CACHE_REDIS"] = redis_server.url  # the shared cache too (its own is best)
         else:
             env = {**repository, **self.env}
         server = ServerProcess(**env)
@@ -369,6 +371,7 @@ class Answer:
     error: str = ""
     message: str = ""
     version: str | None = None  # the version number it names, where the protocol says
+    cache: str | None = None  # X-Cache: hit, coalesced or miss (HTTP only)
 
 
 def _error(response: httpx.Response) -> tuple[str, str]:
@@ -386,7 +389,7 @@ def _error(response: httpx.Response) -> tuple[str, str]:
 
 def _answer(protocol: str, response: httpx.Response, image: int) -> Answer:
     answer = Answer(protocol, response.status_code, response.headers.get("X-Model-Id"))
-    answer.image = image
+    answer.image, answer.cache = image, response.headers.get("X-Cache")
     if response.status_code != 200:
         answer.error, answer.message = _error(response)
     return answer
@@ -399,9 +402,13 @@ def http_embedding(
     model: str | None = NAME,
     pin: str | None = None,
     tenant: str | None = None,
+    fresh: bool = False,
 ) -> Answer:
+    """``fresh``: past the response cache (a hit answers without the workers)."""
     params = {"model": model} if model else {}
     headers = {"X-Model-Id": pin} if pin else {}
+    if fresh:
+        headers["Cache-Control"] = "no-cache"
     if tenant is not None:
         headers |= as_tenant(tenant)
     files = {"image": ("x.png", IMAGES[image])}

@@ -270,8 +270,11 @@ class Lifecycle(RuleBasedStateMachine):
 
         def fail_over() -> None:
             self.deployment.fail_over_redis()
-            # Until the front end reaches the new primary, a request hears it cannot.
-            reached = lambda: http_embedding(self.http, 0).error != "broker_unavailable"  # noqa: E731
+            # Until the front end reaches the new primary, a request hears it cannot (one
+            # past the cache: a hit answers meanwhile, found by this test).
+            reached = (  # noqa: E731
+                lambda: http_embedding(self.http, 0, fresh=True).error != "broker_unavailable"
+            )
             until(reached, "the front end reaching Redis again", timeout_s=30)
             self._settle(self.expected.serving)
 
@@ -380,6 +383,10 @@ class Lifecycle(RuleBasedStateMachine):
     def _check_pins(self, want: str) -> None:
         pinned = http_embedding(self.http, 0, pin=want, tenant="shop")  # a tenant's pin
         assert pinned.status == 200 and pinned.served_id == want, (pinned, self.log)
+        # The probe asked the same image of the same id: the cache answers, with its answer.
+        assert pinned.cache == "hit", (pinned, self.log)
+        why = computed_by(self.catalog, want, pinned.image, pinned.embedding)
+        assert why is None, (why, self.log)
         bare, suffix = split_served_id(want)
         if suffix != "float32":  # the export's id without its precision: not what serves
             refused = http_embedding(self.http, 0, pin=bare)
