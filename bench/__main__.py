@@ -15,7 +15,8 @@ With ``--baseline``, the same configurations served from an earlier commit's sou
 ratios are among the verdicts. The full run (not ``--quick``) ends with ``bench.protocols``
 (the v2 protocol over HTTP and gRPC against /predict/tag, one server, in turns) and
 ``bench.tracing`` (tracing off against on at ratios 0.01 and 1.0, in turns) and
-``bench.tenants`` (a noisy neighbour and priorities, open loop, in-process and broker mode).
+``bench.tenants`` (a noisy neighbour and priorities, open loop, in-process and broker mode)
+and ``bench.cache`` (the response cache on traces with repeats, in both modes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from app.manifest import read_manifest
 from app.workers.runtimes import cpu_has_bf16
-from bench import lone, protocols, tenants, tracing
+from bench import cache, lone, protocols, tenants, tracing
 from bench.baseline import source_tree
 from bench.breakdown import IDLE, PLAIN
 from bench.loadgen import closed_loop, multipart_request
@@ -493,9 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         protocol_report = None if args.quick else three_ways(args, jpegs, scratch)
         traced = None if args.quick else tracing_cost(args, jpegs, scratch)
         shared: list[dict[str, object]] = []
+        kept: list[dict[str, object]] = []
         if not args.quick:  # many callers, open loop (bench.tenants), in-process and broker
             model = _exported(tenants.MODEL, scratch)
             shared = [v for mode in ("inprocess", "broker") for v in tenants.measure(model, mode)]
+            # the response cache on a trace with repeats (bench.cache), both modes
+            kept = [v for mode in ("inprocess", "broker") for v in cache.measure(model, mode)]
     print(f"\nratios (one run, same machine, {time.monotonic() - started:.0f} s):")
     for line in ratios(reports, mach, protocol_report):
         print("  " + line)
@@ -504,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     for verdict in shared:
         passed = "PASS" if verdict["pass"] else "MISS"
         print(f"  tenants: {verdict['name']} {verdict['value']:.2f} ({verdict['target']}) {passed}")
+    for verdict in kept:
+        passed = "PASS" if verdict["pass"] else "MISS"
+        print(f"  cache: {verdict['name']} {verdict['value']:.2f} ({verdict['target']}) {passed}")
     if args.plot:
         write_plot(reports, args.plot)
         print(f"plot written to {args.plot}")

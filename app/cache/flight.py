@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from app.cache.memory import BytesLRU, frozen
-from app.errors import ClientError
+from app.errors import IMAGE_ERRORS, ServerError
 
 if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for
     from app.cache.shared import SharedCache
@@ -74,14 +74,20 @@ class CacheUse:
         return None
 
 
+# The errors an image's bytes cause, the same for every request that sends them: shared
+# with those waiting. Any other (a timeout, a refusal for the first request's priority or
+# quota, a cancel) is that request's own.
+_THE_IMAGE_S = tuple(IMAGE_ERRORS.values())
+
+
 @dataclass(frozen=True)
 class _Landed:
-    """What a computation left its followers: its answer, or the error to share (a client
-    error: the same bytes fail the same way), or neither (it timed out or was cancelled:
-    each follower then computes for itself, within its own deadline)."""
+    """What a computation left its followers: its answer, or the error to share (the
+    image's own: the same bytes fail the same way), or neither (it timed out, was refused
+    or cancelled: each follower then computes for itself, within its own deadline)."""
 
     answer: object = None
-    error: ClientError | None = None
+    error: ServerError | None = None
 
 
 class ResponseCache:
@@ -120,7 +126,7 @@ class ResponseCache:
                 break
             landed = await asyncio.shield(flight)
             if landed.error is not None:
-                raise landed.error
+                raise type(landed.error)(landed.error.message)  # each caller its own
             if landed.answer is not None:
                 return self._told(use, Outcome.COALESCED, landed.answer)
             # It came to nothing (a timeout, a cancel): look again, maybe compute.
@@ -150,7 +156,7 @@ class ResponseCache:
                     return self._told(use, Outcome.SHARED_HIT, kept)
             try:
                 computed = frozen(await compute())
-            except ClientError as exc:
+            except _THE_IMAGE_S as exc:
                 landed = _Landed(error=exc)
                 raise
             landed = _Landed(computed)

@@ -16,7 +16,7 @@ import pytest
 from app.cache import CacheUse, Outcome, ResponseCache, cache_key
 from app.cache.memory import BytesLRU, frozen, size_of
 from app.cache.shared import COOL_OFF_S, SharedCache
-from app.errors import DeadlineExceeded, InvalidImage, QueueFull
+from app.errors import DeadlineExceeded, InvalidImage, QueueFull, Shed
 from app.jobs import EmbeddingAndTopK, Task, TopK
 from tests.broker import RedisServer
 from tests.server import free_port
@@ -129,21 +129,27 @@ async def test_errors_are_never_kept_and_a_client_error_is_shared_with_those_wai
     gate.set()
     failed = await asyncio.gather(*waiting, return_exceptions=True)
     assert calls == [1] and all(isinstance(error, InvalidImage) for error in failed)
+    assert len({id(error) for error in failed}) == 3  # each its own instance
     with pytest.raises(InvalidImage):
         await cache.answer(b"k", compute, CacheUse())
     assert calls == [1, 1]  # computed again: nothing was kept
 
 
-@pytest.mark.parametrize("how", ["timeout", "overload", "cancel"])
+@pytest.mark.parametrize("how", ["timeout", "overload", "shed", "cancel"])
 async def test_when_the_computation_comes_to_nothing_each_waiting_request_tries_itself(
     how: str,
 ) -> None:
-    """The first request timed out (its deadline, not the others'), was refused, or its
+    """The first request timed out (its deadline, not the others'), was refused (the
+    server full, or its own priority shed: a 429 that is its, not the image's), or its
     client left: those that waited on it compute their own answer (one of them for all)."""
     cache = ResponseCache(1 << 20)
     gate = asyncio.Event()
     first_calls, first = counting(
-        error={"timeout": DeadlineExceeded("late"), "overload": QueueFull("full")}.get(how),
+        error={
+            "timeout": DeadlineExceeded("late"),
+            "overload": QueueFull("full"),
+            "shed": Shed("priority 2 gives way", retry_after_s=1),
+        }.get(how),
         gate=gate,
     )
     leader = asyncio.ensure_future(cache.answer(b"k", first, CacheUse()))

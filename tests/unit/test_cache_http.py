@@ -167,7 +167,10 @@ async def test_a_hit_is_answered_while_the_queue_is_full(tmp_path: Path) -> None
         assert (await embed(client)).headers["X-Cache"] == "miss"
         gate.clear()
         busy = [asyncio.ensure_future(embed(client, image)) for image in IMAGES[1:]]
-        await asyncio.sleep(0.2)
+        for _ in range(200):  # one image in the stuck batch, one waiting: the queue is full
+            if "microbatch_queue_depth 1.0" in (await client.get("/metrics")).text:
+                break
+            await asyncio.sleep(0.05)
         full = await embed(client, distinct_images(4)[3])
         assert full.status_code == 503  # a new image finds the queue full
         hit = await embed(client)
