@@ -162,16 +162,18 @@ async def test_a_hit_is_answered_while_the_queue_is_full(tmp_path: Path) -> None
         return answer(task, jobs)
 
     fake = FakeTransport(stuck, batch_size=1)
-    async with serving(tmp_path, fake, mb_max_queue=1) as (_, client):
+    async with serving(tmp_path, fake, mb_max_queue=1, mb_request_timeout=10) as (_, client):
         gate.set()
         assert (await embed(client)).headers["X-Cache"] == "miss"
         gate.clear()
-        busy = [asyncio.ensure_future(embed(client, image)) for image in IMAGES[1:]]
-        for _ in range(200):  # one image in the stuck batch, one waiting: the queue is full
-            if "microbatch_queue_depth 1.0" in (await client.get("/metrics")).text:
-                break
-            await asyncio.sleep(0.05)
-        full = await embed(client, distinct_images(4)[3])
+        # New images, one after another, until one finds the queue full: with the batch
+        # stuck, nothing leaves the queue (for the 10 s of their timeout).
+        new = iter(distinct_images(12)[3:])
+        busy: list[asyncio.Future[httpx.Response]] = []
+        while not any(b.done() and b.result().status_code == 503 for b in busy):
+            busy.append(asyncio.ensure_future(embed(client, next(new))))
+            await asyncio.sleep(0.2)
+        full = await embed(client, next(new))
         assert full.status_code == 503  # a new image finds the queue full
         hit = await embed(client)
         assert hit.status_code == 200 and hit.headers["X-Cache"] == "hit"
