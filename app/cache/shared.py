@@ -17,7 +17,7 @@ from app.broker.wire.reply import decode_reply, encode_answer
 
 log = logging.getLogger("app.cache")
 
-TIMEOUT_S = 0.02  # the longest a request waits for the shared cache
+TIMEOUT_S = 0.05  # the longest a request waits for the shared cache
 COOL_OFF_S = 1.0  # after a failure, the shared cache is not asked for this long
 
 
