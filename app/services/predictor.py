@@ -78,6 +78,18 @@ class Inference:
     top_k: list[TopK] | None
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """One image of a request, as the Predictor runs it."""
+
+    task: Task
+    data: Image
+    top_k: int
+    deadline: float  # monotonic
+    trace: Trace | None
+    ticket: Ticket | None  # where it queues (None: the server's own work)
+
+
 class Predictor:
     """What the routers call, for one model version. Holds no torch: the Streamer carries
     jobs to the workers, keyed by this version's served id (``model_id``), so its images
@@ -117,37 +129,21 @@ class Predictor:
         self._charge = charge  # draws a request's images from its tenant's quota
         self._cache = cache  # answers kept by content and served id (app.cache)
 
-    async def _run(
-        self,
-        task: Task,
-        data: Image,
-        top_k: int,
-        deadline: float,
-        trace: Trace | None,
-        ticket: Ticket | None,
-        use: CacheUse | None,
-    ) -> object:
+    async def _run(self, ask: _Ask, use: CacheUse | None) -> object:
         """One image's answer: from the cache when it keeps it (before admission: a hit
         answers even when the queue is full), else computed."""
         if self._cache is None:
-            return await self._compute(task, data, top_k, deadline, trace, ticket)
+            return await self._compute(ask)
         return await self._cache.answer(
-            cache_key(self.model_id, task, top_k, data),
-            lambda: self._compute(task, data, top_k, deadline, trace, ticket),
+            cache_key(self.model_id, ask.task, ask.top_k, ask.data),
+            lambda: self._compute(ask),
             use,
         )
 
-    async def _compute(
-        self,
-        task: Task,
-        data: Image,
-        top_k: int,
-        deadline: float,
-        trace: Trace | None,
-        ticket: Ticket | None,
-    ) -> object:
+    async def _compute(self, ask: _Ask) -> object:
+        data = ask.data
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
-        self._streamer.check_admission(ticket)
+        self._streamer.check_admission(ask.ticket)
         image: Image = data
         encoded = not self._plan.server_decodes and isinstance(data, bytes)
         if isinstance(data, bytes) and not encoded:
@@ -155,15 +151,15 @@ class Predictor:
                 self._decode_pool,
                 lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
             )
-        remaining = deadline - time.monotonic()
+        remaining = ask.deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
-            ImageJob(image, top_k=top_k),
-            key=BatchKey(task, encoded, self.model_id),
+            ImageJob(image, top_k=ask.top_k),
+            key=BatchKey(ask.task, encoded, self.model_id),
             timeout_s=remaining,
-            trace=trace,
-            ticket=ticket,
+            trace=ask.trace,
+            ticket=ask.ticket,
         )
 
     def require_classifier(self) -> None:
@@ -201,12 +197,10 @@ class Predictor:
         cache answered each (``X-Cache``)."""
         if ticket is not None and self._charge is not None:
             await self._charge(ticket, len(images))
-        if len(images) == 1:
-            return [await self._run(task, images[0], top_k, deadline, trace, ticket, use)]
-        runs = [
-            asyncio.ensure_future(self._run(task, data, top_k, deadline, trace, ticket, use))
-            for data in images
-        ]
+        asks = [_Ask(task, data, top_k, deadline, trace, ticket) for data in images]
+        if len(asks) == 1:
+            return [await self._run(asks[0], use)]
+        runs = [asyncio.ensure_future(self._run(ask, use)) for ask in asks]
         try:
             await asyncio.wait(runs, return_when=asyncio.FIRST_EXCEPTION)
             failed = [
