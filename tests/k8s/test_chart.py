@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from app.settings import SECRET_SETTINGS
 from tests.k8s import crds
 from tests.k8s import manifests as m
 from tests.k8s.conftest import (
@@ -143,7 +144,7 @@ def test_the_values_schema_rejects_an_unknown_mode(chart: Path) -> None:
     assert "/mode" in output, output
 
 
-@pytest.mark.parametrize("name", ["API_KEY", "ADMIN_API_KEY", "REDIS_PASSWORD", "MB_BROKER"])
+@pytest.mark.parametrize("name", sorted(SECRET_SETTINGS | {"REDIS_PASSWORD"}))
 def test_the_values_schema_refuses_an_inline_credential_in_extra_env(
     chart: Path, name: str
 ) -> None:
