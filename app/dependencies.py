@@ -59,7 +59,7 @@ def app_settings(request: Request) -> Settings:
     return settings
 
 
-def running_engine(request: Request) -> Engine | None:
+def running_engine(request: HTTPConnection) -> Engine | None:
     """The engine once it has started (``None`` before)."""
     engine: Engine | None = getattr(request.app.state, "engine", None)
     return engine
@@ -161,7 +161,7 @@ def cache_use_of(request: HTTPConnection) -> CacheUse | None:
     """How this request uses the response cache (None when the server has none): afresh if
     it says ``Cache-Control: no-cache`` (or ``max-age=0``); the outcome goes out as
     ``X-Cache`` (``app.observability``)."""
-    engine = running_engine(request)  # type: ignore[arg-type]
+    engine = running_engine(request)
     if engine is None or engine.cache is None:
         return None
     use = CacheUse.asked(header(request, "cache-control"))
