@@ -22,10 +22,15 @@ from app.settings import Settings, get_settings
 
 
 def _settings_help() -> str:
-    """Every setting with its default and meaning, from the one Settings class."""
+    """Every setting with its default and meaning, from the one Settings class: its own
+    first, then those of its parts (broker mode and the shared cache, the test hooks)."""
     lines = ["settings (environment variables, or a .env file in the working directory):"]
-    for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else repr(field.default)
+    fields = Settings.model_fields
+    own = [name for name in fields if name in Settings.__annotations__]
+    for name in own + [name for name in fields if name not in own]:
+        field = fields[name]
+        value = field.get_default(call_default_factory=True)
+        default = "unset" if value is None else repr(value)
         lines.append(f"  {name.upper()} (default {default})")
         if field.description:
             lines += textwrap.wrap(

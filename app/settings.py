@@ -23,10 +23,10 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import SettingsError
+from app.settings_broker import BrokerSettings
 from app.settings_testing import TestHooks
 from app.settings_values import (
     MODEL_NAME_PATTERN,
-    BrokerAddress,
     parse_cuda_devices,
     parse_model_dtypes,
     parse_pins,
@@ -48,7 +48,7 @@ class PriorityLevel(BaseModel):
     )
 
 
-class Settings(BaseSettings, TestHooks):
+class Settings(BaseSettings, TestHooks, BrokerSettings):
     """Server settings. Construct with keyword arguments in tests; env vars otherwise. The
     hooks only tests set (``MB_TEST_*``) are ``app.settings_testing.TestHooks``."""
 
@@ -256,81 +256,6 @@ class Settings(BaseSettings, TestHooks):
             "ADMIN_API_KEY."
         ),
     )
-    mb_cache_bytes: ByteSize = Field(
-        ByteSize(0),
-        description=(
-            "A response cache in each server process, this large ('256MiB'; 0: none): an "
-            "image's answer by its bytes and the served id, identical requests in flight "
-            "computed once (docs/cache.md)."
-        ),
-    )
-    mb_cache_redis: SecretStr | None = Field(
-        None,
-        description=(
-            "A Redis URL for a response cache every front end shares (best a Redis of its "
-            "own with maxmemory and allkeys-lru; docs/cache.md). Down or slow: served without."
-        ),
-    )
-    mb_cache_ttl_s: float = Field(
-        3600.0, gt=0, description="How long the shared cache (MB_CACHE_REDIS) keeps an answer."
-    )
-    mb_broker: SecretStr | None = Field(
-        None,
-        description=(
-            "Broker mode: a Redis URL (redis://host:port/db, rediss:// for TLS, a password as "
-            "redis://:secret@host), or Sentinel's (redis+sentinel://host:26379,host2/service, "
-            "rediss+sentinel:// for TLS). Front ends then start no model workers; `python -m "
-            "app.broker.worker` runs them, on any host."
-        ),
-    )
-    mb_broker_admin: SecretStr | None = Field(
-        None,
-        description=(
-            "Broker mode, front ends: the Redis URL the admin routes write the version pins "
-            "through (an ACL user allowed to; docs/scaling.md). Default: MB_BROKER, whose "
-            "user then needs the same rights."
-        ),
-    )
-    mb_broker_prefix: str = Field(
-        "mb",
-        pattern=r"^[A-Za-z0-9_.-]{1,32}$",
-        description="Prefix of every Redis key broker mode uses (an ACL can be limited to it).",
-    )
-    mb_max_deliveries: int = Field(
-        3,
-        ge=1,
-        le=100,
-        description=(
-            "Broker mode: a request whose worker died this many times is answered 500 instead "
-            "of being run again."
-        ),
-    )
-    mb_worker_name: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
-        description=(
-            "Broker mode: this host's name in the workers' names (default: the host name); "
-            "worker i is '<name>:<i>', the same across restarts."
-        ),
-    )
-    mb_health_port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description=(
-            "Broker mode: the port `python -m app.broker.worker` answers GET /healthz and "
-            "/readyz on (Kubernetes probes), from its workers' heartbeats; unset: no port."
-        ),
-    )
-    mb_scale_from_zero: bool = Field(
-        False,
-        description=(
-            "Broker mode, front ends: while no worker is live (an autoscaler scaled them to "
-            "zero), stay ready and queue each request for the version its model last served, "
-            "up to its deadline, so the queue's lag can start workers; off: such requests get "
-            "503 at once."
-        ),
-    )
     prometheus_multiproc_dir: Path | None = Field(
         None,
         description=(
@@ -426,13 +351,6 @@ class Settings(BaseSettings, TestHooks):
                 f"{levels} levels of MB_PRIORITY_LEVELS"
             )
         return self
-
-    @field_validator("mb_broker", "mb_broker_admin", "mb_cache_redis")
-    @classmethod
-    def _check_broker(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            BrokerAddress.parse(value.get_secret_value())  # raises ValueError
-        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -26,7 +26,8 @@ MODULES = {  # dotted name -> file
     for path in APP.rglob("*.py")
 }
 LEAVES = {
-    "plan", "settings", "settings_values", "settings_testing", "errors", "jobs", "manifest",
+    "plan", "settings", "settings_values", "settings_testing", "settings_broker", "errors",
+    "jobs", "manifest",
     "repository",
     "lifecycle", "images", "logs",
 }  # fmt: skip
@@ -65,8 +66,9 @@ def layer_imports(layer: str) -> set[str]:
     [
         ("batching", {"errors", "lifecycle"}),
         ("lifecycle", {"errors"}),
-        ("settings", {"errors", "settings_values", "settings_testing"}),
+        ("settings", {"errors", "settings_values", "settings_testing", "settings_broker"}),
         ("settings_testing", set()),
+        ("settings_broker", {"settings_values"}),
         ("settings_values", set()),
         ("errors", set()),
         ("tracing", {"errors"}),
