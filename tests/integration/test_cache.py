@@ -124,7 +124,8 @@ def test_a_repeat_is_a_hit_bit_for_bit_and_no_cache_computes_afresh(
     assert hit.headers["X-Model-Id"].startswith(f"{MODEL}@")
     np.testing.assert_allclose(vector(hit), expected_for(image, tiny_store), atol=1e-5)
     fresh = embed(server, image, {"Cache-Control": "no-cache"})
-    assert fresh.headers["X-Cache"] == "miss" and fresh.content == miss.content
+    assert fresh.headers["X-Cache"] == "miss"  # computed again: equal within float rounding
+    np.testing.assert_allclose(vector(fresh), vector(miss), atol=1e-5)
     assert images_computed(server) - computed_before == 2  # the miss and the fresh one
     counted = outcomes(server) - before
     assert counted == Counter({"miss": 1, "hit": 1, "fresh": 1}), counted
@@ -196,7 +197,7 @@ def test_grpc_says_x_cache_in_its_trailing_metadata(
         np.testing.assert_array_equal(kept, first[0])
         fresh, trailing = _raw_infer(channel, image, (("cache-control", "no-cache"),))
         assert trailing.get("x-cache") == "miss", trailing
-        np.testing.assert_array_equal(fresh, first[0])
+        np.testing.assert_allclose(fresh, first[0], atol=1e-5)  # computed again
         # An upload over HTTP is the same image of the same export: the same entry.
         over_http = embed(server, image)
     assert over_http.headers["X-Cache"] == "hit"
