@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import redis
 import uvloop
 
 from app.manifest import split_served_id
@@ -128,7 +129,16 @@ def cache_redis() -> Iterator[str]:
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        time.sleep(0.3)
+        client = redis.Redis(host=HOST, port=port, socket_timeout=5)
+        deadline = time.monotonic() + 30  # a busy host starts it slowly: wait for its answer
+        while True:
+            with contextlib.suppress(redis.ConnectionError):
+                client.ping()
+                break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("the cache's redis-server did not start")
+            time.sleep(0.05)
+        client.close()
         yield f"redis://{HOST}:{port}/0"
     finally:
         process.terminate()
