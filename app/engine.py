@@ -57,6 +57,8 @@ def default_transport(
             own_routes={model.name: Route(model.version, model.served_id) for model in models},
             admin_url=plan.broker.admin_url,
             on_event=metrics.on_broker_event if metrics else None,
+            levels=level_policies(plan),
+            tenant_lanes=plan.broker.tenant_lanes,
         )
     from app.workers.pool import WorkerPool
 
@@ -70,6 +72,12 @@ def default_transport(
         on_run=on_run if metrics else None,
         on_load=metrics.on_load if metrics else None,
     )
+
+
+def level_policies(plan: ServingPlan) -> list[LevelPolicy]:
+    """``MB_PRIORITY_LEVELS`` as the batching layer takes it (the same fields: batching
+    reads no settings)."""
+    return [LevelPolicy(**level.model_dump()) for level in plan.limits.levels]
 
 
 def models_to_serve(plan: ServingPlan) -> list[ModelSpec]:
@@ -230,10 +238,7 @@ class Engine:
                 max_concurrent_batches=self._transport.capacity,
                 default_timeout_s=limits.request_timeout_s,
                 on_batch=self._on_batch if self.metrics and not plan.remote_workers else None,
-                levels=[
-                    LevelPolicy(**level.model_dump())  # the same fields: batching reads no settings
-                    for level in limits.levels
-                ],
+                levels=level_policies(plan),
             )
             if plan.decode.server_threads:
                 self._decode_pool = ThreadPoolExecutor(

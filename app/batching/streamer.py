@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 from app.batching.contract import as_server_error, deliver, fail
 from app.batching.fair import FairQueue, LevelPolicy, Ticket
 from app.batching.observe import BatchObserver, Trace
-from app.batching.transport import BatchFn, BatchItem
+from app.batching.transport import NO_TICKET, BatchFn, BatchItem
 from app.errors import (
     DeadlineExceeded,
     NotReady,
@@ -43,8 +43,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
-
-NO_TICKET = Ticket()  # the server's own work (the batch job): the highest level, no tenant
 
 
 @dataclass(eq=False, slots=True)
@@ -409,8 +407,15 @@ class Streamer(Generic[T, R]):
             self._wake.set()
 
     async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
+        last = len(self.levels) - 1  # a delayed item keeps to the lowest level past this
         items = [
-            BatchItem(item.id, item.payload, item.deadline, item.trace and item.trace.link)
+            BatchItem(
+                item.id,
+                item.payload,
+                item.deadline,
+                item.trace and item.trace.link,
+                Ticket(item.tenant, min(item.level, last), item.weight),
+            )
             for item in batch
         ]
         results = await self._batch_fn(key, items)

@@ -17,12 +17,14 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence, Se
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from app.batching.fair import Ticket
 from app.lifecycle import AdminPin, Route, VersionState, WorkerView
 
 if TYPE_CHECKING:
     from app.repository import Repository
 
 T = TypeVar("T")
+NO_TICKET = Ticket()  # the server's own work (the batch job): the highest level, no tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +114,14 @@ class BatchItem(Generic[T]):
     the moment its caller stops waiting, on the Streamer's clock (``time.monotonic`` unless
     the Streamer was given another), so a transport can forward it or drop the item.
     ``None``: no deadline. ``link``: its request's trace context (``app.tracing``), when
-    traced, for the worker's batch span."""
+    traced, for the worker's batch span. ``ticket``: its priority level and tenant, for a
+    transport that queues again (broker mode's lanes)."""
 
     id: int
     payload: T
     deadline: float | None = None
     link: object | None = None
+    ticket: Ticket = NO_TICKET
 
 
 @dataclass(frozen=True)

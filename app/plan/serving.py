@@ -123,6 +123,7 @@ class BrokerPlan:
     health_port: int | None = None  # workers: where their probes answer (app.broker.worker.probes)
     scale_from_zero: bool = False  # front ends: queue for the last routes with no worker live
     admin_url: str | None = field(default=None, repr=False)  # front ends: pins written here
+    tenant_lanes: bool = False  # front ends: a lane per tenant (a keys file names them)
 
     @property
     def address(self) -> str:
@@ -270,6 +271,7 @@ def plan_serving(
             admin_url=(
                 settings.mb_broker_admin.get_secret_value() if settings.mb_broker_admin else None
             ),
+            tenant_lanes=settings.mb_keys_file is not None,
         )
     repository_root = settings.model_repository or settings.model_store
     return ServingPlan(

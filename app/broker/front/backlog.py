@@ -17,8 +17,18 @@ async def count_backlog(client: aioredis.Redis, keys: Keys, served: Iterable[str
     read (``lag``; Redis cannot tell it after an unread entry was deleted, and then it is the
     entries not pending, as answered entries are deleted), and entries read and not answered
     (``pending``, a dead worker's included). A stream no worker has read yet (scaled to zero)
-    counts whole; one that does not exist, not at all. Raises ``RedisError`` or ``OSError``."""
-    streams = [stream for served_id in sorted(set(served)) for stream in keys.streams(served_id)]
+    counts whole; one that does not exist, not at all. A version's lanes count as its streams
+    (``app.broker.wire.lanes``). Raises ``RedisError`` or ``OSError``."""
+    versions = sorted(set(served))
+    async with client.pipeline(transaction=False) as pipe:
+        for served_id in versions:
+            pipe.hkeys(keys.lanes(served_id))
+        lanes = await pipe.execute()
+    streams = [
+        stream
+        for served_id, names in zip(versions, lanes, strict=True)
+        for stream in keys.streams(served_id) + keys.lanes_of(served_id, map(text, names))
+    ]
     async with client.pipeline(transaction=False) as pipe:
         for stream in streams:
             pipe.xlen(stream)

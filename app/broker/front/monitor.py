@@ -30,6 +30,7 @@ from app.broker.wire.control import SEQ, bump, decode_pins, restore_pins, set_pi
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
+from app.broker.wire.parsing import text
 from app.errors import BrokerUnavailable
 from app.lifecycle import UNLOADED, AdminPin, Route, VersionState, routes
 from app.lifecycle.keeper import export_of
@@ -94,6 +95,8 @@ class Monitor:
         self._written_seq = 0
         self._restore_due = False
         self.queue_depth = 0  # entries in the routed versions' streams at the last look
+        # The lanes (``app.broker.wire.lanes``) of each routed version at the last look.
+        self.lanes: dict[str, tuple[str, ...]] = {}
         self.rate = 0.0  # images/s the workers answered, lately (for Retry-After)
         self._derived: dict[str, Route] = {}  # the routes the live workers' heartbeats give
         self._last_routes: dict[str, Route] = {}  # the routes hash in Redis, at the last look
@@ -114,6 +117,10 @@ class Monitor:
         """Scaling from zero, the served ids the names route to: their requests queue for
         workers to come, held or not (their deadline bounds the wait)."""
         return frozenset(r.served_id for r in self.routes.values() if self.scale_from_zero)
+
+    def counted(self, served_id: str) -> tuple[str, ...]:
+        """A version's streams, one per task, and its lanes known at the last look."""
+        return self.keys.streams(served_id) + self.lanes.get(served_id, ())
 
     def served(self, served_id: str, *, new: bool = False) -> bool:
         """Whether a live worker reads ``served_id``'s streams, or is loading its export (a
@@ -247,11 +254,8 @@ class Monitor:
         """One look at Redis, in one round trip."""
         assert self.client is not None
         self._looked_at = time.monotonic()
-        counted = [
-            stream
-            for served_id in sorted({route.served_id for route in self.routes.values()})
-            for stream in self.keys.streams(served_id)
-        ]
+        routed = sorted({route.served_id for route in self.routes.values()})
+        counted = [stream for served_id in routed for stream in self.counted(served_id)]
         try:
             for client in self.clients:  # behind Sentinel: the primary it names now
                 await follow_primary_async(client)
@@ -261,6 +265,8 @@ class Monitor:
                 pipe.hget(self.keys.pins_seq, SEQ)
                 for stream in counted:
                     pipe.xlen(stream)
+                for served_id in routed:
+                    pipe.hkeys(self.keys.lanes(served_id))
                 if self.scale_from_zero:
                     pipe.hgetall(self.keys.routes)
                 self._live.queue(pipe)
@@ -282,6 +288,11 @@ class Monitor:
         if self._restore_due:
             await self._restore_pins()
         self.queue_depth = sum(answers[3 : 3 + len(counted)])
+        lanes = answers[3 + len(counted) : 3 + len(counted) + len(routed)]
+        self.lanes = {
+            served_id: self.keys.lanes_of(served_id, (text(name) for name in names))
+            for served_id, names in zip(routed, lanes, strict=True)
+        }
         if self.scale_from_zero:
             self._last_routes = decode_routes(answers[-2])
         live = self._live.parse(answers[-1])

@@ -79,6 +79,7 @@ class WorkerInfo(BaseModel):
     malformed: int = Field(ge=0)
     reclaimed: int = Field(ge=0)
     given_up: int = Field(ge=0)
+    shed: int = Field(0, ge=0)  # absent from workers before priorities in broker mode
     reconnects: int = Field(0, ge=0)  # absent from workers before it
     # served id -> task -> batch size -> batches; -> task -> histogram (see ConsumerStats)
     sizes: dict[str, dict[Task, dict[int, int]]] = Field(default_factory=dict)

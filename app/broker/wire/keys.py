@@ -3,6 +3,8 @@ so a Redis ACL user can be limited to ``~<prefix>:*``, and the timings both side
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from app.jobs import Task
@@ -14,6 +16,8 @@ HEARTBEAT_S = 1.0
 STALE_S = 3.0
 # A reply list nobody reads (its front end died) expires this long after its last reply.
 REPLY_TTL_S = 60
+# What a lane adds to its task's stream name: its priority (1 is the highest) and tenant.
+_LANE_SUFFIX = re.compile(r":p([1-9][0-9]{0,2})(?::[A-Za-z0-9_.-]{1,64})?$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,52 @@ class Keys:
     def streams(self, served_id: str) -> tuple[str, ...]:
         """The served id's streams, one per task."""
         return tuple(self.stream(served_id, task) for task in Task)
+
+    def lane(self, served_id: str, task: Task, level: int, tenant: str | None) -> str:
+        """The stream a request of priority ``level`` (0: the highest) and ``tenant`` waits
+        in (``app.broker.wire.lanes``): its task's stream for the highest level and no
+        tenant (so a server without keys or levels has one stream per task, as before),
+        else a stream of its own beside it, so workers can take the levels in order and
+        the tenants in turn.
+
+        >>> keys, served = Keys("mb"), "m@89e9be0d4f64"
+        >>> keys.lane(served, Task.TAG, 1, "shop"), keys.lane(served, Task.TAG, 0, None)
+        ('mb:{q}:89e9be0d4f64:tag:p2:shop', 'mb:{q}:89e9be0d4f64:tag')
+        """
+        stream = self.stream(served_id, task)
+        if level == 0 and tenant is None:
+            return stream
+        return f"{stream}:p{level + 1}" + ("" if tenant is None else f":{tenant}")
+
+    @staticmethod
+    def base(stream: str) -> str:
+        """The task's stream a lane belongs to (a task's stream is its own).
+
+        >>> Keys.base("mb:{q}:89e9be0d4f64:tag:p2:shop"), Keys.base("mb:{q}:89e9be0d4f64:tag")
+        ('mb:{q}:89e9be0d4f64:tag', 'mb:{q}:89e9be0d4f64:tag')
+        """
+        return _LANE_SUFFIX.sub("", stream)
+
+    @staticmethod
+    def lane_level(stream: str) -> int:
+        """The priority level (0: the highest) of a lane's requests; a task's stream's: 0.
+
+        >>> Keys.lane_level("mb:{q}:89e9be0d4f64:tag:p2:shop"), Keys.lane_level("mb:{q}:8:tag")
+        (1, 0)
+        """
+        suffix = _LANE_SUFFIX.search(stream)
+        return 0 if suffix is None else int(suffix.group(1)) - 1
+
+    def lanes_of(self, served_id: str, names: Iterable[str]) -> tuple[str, ...]:
+        """Of ``names`` (a lanes hash's fields), the lanes of ``served_id``, sorted: a
+        forged name (another key, another version's stream) is never read or counted."""
+        own = self.streams(served_id)
+        return tuple(sorted({n for n in names if n not in own and self.base(n) in own}))
+
+    def lanes(self, served_id: str) -> str:
+        """Hash: a version's lanes (stream name -> what it holds: ``app.broker.wire.lanes``),
+        written by the front ends as they add to a lane, read by the workers."""
+        return f"{self.prefix}:{{q}}:{model_version(served_id)}:lanes"
 
     @property
     def routes(self) -> str:

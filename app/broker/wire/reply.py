@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.broker.wire.parsing import MalformedMessage, integer, json_object, token
-from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError
+from app.errors import IMAGE_ERRORS, DeadlineExceeded, InferenceError, ServerError, Shed
 from app.jobs import EmbeddingAndTopK, TopK
 
 REPLY_MAGIC = b"R1"
@@ -26,7 +26,7 @@ REPLY_ARRAYS: dict[str, str] = {"embedding": "<f4", "indices": "<i8", "probs": "
 # The only errors a reply may name: rebuilt as these classes, anything else is refused.
 REPLY_ERRORS: dict[str, type[ServerError]] = {
     **IMAGE_ERRORS,
-    **{cls.__name__: cls for cls in (InferenceError, DeadlineExceeded)},
+    **{cls.__name__: cls for cls in (InferenceError, DeadlineExceeded, Shed)},
 }
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import redis
@@ -42,12 +42,13 @@ from app.broker.wire.reply import encode_answer
 from app.broker.wire.request import Request, decode_request, entry_time_ms
 from app.broker.worker import spans
 from app.broker.worker.health import Presence, PrimaryWatch, TroubleLog, vital_thread
+from app.broker.worker.lanes import is_doorbell
 from app.broker.worker.orphans import OrphanClaims
 from app.broker.worker.readahead import ReadAhead
 from app.broker.worker.replies import RETRY_S, Answered, Entry, EntryId, Replier
 from app.broker.worker.stats import ConsumerStats
 from app.broker.worker.versions import WorkerVersions
-from app.errors import InferenceError, InvalidImage
+from app.errors import InferenceError, InvalidImage, Shed
 from app.jobs import Task
 from app.repository import Repository
 from app.workers.compute import run_batch
@@ -62,6 +63,8 @@ RECLAIM_S = 1.0  # how often a worker looks for entries a dead or hung worker le
 
 # One read: each stream's name and the entries read from it.
 Fetched = list[tuple[str, list[Entry]]]
+Tagged = tuple[str, Entry]  # an entry and the stream (or lane) it came from
+Done = tuple[list[Answered], list[EntryId]]  # a stream's replies, and its entries dropped
 
 
 class Consumer:
@@ -209,8 +212,13 @@ class Consumer:
             return None
 
     def _run_read(self, fetched: Fetched) -> None:
+        """Run what a read gave, the entries of a task's stream and its lanes together."""
+        tasks: dict[str, list[Tagged]] = {}
         for stream, entries in fetched:
-            self._process(stream, entries, self._presence.redis_now_ms())
+            tasks.setdefault(self.keys.base(stream), []).extend((stream, e) for e in entries)
+        now_ms = self._presence.redis_now_ms()
+        for task_stream, tagged in tasks.items():
+            self._process_tagged(task_stream, tagged, now_ms)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -222,11 +230,16 @@ class Consumer:
             if not streams:
                 time.sleep(0.1)
                 continue
+            lanes = self.versions.reading()
             started = time.perf_counter()
             try:
-                read = self.client.xreadgroup(
-                    GROUP, self.name, streams, count=self.versions.read_batch_size, block=1000
-                )
+                if lanes:  # levels or tenants: a batch in their order (app.broker.worker.lanes)
+                    sizes = {s: m.batch_size for s, m in list(self.worker.models.items())}
+                    read = self.versions.lanes.read(self.versions.streams, sizes)
+                else:
+                    read = self.client.xreadgroup(
+                        GROUP, self.name, streams, count=self.versions.read_batch_size, block=1000
+                    )
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost the groups (a restart without data)
                     self._ensure_groups()
@@ -239,13 +252,22 @@ class Consumer:
                 self._trouble.pause()
                 continue
             if read:
-                fetched = [(text(stream), entries) for stream, entries in cast(list[Any], read)]
+                fetched = [(text(stream), _fields(entries)) for stream, entries in read]
+                if any(is_doorbell(fields) for _, entries in fetched for _, fields in entries):
+                    self._refresh_lanes()  # a new lane: read it from the next read on
                 self._ahead.put(fetched, time.perf_counter() - started)
+
+    def _refresh_lanes(self) -> None:
+        try:
+            self.versions.lanes.refresh(list(self.worker.models))
+        except (RedisError, OSError) as exc:
+            self._trouble.unreachable(exc)
 
     def _ensure_groups(self, streams: Sequence[str] | None = None) -> None:
         """Create the consumer group on every stream read (or ``streams``), and the streams,
         from their start so nothing already added is skipped; fine if they exist."""
-        for stream in list(self.versions.streams) if streams is None else streams:
+        every = [*self.versions.streams, *self.versions.reading()]
+        for stream in every if streams is None else streams:
             while True:
                 try:
                     self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -265,33 +287,45 @@ class Consumer:
     def _process(
         self, stream: str, entries: Sequence[Entry], now_ms: int, delivery: int = 1
     ) -> None:
-        """Run one stream's entries as batches of its model and answer each; drop what
-        must not run. ``delivery``: which time they are handed to a worker (over 1: claimed
-        from a worker that died, a retry)."""
-        held = self.versions.model_of(stream)
+        """Run one stream's (or lane's) entries: ``_process_tagged``."""
+        self._process_tagged(
+            self.keys.base(stream), [(stream, e) for e in entries], now_ms, delivery
+        )
+
+    def _process_tagged(
+        self, task_stream: str, entries: Sequence[Tagged], now_ms: int, delivery: int = 1
+    ) -> None:
+        """Run entries of one task's stream and its lanes as batches of its model and answer
+        each; drop what must not run. ``delivery``: which time they are handed to a worker
+        (over 1: claimed from a worker that died, a retry)."""
+        held = self.versions.model_of(task_stream)
         if held is None:  # unloaded meanwhile: left pending, for a worker that holds it
             self._trouble.error(
-                f"read {len(entries)} entries of {stream}, whose model it no longer holds"
+                f"read {len(entries)} entries of {task_stream}, whose model it no longer holds"
             )
             return
         model, task = held
         for start in range(0, len(entries), model.batch_size):
             self._process_batch(
-                model, stream, task, entries[start : start + model.batch_size], now_ms, delivery
+                model, task, entries[start : start + model.batch_size], now_ms, delivery
             )
 
     def _process_batch(
         self,
         model: PreparedModel,
-        stream: str,
         task: Task,
-        entries: Sequence[Entry],
+        entries: Sequence[Tagged],
         now_ms: int,
         delivery: int = 1,
     ) -> None:
         runnable: list[tuple[EntryId, Request]] = []
-        dropped: list[EntryId] = []
-        for entry_id, fields in entries:
+        streams: list[str] = []  # each runnable entry's stream or lane
+        done: dict[str, Done] = {}  # per stream: replies, and entries dropped unrun
+        for stream, (entry_id, fields) in entries:
+            answered = done.setdefault(stream, ([], []))
+            if is_doorbell(fields):  # a new lane's (the fetcher read it): nothing to run
+                answered[1].append(entry_id)
+                continue
             try:
                 request = decode_request(fields, self.max_image_bytes)
                 if request.task is not task:
@@ -302,14 +336,19 @@ class Consumer:
                     f"dropped malformed entry {text(entry_id)[:40]}: {str(exc)[:200]}"
                 )
                 self.stats.malformed += 1
-                dropped.append(entry_id)
+                answered[1].append(entry_id)
                 continue
             if expired:
                 self.stats.expired += 1  # its caller has had its 504: nobody waits for it
-                dropped.append(entry_id)
+                answered[1].append(entry_id)
+                continue
+            shed = self._past_level_wait(stream, entry_id, now_ms)
+            if shed is not None:
+                self.stats.shed += 1
+                answered[0].append((entry_id, request, encode_answer(request.id, 1, shed)))
                 continue
             runnable.append((entry_id, request))
-        replies: list[Answered] = []
+            streams.append(stream)
         if runnable:
             started = time.perf_counter()
             self._running = len(runnable)
@@ -319,6 +358,8 @@ class Consumer:
                 with self._ahead.computing(), traced:
                     spans.queued(runnable, now_ms)
                     replies = self._compute(model, task, runnable)
+                for stream, reply in zip(streams, replies, strict=True):
+                    done[stream][0].append(reply)
             finally:
                 self._running = 0
             waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
@@ -326,9 +367,21 @@ class Consumer:
             seconds = time.perf_counter() - started
             served_id = model.spec.served_id
             self.stats.record(served_id, task, len(runnable), frontends, seconds, waits)
-        self._replier.answer(stream, replies, dropped)
+        self._replier.answer_all(done)
         if runnable:
             self.worker.memory.after_batch()
+
+    def _past_level_wait(self, stream: str, entry_id: EntryId, now_ms: int) -> Shed | None:
+        """``Shed`` for an entry of a lane whose level refuses what waited past its queue
+        timeout (``delay``: it waits on in its level, and runs within its deadline)."""
+        lane = self.versions.lanes.lane(stream)
+        if lane is None or lane.timeout_ms is None or not lane.reject:
+            return None
+        waited = now_ms - entry_time_ms(entry_id)
+        if waited <= lane.timeout_ms:
+            return None
+        limit = lane.timeout_ms / 1000
+        return Shed(f"priority {lane.level + 1} waits at most {limit:g} s in the queue")
 
     def _compute(
         self, model: PreparedModel, task: Task, runnable: Sequence[tuple[EntryId, Request]]
@@ -393,6 +446,19 @@ class Consumer:
             "cpu_seconds": round(time.process_time(), 3),
             **vars(self.stats),
         }
+
+
+def _fields(entries: Any) -> list[Entry]:
+    """Entries as a read gives them: from a script, each one's fields as a flat list."""
+    return [
+        (
+            entry_id,
+            fields
+            if isinstance(fields, dict)
+            else dict(zip(fields[::2], fields[1::2], strict=False)),
+        )
+        for entry_id, fields in entries
+    ]
 
 
 def _by_kind(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 from redis.exceptions import RedisError, ResponseError
@@ -40,26 +40,40 @@ class Replier:
     def answer(self, stream: str, replies: Sequence[Answered], dropped: Sequence[EntryId]) -> None:
         """Push the replies, acknowledge and delete their entries (and the dropped ones),
         in one transaction."""
-        if not replies and not dropped:
-            return
+        self.answer_all({stream: (replies, dropped)})
+
+    def answer_all(
+        self, streams: Mapping[str, tuple[Sequence[Answered], Sequence[EntryId]]]
+    ) -> None:
+        """``answer`` for the entries of several streams (a batch taken from lanes), in one
+        transaction."""
         by_frontend: dict[str, list[bytes]] = defaultdict(list)
-        for _, request, reply in replies:
-            by_frontend[request.frontend].append(reply)
-        done = [entry_id for entry_id, _, _ in replies] + list(dropped)
+        done: dict[str, list[EntryId]] = {}
+        for stream, (replies, dropped) in streams.items():
+            for _, request, reply in replies:
+                by_frontend[request.frontend].append(reply)
+            ids = [entry_id for entry_id, _, _ in replies] + list(dropped)
+            if ids:
+                done[stream] = ids
+        if not done:
+            return
         while True:
             try:
                 with self.client.pipeline(transaction=True) as pipe:
                     for frontend, items in by_frontend.items():
                         pipe.rpush(self.keys.replies(frontend), *items)
                         pipe.expire(self.keys.replies(frontend), REPLY_TTL_S)
-                    pipe.xack(stream, GROUP, *done)
-                    pipe.xdel(stream, *done)
+                    for stream, ids in done.items():
+                        pipe.xack(stream, GROUP, *ids)
+                        pipe.xdel(stream, *ids)
                     pipe.execute()
                 return
             except ResponseError as exc:
                 if "NOGROUP" in str(exc) or "no such key" in str(exc):
                     return  # the stream or group is gone (Redis came back empty), and its callers
-                self.trouble.error(f"could not answer {len(done)} entries: {exc}")  # out of memory
+                self.trouble.error(
+                    f"could not answer {sum(map(len, done.values()))} entries: {exc}"
+                )  # out of memory
             except (RedisError, OSError) as exc:
                 self.trouble.unreachable(exc)
                 if self.stop.is_set():

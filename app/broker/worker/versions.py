@@ -35,6 +35,8 @@ from redis.exceptions import RedisError
 from app.broker.wire.control import PinReader, Precisions
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveView, LiveWorkers
+from app.broker.wire.parsing import text
+from app.broker.worker.lanes import LaneReader
 from app.broker.worker.loading import HostLock
 from app.jobs import Task
 from app.lifecycle import RETIRE_S, SWITCH_GRACE_S, ModelSpec, VersionState, given_up, routes
@@ -46,9 +48,10 @@ from app.workers.process import PreparedModel, PreparedWorker
 
 log = logging.getLogger("app.worker")
 
-# Delete a version's streams only while they are empty (a late entry keeps them).
+# Delete a version's streams and lanes (the first ARGV[1] keys) and its lanes hash only
+# while they are empty (a late entry keeps them).
 DROP_IF_EMPTY = """
-for i = 1, #KEYS do if redis.call('XLEN', KEYS[i]) > 0 then return 0 end end
+for i = 1, tonumber(ARGV[1]) do if redis.call('XLEN', KEYS[i]) > 0 then return 0 end end
 return redis.call('DEL', unpack(KEYS))
 """
 
@@ -100,6 +103,7 @@ class WorkerVersions:
         self._lock = HostLock(client, keys, host, load_timeout_s, owner=name)
         self._slot = LoadSlot(load_timeout_s)
         self._drop_if_empty = client.register_script(DROP_IF_EMPTY)
+        self.lanes = LaneReader(client, keys, name, ensure_groups)
         self._unloaded: dict[str, float] = {}  # served id -> when this worker unloaded it
         self._reload = threading.Event()
         self._next_poll = time.monotonic() + (poll_s or 0)
@@ -145,8 +149,13 @@ class WorkerVersions:
         return None if model is None or served is None else (model, served[1])
 
     def held_streams(self) -> list[str]:
-        """Every stream of every version held (read, or retiring)."""
-        return [s for served_id in list(self.worker.models) for s in self.keys.streams(served_id)]
+        """Every stream and lane of every version held (read, or retiring)."""
+        held = list(self.worker.models)
+        return [s for served_id in held for s in self.keys.streams(served_id)] + self.lanes.of(held)
+
+    def reading(self) -> list[str]:
+        """The lanes of the versions read now (their streams: ``streams``)."""
+        return self.lanes.of(served_id for served_id, _ in self.streams.values())
 
     # -- each round --------------------------------------------------------------------------
 
@@ -170,6 +179,7 @@ class WorkerVersions:
             self._start_next(view)
         if view is not None:
             try:
+                self.lanes.refresh(list(self.worker.models))
                 self._do(self.keeper.settle(view.workers, now, self._empty))
                 self._drop_unheld_streams(view, now)
             except (RedisError, OSError) as exc:
@@ -280,7 +290,7 @@ class WorkerVersions:
 
     def _empty(self, served_id: str) -> bool:
         with self.client.pipeline(transaction=False) as pipe:
-            for stream in self.keys.streams(served_id):
+            for stream in self.keys.streams(served_id) + tuple(self.lanes.of([served_id])):
                 pipe.xlen(stream)
             return not any(pipe.execute())
 
@@ -291,7 +301,13 @@ class WorkerVersions:
         for served_id, since in list(self._unloaded.items()):
             held = any(m.served_id == served_id for w in view.workers for m in w.models)
             if not held:
-                self._drop_if_empty(keys=list(self.keys.streams(served_id)))
+                lanes = self.keys.lanes_of(
+                    served_id, map(text, self.client.hkeys(self.keys.lanes(served_id)))
+                )
+                streams = self.keys.streams(served_id) + lanes
+                self._drop_if_empty(
+                    keys=[*streams, self.keys.lanes(served_id)], args=[len(streams)]
+                )
             if not held or now - since > 60:
                 del self._unloaded[served_id]
 
