@@ -21,7 +21,7 @@ from app.broker.wire.keys import GROUP, Keys
 from app.broker.wire.lanes import Lane, decode_lane, encode_lane
 from app.broker.wire.parsing import MalformedMessage, text
 from app.broker.wire.request import decode_request, encode_request
-from app.broker.worker.consumer import _fields
+from app.broker.worker.entries import fields_of
 from app.broker.worker.lanes import LaneReader, is_doorbell
 from app.errors import QueueFull, Shed
 from app.jobs import Task
@@ -83,7 +83,7 @@ def take(reader: LaneReader, size: int) -> list[str]:
     read = reader.read({TASK_STREAM: (SERVED, Task.TAG)}, {SERVED: size})
     names = []
     for _, entries in read or []:
-        for _, fields in _fields(entries):
+        for _, fields in fields_of(entries):
             names.append("bell" if is_doorbell(fields) else decode_request(fields, 100).id)
     return names
 

@@ -26,35 +26,30 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import redis
 from redis.exceptions import RedisError, ResponseError
 
 from app.broker.wire.connect import drop_idle
 from app.broker.wire.keys import GROUP, HEARTBEAT_S, Keys
 from app.broker.wire.live import LiveView, LiveWorkers
-from app.broker.wire.parsing import MalformedMessage, text
-from app.broker.wire.reply import encode_answer
-from app.broker.wire.request import Request, decode_request, entry_time_ms
+from app.broker.wire.parsing import text
+from app.broker.wire.request import entry_time_ms
 from app.broker.worker import spans
+from app.broker.worker.entries import Tagged, compute, fields_of, triage
 from app.broker.worker.health import Presence, PrimaryWatch, TroubleLog, vital_thread
 from app.broker.worker.lanes import is_doorbell
 from app.broker.worker.orphans import OrphanClaims
 from app.broker.worker.readahead import ReadAhead
-from app.broker.worker.replies import RETRY_S, Answered, Entry, EntryId, Replier
+from app.broker.worker.replies import RETRY_S, Entry, Replier
 from app.broker.worker.stats import ConsumerStats
 from app.broker.worker.versions import WorkerVersions
-from app.errors import InferenceError, InvalidImage, Shed
 from app.jobs import Task
 from app.repository import Repository
-from app.workers.compute import run_batch
 from app.workers.handle import rss_bytes
 from app.workers.process import PreparedModel, PreparedWorker
-from app.workers.transfer import results
 
 log = logging.getLogger("app.worker")
 
@@ -63,8 +58,6 @@ RECLAIM_S = 1.0  # how often a worker looks for entries a dead or hung worker le
 
 # One read: each stream's name and the entries read from it.
 Fetched = list[tuple[str, list[Entry]]]
-Tagged = tuple[str, Entry]  # an entry and the stream (or lane) it came from
-Done = tuple[list[Answered], list[EntryId]]  # a stream's replies, and its entries dropped
 
 
 class Consumer:
@@ -252,7 +245,7 @@ class Consumer:
                 self._trouble.pause()
                 continue
             if read:
-                fetched = [(text(stream), _fields(entries)) for stream, entries in read]
+                fetched = [(text(stream), fields_of(entries)) for stream, entries in read]
                 if any(is_doorbell(fields) for _, entries in fetched for _, fields in entries):
                     self._refresh_lanes()  # a new lane: read it from the next read on
                 self._ahead.put(fetched, time.perf_counter() - started)
@@ -318,37 +311,10 @@ class Consumer:
         now_ms: int,
         delivery: int = 1,
     ) -> None:
-        runnable: list[tuple[EntryId, Request]] = []
-        streams: list[str] = []  # each runnable entry's stream or lane
-        done: dict[str, Done] = {}  # per stream: replies, and entries dropped unrun
-        for stream, (entry_id, fields) in entries:
-            answered = done.setdefault(stream, ([], []))
-            if is_doorbell(fields):  # a new lane's (the fetcher read it): nothing to run
-                answered[1].append(entry_id)
-                continue
-            try:
-                request = decode_request(fields, self.max_image_bytes)
-                if request.task is not task:
-                    raise MalformedMessage(f"a {request.task} request in the {task} stream")
-                expired = entry_time_ms(entry_id) + request.ttl_ms <= now_ms
-            except Exception as exc:  # MalformedMessage, or anything a forged entry causes
-                self._trouble.error(
-                    f"dropped malformed entry {text(entry_id)[:40]}: {str(exc)[:200]}"
-                )
-                self.stats.malformed += 1
-                answered[1].append(entry_id)
-                continue
-            if expired:
-                self.stats.expired += 1  # its caller has had its 504: nobody waits for it
-                answered[1].append(entry_id)
-                continue
-            shed = self._past_level_wait(stream, entry_id, now_ms)
-            if shed is not None:
-                self.stats.shed += 1
-                answered[0].append((entry_id, request, encode_answer(request.id, 1, shed)))
-                continue
-            runnable.append((entry_id, request))
-            streams.append(stream)
+        runnable, streams, done = triage(
+            entries, task, now_ms, self.max_image_bytes, self.versions.lanes.lane, self.stats,
+            self._trouble.error,
+        )  # fmt: skip
         if runnable:
             started = time.perf_counter()
             self._running = len(runnable)
@@ -357,7 +323,7 @@ class Consumer:
                 traced = spans.batch(model.spec.served_id, task, requests, self.name, delivery)
                 with self._ahead.computing(), traced:
                     spans.queued(runnable, now_ms)
-                    replies = self._compute(model, task, runnable)
+                    replies = compute(self.worker, self.name, model, task, runnable)
                 for stream, reply in zip(streams, replies, strict=True):
                     done[stream][0].append(reply)
             finally:
@@ -370,44 +336,6 @@ class Consumer:
         self._replier.answer_all(done)
         if runnable:
             self.worker.memory.after_batch()
-
-    def _past_level_wait(self, stream: str, entry_id: EntryId, now_ms: int) -> Shed | None:
-        """``Shed`` for an entry of a lane whose level refuses what waited past its queue
-        timeout (``delay``: it waits on in its level, and runs within its deadline)."""
-        lane = self.versions.lanes.lane(stream)
-        if lane is None or lane.timeout_ms is None or not lane.reject:
-            return None
-        waited = now_ms - entry_time_ms(entry_id)
-        if waited <= lane.timeout_ms:
-            return None
-        limit = lane.timeout_ms / 1000
-        return Shed(f"priority {lane.level + 1} waits at most {limit:g} s in the queue")
-
-    def _compute(
-        self, model: PreparedModel, task: Task, runnable: Sequence[tuple[EntryId, Request]]
-    ) -> list[Answered]:
-        """Run ``runnable`` as one batch (``app.workers.compute.run_batch``): each entry's
-        reply. If the model call fails for the batch, each entry is run alone, so only the
-        guilty one gets the 500."""
-        size = len(runnable)
-        requests = [request for _, request in runnable]
-        try:
-            answered: dict[int, object] = {}
-            for positions, images in _by_kind(requests, model.runner.image_shape, answered):
-                top_ks = [requests[position].top_k for position in positions]
-                done = run_batch(self.worker, model.spec.served_id, task, images, max(top_ks))
-                answered |= results(task, top_ks, positions, done.outputs, done.errors)
-            answers: list[object] = [answered[position] for position in range(size)]
-        except Exception:
-            if size > 1:
-                log.warning("worker %s: a batch of %d failed; running each alone", self.name, size)
-                return [reply for one in runnable for reply in self._compute(model, task, [one])]
-            log.error("worker %s: a model call failed:\n%s", self.name, traceback.format_exc())
-            answers = [InferenceError("model call failed")]
-        return [
-            (entry_id, request, encode_answer(request.id, size, answer))
-            for (entry_id, request), answer in zip(runnable, answers, strict=True)
-        ]
 
     # -- heartbeats --------------------------------------------------------------------------
 
@@ -446,39 +374,3 @@ class Consumer:
             "cpu_seconds": round(time.process_time(), 3),
             **vars(self.stats),
         }
-
-
-def _fields(entries: Any) -> list[Entry]:
-    """Entries as a read gives them: from a script, each one's fields as a flat list."""
-    return [
-        (
-            entry_id,
-            fields
-            if isinstance(fields, dict)
-            else dict(zip(fields[::2], fields[1::2], strict=False)),
-        )
-        for entry_id, fields in entries
-    ]
-
-
-def _by_kind(
-    requests: Sequence[Request], image_shape: tuple[int, ...], refused: dict[int, object]
-) -> list[tuple[list[int], Any]]:
-    """A batch's requests as model calls: the encoded uploads (decoded here) in one, the
-    preprocessed pixels (a v2 client's FP32 input, rare) in another. Pixels not of the
-    model's input size get ``InvalidImage`` in ``refused`` (a front end checks them first)."""
-    encoded = [p for p, request in enumerate(requests) if request.pixels is None]
-    pixels = []
-    for position, request in enumerate(requests):
-        if request.pixels is None:
-            continue
-        if (*request.pixels, 3) != tuple(image_shape):
-            refused[position] = InvalidImage(f"pixels of {request.pixels}, not {image_shape[:2]}")
-        else:
-            pixels.append(position)
-    calls: list[tuple[list[int], Any]] = []
-    if encoded:
-        calls.append((encoded, [requests[p].image for p in encoded]))
-    if pixels:
-        calls.append((pixels, np.stack([requests[p].as_input() for p in pixels])))
-    return calls
