@@ -29,6 +29,8 @@ class WorkerReport(Protocol):
     @property
     def wait_s(self) -> Mapping[str, Mapping[Task, Sequence[float]]]: ...
     @property
+    def tenant_wait_s(self) -> Mapping[str, Sequence[float]]: ...
+    @property
     def reclaimed(self) -> int: ...
     @property
     def reconnects(self) -> int: ...
@@ -92,12 +94,47 @@ class WorkerReported(Collector):
             "microbatch_queue_wait_seconds",
             "Time an item waited for its batch, by task and model version.",
         )
+        yield _tenant_family([worker.tenant_wait_s for worker in workers])
         yield _latency_family(
             [worker.model_s for worker in workers],
             labels,
             "microbatch_model_seconds",
             "Worker time per batch (decode + model), by task and model version.",
         )
+
+
+def _added(reports: Sequence[Mapping[Any, Sequence[float]]]) -> dict[Any, list[float]]:
+    """Latency histograms (bucket counts, then the sum) added up by their key; one of
+    another length (a worker of another release) is left out."""
+    totals: dict[Any, list[float]] = {}
+    for report in reports:
+        for key, counts in report.items():
+            if len(counts) == len(LATENCY_BUCKETS) + 2:
+                total = totals.setdefault(key, [0.0] * len(counts))
+                totals[key] = [a + float(b) for a, b in zip(total, counts, strict=True)]
+    return totals
+
+
+def _cumulative(counts: Sequence[float]) -> list[tuple[str, float]]:
+    """Bucket counts as Prometheus's cumulative buckets (the sum, last, left out)."""
+    bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
+    running, cumulative = 0.0, []
+    for bound, count in zip(bounds, counts[:-1], strict=True):
+        running += count
+        cumulative.append((bound, running))
+    return cumulative
+
+
+def _tenant_family(reports: Sequence[Mapping[str, Sequence[float]]]) -> HistogramMetricFamily:
+    """The workers' queue waits by tenant (the lanes' tenants: a keys file's names)."""
+    family = HistogramMetricFamily(
+        "microbatch_tenant_queue_wait_seconds",
+        "Time an item waited for its batch, by its caller's tenant.",
+        labels=["tenant"],
+    )
+    for tenant, counts in sorted(_added(reports).items()):
+        family.add_metric([tenant], _cumulative(counts), counts[-1])
+    return family
 
 
 def _latency_family(
@@ -108,21 +145,13 @@ def _latency_family(
 ) -> HistogramMetricFamily:
     """The workers' latency histograms (bucket counts, then the sum), added up by task and
     model version."""
-    totals: dict[tuple[str, str, str], list[float]] = {}
-    for report in reports:
-        for served_id, tasks in report.items():
-            for task, counts in tasks.items():
-                if len(counts) == len(LATENCY_BUCKETS) + 2:
-                    key = (str(task), *labels(served_id))
-                    total = totals.setdefault(key, [0.0] * len(counts))
-                    totals[key] = [a + float(b) for a, b in zip(total, counts, strict=True)]
-    buckets: dict[tuple[str, str, str], list[tuple[str, float]]] = {}
-    sums: dict[tuple[str, str, str], float] = {}
-    bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
-    for key, counts in totals.items():
-        running, cumulative = 0.0, []
-        for bound, count in zip(bounds, counts[:-1], strict=True):
-            running += count
-            cumulative.append((bound, running))
-        buckets[key], sums[key] = cumulative, counts[-1]
+    totals = _added(
+        [
+            {(str(task), *labels(served_id)): counts for task, counts in tasks.items()}
+            for report in reports
+            for served_id, tasks in report.items()
+        ]
+    )
+    buckets = {key: _cumulative(counts) for key, counts in totals.items()}
+    sums = {key: counts[-1] for key, counts in totals.items()}
     return _histogram_family(name, documentation, buckets, sums)

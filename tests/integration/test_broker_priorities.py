@@ -25,14 +25,15 @@ KEYS = {"a": "key-a", "b": "key-b", "h": "key-h"}
 
 
 def keys_file(folder: Path) -> Path:
-    """Tenants a and b at priority 2, h at priority 1; equal weights."""
+    """Tenants a and b at priority 2, h at priority 1; equal weights; metrics for all."""
     path = folder / "keys.yaml"
     entries = [
         {"sha256": key_hash(key), "tenant": tenant, "scopes": ["infer"],
          "priority": 1 if tenant == "h" else 2}
         for tenant, key in KEYS.items()
     ]  # fmt: skip
-    path.write_text(json.dumps({"keys": entries}))  # YAML's superset
+    anonymous = {"tenant": "public", "scopes": ["metrics"]}
+    path.write_text(json.dumps({"keys": entries, "anonymous": anonymous}))  # YAML's superset
     return path
 
 
@@ -77,19 +78,27 @@ async def test_the_higher_priority_goes_first_and_tenants_share_across_front_end
                     send(client, two.base_url, "h", images[28 + i], finished) for i in range(2)
                 ]
                 answers = await asyncio.gather(flooding, asyncio.gather(*others))
+            await asyncio.sleep(1.5)  # the workers' next heartbeats carry their counts
+            metrics = httpx.get(f"{two.base_url}/metrics", timeout=10).text
     assert all(r.status_code == 200 for group in answers for r in group), [
         r.text for group in answers for r in group if r.status_code != 200
     ]
-    order = [tenant for tenant, _ in finished]
+    order = [f"{tenant}{t - b_sent:+.2f}" for tenant, t in finished]
     a_after = [t for tenant, t in finished if tenant == "a" and t > b_sent]
     h_done = max(t for tenant, t in finished if tenant == "h")
     b_done = max(t for tenant, t in finished if tenant == "b")
     assert len(a_after) >= 12, order  # a's backlog was still there when b and h came
-    # h's two run in the first batch formed after they came (the one running finishes first).
-    assert sum(t < h_done for t in a_after) <= 4, order
-    # b's four in turn with a's: two batches of 2 + 2 (one more for h's and the one running).
-    assert sum(t < b_done for t in a_after) <= 12, order
+    # h's two run in the first batch formed after they came: only the batch running then
+    # (4 of a's) ends before theirs (a's in their own batch end with them).
+    assert sum(t < h_done - BATCH_S / 2 for t in a_after) <= 4, order
+    # b's four in turn with a's: within 4 batches of 4 (the one running, h's, two of 2 + 2).
+    assert sum(t < b_done - BATCH_S / 2 for t in a_after) <= 12, order
     assert h_done - b_sent < 4 * BATCH_S + 1.0, order
+    # Each tenant's queue wait, timed by the workers in its lane, shows on any front end.
+    for tenant, count in (("a", 24), ("b", 4), ("h", 2)):
+        assert (
+            f'microbatch_tenant_queue_wait_seconds_count{{tenant="{tenant}"}} {count}.0' in metrics
+        )
 
 
 async def test_a_level_s_queue_timeout_refuses_what_waited_past_it_unrun(

@@ -56,7 +56,9 @@ ADMIN_KEY = "admin-secret"
 IMAGES = distinct_images(16, size=40)
 # A broker front end does not count its workers' model loads (only a pool's host hears of
 # each, app.workers.hosting): the load-failure counter never has a series there.
-# Nor does it time its requests' queue wait per tenant (the workers batch, across front ends).
+# Nor, without a keys file, does it have a tenant's queue wait: its workers time each tenant's
+# in its lane, and without a keys file the callers of a level share one
+# (tests/integration/test_broker_priorities.py reads it with one).
 IN_PROCESS_ONLY = frozenset(
     {"microbatch_model_load_failures_total", "microbatch_tenant_queue_wait_seconds_bucket"}
 )

@@ -132,6 +132,33 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     assert 'microbatch_batch_size_sum{model="other",task="tag",version="9"} 5.0' in text
 
 
+def test_broker_mode_reports_each_tenant_s_queue_wait_from_the_workers_lanes() -> None:
+    """Each entry's wait under the tenant its lane names, summed over the workers; entries
+    of no tenant (a task's stream, a level's lane) are not counted; a heartbeat carries at
+    most MAX_TENANTS tenants."""
+    from app.broker.wire.keys import Keys
+    from app.broker.worker.stats import MAX_TENANTS, ConsumerStats
+
+    lanes = ["mb:{q}:1:tag:p2:shop", "mb:{q}:1:tag", "mb:{q}:1:tag:p2", "mb:{q}:1:tag:p1:bulk"]
+    tenants = [Keys.lane_tenant(lane) for lane in lanes]
+    first, second = ConsumerStats(), ConsumerStats()
+    first.record("tagger@1", Task.TAG, 4, 1, 0.02, [0.002, 0.0, 0.0, 0.3], tenants)
+    second.record("tagger@1", Task.TAG, 1, 1, 0.02, [0.002], ["shop"])
+    metrics = Metrics(remote_workers=True)
+    metrics.labels = {"tagger@1": ("tagger", "1")}.__getitem__
+    metrics.on_workers([first, second])
+    text = metrics.render().decode()
+    assert 'microbatch_tenant_queue_wait_seconds_count{tenant="shop"} 2.0' in text
+    assert 'microbatch_tenant_queue_wait_seconds_bucket{le="0.0025",tenant="shop"} 2.0' in text
+    assert 'microbatch_tenant_queue_wait_seconds_count{tenant="bulk"} 1.0' in text
+    assert 'microbatch_tenant_queue_wait_seconds_sum{tenant="bulk"} 0.3' in text
+    assert text.count("microbatch_tenant_queue_wait_seconds_count") == 2
+    many = ConsumerStats()
+    names = [f"t{i}" for i in range(MAX_TENANTS + 5)]
+    many.record("tagger@1", Task.TAG, len(names), 1, 0.1, [0.0] * len(names), names)
+    assert len(many.tenant_wait_s) == MAX_TENANTS
+
+
 def test_several_processes_are_summed_from_the_multiprocess_directory(tmp_path: Path) -> None:
     """With PROMETHEUS_MULTIPROC_DIR, a scrape reads every process's files there."""
     import subprocess

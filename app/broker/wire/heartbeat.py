@@ -85,6 +85,7 @@ class WorkerInfo(BaseModel):
     sizes: dict[str, dict[Task, dict[int, int]]] = Field(default_factory=dict)
     model_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
+    tenant_wait_s: dict[str, list[float]] = Field(default_factory=dict)  # by tenant (lanes)
 
     def holds(self, served_id: str) -> bool:
         """Whether it reads ``served_id``'s streams: ready, or draining (it no longer takes

@@ -17,7 +17,7 @@ STALE_S = 3.0
 # A reply list nobody reads (its front end died) expires this long after its last reply.
 REPLY_TTL_S = 60
 # What a lane adds to its task's stream name: its priority (1 is the highest) and tenant.
-_LANE_SUFFIX = re.compile(r":p([1-9][0-9]{0,2})(?::[A-Za-z0-9_.-]{1,64})?$")
+_LANE_SUFFIX = re.compile(r":p([1-9][0-9]{0,2})(?::([A-Za-z0-9_.-]{1,64}))?$")
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,16 @@ class Keys:
         """
         suffix = _LANE_SUFFIX.search(stream)
         return 0 if suffix is None else int(suffix.group(1)) - 1
+
+    @staticmethod
+    def lane_tenant(stream: str) -> str | None:
+        """The tenant of a lane's requests (None: a task's stream, or a level's lane).
+
+        >>> Keys.lane_tenant("mb:{q}:89e9be0d4f64:tag:p2:shop"), Keys.lane_tenant("mb:{q}:8:tag")
+        ('shop', None)
+        """
+        suffix = _LANE_SUFFIX.search(stream)
+        return None if suffix is None else suffix.group(2)
 
     def lanes_of(self, served_id: str, names: Iterable[str]) -> tuple[str, ...]:
         """Of ``names`` (a lanes hash's fields), the lanes of ``served_id``, sorted: a

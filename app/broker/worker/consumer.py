@@ -38,7 +38,7 @@ from app.broker.wire.live import LiveView, LiveWorkers
 from app.broker.wire.parsing import text
 from app.broker.wire.request import entry_time_ms
 from app.broker.worker import spans
-from app.broker.worker.entries import Tagged, compute, fields_of, triage
+from app.broker.worker.entries import Done, Tagged, compute, fields_of, triage
 from app.broker.worker.health import Presence, PrimaryWatch, TroubleLog, vital_thread
 from app.broker.worker.lanes import is_doorbell
 from app.broker.worker.orphans import OrphanClaims
@@ -205,12 +205,21 @@ class Consumer:
             return None
 
     def _run_read(self, fetched: Fetched) -> None:
-        """Run what a read gave, the entries of a task's stream and its lanes together."""
+        """Run what a read gave, the entries of a task's stream and its lanes together,
+        higher levels first (a read after a doorbell may hold more than a batch)."""
         tasks: dict[str, list[Tagged]] = {}
+        bells: dict[str, Done] = {}  # doorbells (the fetcher read them): no place in a batch
         for stream, entries in fetched:
-            tasks.setdefault(self.keys.base(stream), []).extend((stream, e) for e in entries)
+            for entry in entries:
+                if is_doorbell(entry[1]):
+                    bells.setdefault(stream, ([], []))[1].append(entry[0])
+                else:
+                    tasks.setdefault(self.keys.base(stream), []).append((stream, entry))
+        self._replier.answer_all(bells)
         now_ms = self._presence.redis_now_ms()
         for task_stream, tagged in tasks.items():
+            if any(stream != task_stream for stream, _ in tagged):  # stable: turns kept
+                tagged.sort(key=lambda pair: self.keys.lane_level(pair[0]))
             self._process_tagged(task_stream, tagged, now_ms)
 
     # -- reading -----------------------------------------------------------------------------
@@ -247,14 +256,21 @@ class Consumer:
             if read:
                 fetched = [(text(stream), fields_of(entries)) for stream, entries in read]
                 if any(is_doorbell(fields) for _, entries in fetched for _, fields in entries):
-                    self._refresh_lanes()  # a new lane: read it from the next read on
+                    fetched += self._read_new_lanes()
                 self._ahead.put(fetched, time.perf_counter() - started)
 
-    def _refresh_lanes(self) -> None:
+    def _read_new_lanes(self) -> Fetched:
+        """A doorbell came: learn the new lanes, and take what waits now, the new lanes'
+        entries among it (the run orders them by level: ``_run_read``), so a new tenant's
+        or level's first request does not wait a batch more."""
         try:
             self.versions.lanes.refresh(list(self.worker.models))
+            sizes = {s: m.batch_size for s, m in list(self.worker.models.items())}
+            taken = self.versions.lanes.take(self.versions.streams, sizes) or []
         except (RedisError, OSError) as exc:
             self._trouble.unreachable(exc)
+            return []
+        return [(text(stream), fields_of(entries)) for stream, entries in taken]
 
     def _ensure_groups(self, streams: Sequence[str] | None = None) -> None:
         """Create the consumer group on every stream read (or ``streams``), and the streams,
@@ -332,7 +348,8 @@ class Consumer:
             frontends = len({request.frontend for _, request in runnable})
             seconds = time.perf_counter() - started
             served_id = model.spec.served_id
-            self.stats.record(served_id, task, len(runnable), frontends, seconds, waits)
+            tenants = [self.keys.lane_tenant(stream) for stream in streams]
+            self.stats.record(served_id, task, len(runnable), frontends, seconds, waits, tenants)
         self._replier.answer_all(done)
         if runnable:
             self.worker.memory.after_batch()

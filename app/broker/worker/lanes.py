@@ -37,7 +37,8 @@ DOORBELL = b"lane"  # the field of a doorbell entry (its value: the new lane's s
 # ARGV: [1] the group, [2] the consumer, [3] G groups; then per group its batch size and how
 # many lanes (KEYS, in order: level by level, each level's in this batch's turn); then per
 # lane its level, its share of a round and its level's max_batch (0: none). Returns
-# {stream, entries} pairs, as XREADGROUP does (a lane may come more than once).
+# {stream, entries} pairs, as XREADGROUP does (a lane may come more than once); a doorbell
+# entry is returned, and takes no place in the batch.
 TAKE = """
 local group, consumer, groups = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local at = 4 + 2 * groups
@@ -63,9 +64,12 @@ for g = 1, groups do
           local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n,
                                  'STREAMS', KEYS[k], '>')
           if got then
-            out[#out + 1] = {KEYS[k], got[1][2]}
-            taken = taken + #got[1][2]
-            if #got[1][2] == n then still[#still + 1] = k end
+            local entries = got[1][2]
+            out[#out + 1] = {KEYS[k], entries}
+            for _, entry in ipairs(entries) do  -- a doorbell takes no place in the batch
+              if entry[2][1] ~= 'lane' then taken = taken + 1 end
+            end
+            if #entries == n then still[#still + 1] = k end
           end
         end
       end
@@ -152,8 +156,28 @@ class LaneReader:
     def read(self, streams: Mapping[str, tuple[str, Task]], batch_sizes: Mapping[str, int]) -> Any:
         """The next batch of every version and task in ``streams`` (a task's stream ->
         its served id and task), ``batch_sizes`` (served id -> its model's) at most each:
-        taken (``TAKE``), or, with nothing waiting, what a blocking read of every stream
+        taken (``take``), or, with nothing waiting, what a blocking read of every stream
         and lane gives first. As ``XREADGROUP`` answers: None, or [stream, entries] pairs."""
+        taken = self.take(streams, batch_sizes)
+        if taken:
+            return taken
+        every: dict[Any, Any] = {
+            name: ">"
+            for stream, (served_id, _) in streams.items()
+            if served_id in batch_sizes
+            for name in [stream, *self.of_stream(stream)]
+        }
+        if not every:
+            return None
+        return self.client.xreadgroup(GROUP, self.consumer, every, count=1, block=1000)
+
+    def of_stream(self, stream: str) -> list[str]:
+        """The lanes of a task's stream known now."""
+        return [name for name in self.known if self.keys.base(name) == stream]
+
+    def take(self, streams: Mapping[str, tuple[str, Task]], batch_sizes: Mapping[str, int]) -> Any:
+        """``read``'s batch of what waits now (``TAKE``), without blocking; None if nothing
+        waits."""
         keys: list[str] = []
         groups: list[int] = []
         lanes: list[Any] = []
@@ -174,13 +198,10 @@ class LaneReader:
                 lanes += [lane.level, self._share(lane, ordered), lane.max_batch or 0]
         if not keys:
             return None
-        taken = self._take(
-            keys=keys, args=[GROUP, self.consumer, len(groups) // 2, *groups, *lanes]
+        return (
+            self._take(keys=keys, args=[GROUP, self.consumer, len(groups) // 2, *groups, *lanes])
+            or None
         )
-        if taken:
-            return taken
-        every: dict[Any, Any] = {name: ">" for name in keys}
-        return self.client.xreadgroup(GROUP, self.consumer, every, count=1, block=1000)
 
     def _in_turn(self, lanes: list[tuple[str, Lane]]) -> list[tuple[str, Lane]]:
         """``lanes`` level by level; each level's (by name) turned by this batch's number."""

@@ -3,10 +3,13 @@ of the workers alive into ``/metrics``: ``app.metrics``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.jobs import Task
 from app.metrics import LATENCY_BUCKETS
+
+MAX_TENANTS = 64  # tenants whose waits a heartbeat carries (its size is bounded: 64 KB)
 
 
 def _histogram() -> list[float]:
@@ -37,6 +40,8 @@ class ConsumerStats:
     sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
     model_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    # By tenant (from its lane's name, app.broker.wire.lanes): the queue-wait histogram.
+    tenant_wait_s: dict[str, list[float]] = field(default_factory=dict)
 
     def record(
         self,
@@ -46,6 +51,7 @@ class ConsumerStats:
         frontends: int,
         model_s: float,
         waits: list[float],
+        tenants: Sequence[str | None] = (),
     ) -> None:
         self.batches += 1
         self.items += size
@@ -56,6 +62,11 @@ class ConsumerStats:
         histogram = self.wait_s.setdefault(served_id, {}).setdefault(task, _histogram())
         for wait in waits:
             _observe(histogram, wait)
+        for wait, tenant in zip(waits, tenants, strict=False):
+            if tenant is not None and (
+                tenant in self.tenant_wait_s or len(self.tenant_wait_s) < MAX_TENANTS
+            ):
+                _observe(self.tenant_wait_s.setdefault(tenant, _histogram()), wait)
 
     def forget(self, served_id: str) -> None:
         """Drop an unloaded version's figures, so the heartbeat stays bounded."""
