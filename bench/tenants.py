@@ -8,6 +8,8 @@ features off (no keys file, one level) and on (``MB_KEYS_FILE``, ``MB_PRIORITY_L
 - **noisy neighbour**: tenant B at 0.1 C within its quota (0.2 C), alone; then with tenant A
   at 10x B's rate (1.0 C: together above capacity), A's quota 0.5 C. The issue's target: B's
   p99 within 1.5x its p99 alone, with no refusal; A gets the 429s.
+- **quota**: A at twice its quota (1.0 C) for 30 s, through both front ends in broker mode
+  (their buckets in one Redis): its admitted images within 10% of its burst + rate x 30 s.
 - **priority**: H (priority 1) at 0.3 C alone; then with L (priority 2) at 1.7 C (together
   2x capacity), L's level bounded (``max_queue`` 32, ``max_batch`` 8). The issue's target:
   H's p99 within 2x alone; L is refused with 429 and ``Retry-After``; no answer comes after
@@ -53,6 +55,8 @@ MODEL = "efficientnet_lite0"
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key", "H": "tenant-h-key", "L": "tenant-l-key"}
 DEADLINE_S = 5.0
 SECONDS = 8.0  # each run's length
+QUOTA_SECONDS = 30.0  # the quota run's: A at twice its quota, through both front ends
+QUOTA_TARGET = 0.10  # its admitted images within this share of burst + rate x seconds
 NOISY_TARGET, PRIORITY_TARGET = 1.5, 2.0  # p99 with the others over p99 alone, at most
 MAX_BATCH_L = 8  # priority 2's max_batch: its batches stay short, so H waits less for them
 MAX_CONNECTIONS = 512  # per stream: more requests in flight than that count as refused (0)
@@ -135,13 +139,15 @@ async def open_loop(port: int, jpegs: list[bytes], streams: list[Stream], second
     await asyncio.gather(*(run(stream) for stream in streams))
 
 
+def keys_quota(capacity: float) -> dict[str, float]:
+    """A's quota: 0.5 C, and a burst of 0.05 C."""
+    return {"rate": 0.5 * capacity, "burst": max(1.0, 0.05 * capacity)}
+
+
 def keys_file(folder: Path, capacity: float) -> Path:
     """A's quota 0.5 C, B's 0.2 C, both at priority 1; H may ask priority 1, L has 2."""
     document = {  # the default burst: a second of each rate
-        "tenants": {
-            "A": {"rate": 0.5 * capacity, "burst": max(1.0, 0.05 * capacity)},
-            "B": {"rate": 0.2 * capacity},
-        },
+        "tenants": {"A": keys_quota(capacity), "B": {"rate": 0.2 * capacity}},
         "keys": [
             {"sha256": key_hash(KEYS["A"]), "tenant": "A", "scopes": ["infer"], "priority": 1},
             {"sha256": key_hash(KEYS["B"]), "tenant": "B", "scopes": ["infer"], "priority": 1},
@@ -222,8 +228,21 @@ def ratio(results: dict[str, Stream], name: str, reference: str) -> float:
     return results[name].p99_ms() / results[reference].p99_ms()
 
 
-def measure(store: Path, mode: str, seconds: float = SECONDS) -> list[dict[str, object]]:
-    """Both runs with the features off and on; the verdicts (with the features on)."""
+def quota_verdict(mode: str, admitted: int, capacity: float, seconds: float) -> dict[str, object]:
+    """A's admitted images against what its quota lets through in ``seconds``: its burst,
+    then its rate (``keys_file``)."""
+    quota = keys_quota(capacity)
+    expected = quota["burst"] + quota["rate"] * seconds
+    off = abs(admitted - expected) / expected
+    print(f"  {mode} quota: A admitted {admitted} in {seconds:g} s, its quota lets {expected:.0f}")
+    return verdict(f"{mode} A admitted / its quota, off by", off, QUOTA_TARGET, off <= QUOTA_TARGET)
+
+
+def measure(
+    store: Path, mode: str, seconds: float = SECONDS, quota_seconds: float = QUOTA_SECONDS
+) -> list[dict[str, object]]:
+    """Both runs with the features off and on, and with them on, the quota run; the
+    verdicts (with the features on)."""
     jpegs = bench_jpegs(8)
     verdicts: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -246,6 +265,10 @@ def measure(store: Path, mode: str, seconds: float = SECONDS) -> list[dict[str, 
                 (alone_h,) = go(("H", 0.3, "1"))
                 shared_h = go(("H", 0.3, "1"), ("L", 0.4, "2"))[0]
                 mixed = go(("H", 0.3, "1"), ("L", 1.7, "2"))
+                if flag:  # A at twice its quota (both front ends in broker mode)
+                    (quota,) = runs(
+                        running.port, jpegs, capacity, quota_seconds, flag, ("A", 1.0, None)
+                    )
             print(f"{mode}, features {features}:", flush=True)
             row("noisy neighbour: B alone", alone_b)
             row("reference: B beside A at its quota", shared_b)
@@ -296,6 +319,7 @@ def measure(store: Path, mode: str, seconds: float = SECONDS) -> list[dict[str, 
         verdicts.append(verdict(f"{mode} L's 429s with Retry-After", l_refused, 1, told))
         late = sum(item.late for item in got.values())
         verdicts.append(verdict(f"{mode} answers after their deadline", late, 0, late == 0))
+        verdicts.append(quota_verdict(mode, quota.statuses[200], capacity, quota_seconds))
     return verdicts
 
 
@@ -303,12 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("inprocess", "broker", "both"), default="inprocess")
     parser.add_argument("--seconds", type=float, default=SECONDS)
+    parser.add_argument("--quota-seconds", type=float, default=QUOTA_SECONDS)
     parser.add_argument("--store", type=Path, help="an exported store (default: export one)")
     args = parser.parse_args(argv)
     modes = ["inprocess", "broker"] if args.mode == "both" else [args.mode]
     with tempfile.TemporaryDirectory() as scratch:
         store = args.store or export_bench_model(MODEL, Path(scratch) / "store")
-        verdicts = [v for mode in modes for v in measure(store, mode, args.seconds)]
+        verdicts = [
+            v for mode in modes for v in measure(store, mode, args.seconds, args.quota_seconds)
+        ]
     missed = [v["name"] for v in verdicts if not v["pass"]]
     print("tenants:", "every target met" if not missed else f"MISS: {', '.join(map(str, missed))}")
     return 0 if not missed else 1

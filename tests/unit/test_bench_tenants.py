@@ -48,3 +48,11 @@ def test_a_run_sends_each_tenant_its_share_of_the_capacity(
     got = tenants.runs(8000, [b"x"], 200.0, 1.0, True, ("H", 0.3, "1"), ("L", 1.7, "2"))
     assert [(s.name, s.rate) for s in got] == [("H", pytest.approx(60.0)), ("L", 340.0)]
     assert dict(sent[1].headers)["X-Priority"] == "2"
+
+
+def test_the_quota_verdict_compares_the_admitted_with_burst_and_rate() -> None:
+    # C 200: A's rate 100/s, its burst 10; in 30 s its quota lets 3,010 images through.
+    assert tenants.quota_verdict("m", 3_010, 200.0, 30.0)["pass"] is True
+    assert tenants.quota_verdict("m", 3_300, 200.0, 30.0)["pass"] is True  # 9.6% over
+    far = tenants.quota_verdict("m", 6_000, 200.0, 30.0)  # two front ends, a bucket each
+    assert far["pass"] is False and far["value"] == pytest.approx(2990 / 3010)
