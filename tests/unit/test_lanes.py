@@ -224,3 +224,22 @@ def test_without_a_keys_file_the_callers_of_a_level_share_its_lane() -> None:
     levels = BrokerTransport("redis://unused", "mb", max_queue=8, levels=[LevelPolicy()] * 2)
     stream, lane = levels._lane(SERVED, Task.TAG, Ticket("anonymous", 1))
     assert stream == f"{TASK_STREAM}:p2" and lane == Lane(Task.TAG, level=1)
+
+
+def test_a_live_worker_s_pending_lane_entries_are_its_own() -> None:
+    """A regression: a worker's pending entries in a lane were taken for orphans (its
+    heartbeat named the version's task streams, not its lanes), so another worker would
+    claim and run them again while it computed them."""
+    from types import SimpleNamespace
+
+    from app.broker.wire.live import LiveView
+    from app.broker.worker.orphans import OrphanClaims
+
+    held = SimpleNamespace(served_id=SERVED)
+    info = SimpleNamespace(name="w2", models=[held], holds=lambda served_id: served_id == SERVED)
+    view = LiveView(0, frozenset({"w2"}), (info,))  # type: ignore[arg-type]
+    claims = OrphanClaims.__new__(OrphanClaims)
+    claims.keys = KEYS
+    lane = KEYS.lane(SERVED, Task.TAG, 1, "shop")
+    assert claims._reads(view, "w2", lane) and claims._reads(view, "w2", TASK_STREAM)
+    assert not claims._reads(view, "w2", KEYS.lane("m@ffffffffffff", Task.TAG, 1, "shop"))

@@ -140,8 +140,11 @@ class OrphanClaims:
         info = view.worker(consumer)
         if info is None:  # its heartbeat does not check: its entries are its own
             return True
+        task_stream = self.keys.base(stream)  # a lane's version is its task stream's
         return any(
-            stream in self.keys.streams(m.served_id) for m in info.models if info.holds(m.served_id)
+            task_stream in self.keys.streams(m.served_id)
+            for m in info.models
+            if info.holds(m.served_id)
         )
 
     def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
