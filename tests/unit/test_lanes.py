@@ -104,7 +104,8 @@ def test_the_highest_level_goes_first_and_a_level_s_tenants_share_by_weight(
     front.send(None, 0)
     front.send(None, 0)
     # Each new lane is described once, and rung in its task's stream once.
-    described = {text(k): decode_lane(v) for k, v in client.hgetall(KEYS.lanes(SERVED)).items()}
+    lanes: dict[bytes, bytes] = client.hgetall(KEYS.lanes(SERVED))  # type: ignore[assignment]
+    described = {text(k): decode_lane(v) for k, v in lanes.items()}
     assert described == {
         f"{TASK_STREAM}:p2:shop": Lane(Task.TAG, level=1, weight=3.0),
         f"{TASK_STREAM}:p2:bulk": Lane(Task.TAG, level=1, weight=1.0),
