@@ -57,6 +57,7 @@ class _Pending(Generic[T, R]):
     level: int = 0  # its priority level (0: the highest); the delayed level once delayed
     tenant: Hashable = None
     weight: float = 1.0
+    ticket: Ticket = NO_TICKET  # as submitted (its level before any delay), for the transport
     run: _Run | None = None  # once dispatched: its batch's run
     wait: list[int] | None = None  # traced: [enqueued, dispatched] in epoch ns
 
@@ -226,6 +227,7 @@ class Streamer(Generic[T, R]):
             level,
             None if ticket is None else ticket.tenant,
             1.0 if ticket is None else ticket.weight,
+            ticket or NO_TICKET,
         )
         if trace is not None:
             trace.images += 1
@@ -407,14 +409,9 @@ class Streamer(Generic[T, R]):
             self._wake.set()
 
     async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
-        last = len(self.levels) - 1  # a delayed item keeps to the lowest level past this
         items = [
             BatchItem(
-                item.id,
-                item.payload,
-                item.deadline,
-                item.trace and item.trace.link,
-                Ticket(item.tenant, min(item.level, last), item.weight),
+                item.id, item.payload, item.deadline, item.trace and item.trace.link, item.ticket
             )
             for item in batch
         ]
