@@ -36,10 +36,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from app.broker.wire.keys import Keys
+from app.jobs import Task
 from app.manifest import split_served_id
+from tests.broker import PREFIX
 from tests.lifecycle import (
     ADMIN,
     NAME,
+    PRIORITY,
     Answer,
     Catalog,
     Config,
@@ -387,6 +391,8 @@ class Lifecycle(RuleBasedStateMachine):
         assert pinned.cache == "hit", (pinned, self.log)
         why = computed_by(self.catalog, want, pinned.image, pinned.embedding)
         assert why is None, (why, self.log)
+        if self.config.mode == "broker":
+            self._check_lanes(want)
         bare, suffix = split_served_id(want)
         if suffix != "float32":  # the export's id without its precision: not what serves
             refused = http_embedding(self.http, 0, pin=bare)
@@ -395,6 +401,18 @@ class Lifecycle(RuleBasedStateMachine):
         other = next(e for e in self.catalog.good if e.served_id != want)
         refused = http_embedding(self.http, 0, pin=other.served_id)
         assert refused.status == 409, (refused, self.log)
+
+    def _check_lanes(self, want: str) -> None:
+        """Broker mode: a tenant's request at its priority waits in its own lane of the
+        version served (docs/tenants.md), and is computed by the export that id names."""
+        answer = http_embedding(self.http, 3, tenant="bulk", fresh=True)
+        assert answer.status == 200 and answer.served_id == want, (answer, self.log)
+        why = computed_by(self.catalog, want, answer.image, answer.embedding)
+        assert why is None, (why, self.log)
+        keys = Keys(PREFIX)
+        lanes = self.deployment.redis.client().hkeys(keys.lanes(want))
+        bulk = keys.lane(want, Task.EMBEDDING, int(PRIORITY["bulk"]) - 1, "bulk")
+        assert bulk.encode() in lanes, (lanes, self.log)
 
     @invariant()
     def readiness_and_the_index_tell_the_truth(self) -> None:

@@ -180,6 +180,9 @@ class WorkerVersions:
         if view is not None:
             try:
                 self.lanes.refresh(list(self.worker.models))
+            except (RedisError, OSError) as exc:  # the lanes known stay: settle goes on
+                self._on_error(f"could not read the lanes: {exc}")
+            try:
                 self._do(self.keeper.settle(view.workers, now, self._empty))
                 self._drop_unheld_streams(view, now)
             except (RedisError, OSError) as exc:
