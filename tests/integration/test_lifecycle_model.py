@@ -405,7 +405,7 @@ class Lifecycle(RuleBasedStateMachine):
     def _check_lanes(self, want: str) -> None:
         """Broker mode: a tenant's request at its priority waits in its own lane of the
         version served (docs/tenants.md), and is computed by the export that id names."""
-        answer = http_embedding(self.http, 3, tenant="bulk", fresh=True)
+        answer = http_embedding(self.http, 2, tenant="bulk", fresh=True)
         assert answer.status == 200 and answer.served_id == want, (answer, self.log)
         why = computed_by(self.catalog, want, answer.image, answer.embedding)
         assert why is None, (why, self.log)
