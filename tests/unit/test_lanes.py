@@ -244,3 +244,23 @@ def test_a_live_worker_s_pending_lane_entries_are_its_own() -> None:
     lane = KEYS.lane(SERVED, Task.TAG, 1, "shop")
     assert claims._reads(view, "w2", lane) and claims._reads(view, "w2", TASK_STREAM)
     assert not claims._reads(view, "w2", KEYS.lane("m@ffffffffffff", Task.TAG, 1, "shop"))
+
+
+async def test_the_backlog_an_autoscaler_reads_counts_the_lanes(client: redis.Redis) -> None:
+    import redis.asyncio as aioredis
+
+    from app.broker.front.backlog import count_backlog
+
+    front = FrontEnd(client, [LevelPolicy(), LevelPolicy()], max_queue=100)
+    for tenant, level in (("shop", 1), ("bulk", 1), (None, 0), (None, 1)):
+        front.send(tenant, level)
+    reader = worker(client)
+    reader.refresh([SERVED])  # the lanes' groups, as a worker makes them
+    taken = take(reader, 2)  # read, not answered: pending, not lag
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    async with aioredis.from_url(url) as async_client:
+        backlog = await count_backlog(async_client, KEYS, [SERVED])
+    # 4 requests and 3 doorbells (the lanes of shop, bulk and priority 2 without a tenant).
+    assert (backlog.lag + backlog.pending, backlog.pending) == (7, len(taken))
+    assert tenants(taken) and backlog.lag > 0
+    assert {count.stream for count in backlog.streams} >= set(reader.known)
