@@ -191,7 +191,7 @@ class Consumer:
         precisions are written again. Its heartbeat, next second, says the rest."""
         log.warning("worker %s: another Redis answers (a failover?); taking back its own "
                     "pending entries", self.name)  # fmt: skip
-        self.claims.own_recovered = False
+        self.claims.retake_own()
         try:
             self.versions.precision.restore()
         except (RedisError, OSError) as exc:

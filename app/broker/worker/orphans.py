@@ -76,6 +76,15 @@ class OrphanClaims:
         self.stop = stop
         self._live = LiveWorkers(keys)
         self._last_cleanup = 0.0
+        # Its own entries to take back: those delivered before this life began (its last
+        # life's), not the ones its fetcher read since; None: any (after a Redis failover).
+        self._own_before: float | None = time.monotonic()
+
+    def retake_own(self) -> None:
+        """Another Redis answers: take back every entry pending here, this life's too (their
+        acknowledgements may be lost; an answer computed again reaches nobody twice)."""
+        self.own_recovered = False
+        self._own_before = None
 
     def recover(self, *, own: bool) -> None:
         """Claim and run, one at a time, the entries left pending by this worker's last life
@@ -99,8 +108,12 @@ class OrphanClaims:
         view = self._live.read(self.client)
         live = view.names
         stuck_ms = int(2000 * self.batch_timeout_s)
-        # Entries a dead worker holds have been idle at least since its last heartbeat.
-        idle_ms = 0 if own else int(1000 * min(STALE_S, self.batch_timeout_s))
+        # Entries a dead worker holds have been idle at least since its last heartbeat; its
+        # last life's, at least since this life began.
+        idle_ms = int(1000 * min(STALE_S, self.batch_timeout_s))
+        if own:
+            born = self._own_before
+            idle_ms = 0 if born is None else int(1000 * (time.monotonic() - born))
         for stream in self.held_streams():
             start = "-"
             while not stop.is_set():
