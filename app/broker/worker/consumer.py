@@ -208,14 +208,8 @@ class Consumer:
         """Run what a read gave, the entries of a task's stream and its lanes together,
         higher levels first (a read after a doorbell may hold more than a batch)."""
         tasks: dict[str, list[Tagged]] = {}
-        bells: dict[str, Done] = {}  # doorbells (the fetcher read them): no place in a batch
         for stream, entries in fetched:
-            for entry in entries:
-                if is_doorbell(entry[1]):
-                    bells.setdefault(stream, ([], []))[1].append(entry[0])
-                else:
-                    tasks.setdefault(self.keys.base(stream), []).append((stream, entry))
-        self._replier.answer_all(bells)
+            tasks.setdefault(self.keys.base(stream), []).extend((stream, e) for e in entries)
         now_ms = self._presence.redis_now_ms()
         for task_stream, tagged in tasks.items():
             if any(stream != task_stream for stream, _ in tagged):  # stable: turns kept
@@ -236,8 +230,7 @@ class Consumer:
             started = time.perf_counter()
             try:
                 if lanes:  # levels or tenants: a batch in their order (app.broker.worker.lanes)
-                    sizes = {s: m.batch_size for s, m in list(self.worker.models.items())}
-                    read = self.versions.lanes.read(self.versions.streams, sizes)
+                    read = self.versions.lanes.read(self.versions.streams, self._batch_sizes())
                 else:
                     read = self.client.xreadgroup(
                         GROUP, self.name, streams, count=self.versions.read_batch_size, block=1000
@@ -265,12 +258,15 @@ class Consumer:
         or level's first request does not wait a batch more."""
         try:
             self.versions.lanes.refresh(list(self.worker.models))
-            sizes = {s: m.batch_size for s, m in list(self.worker.models.items())}
-            taken = self.versions.lanes.take(self.versions.streams, sizes) or []
+            taken = self.versions.lanes.take(self.versions.streams, self._batch_sizes()) or []
         except (RedisError, OSError) as exc:
             self._trouble.unreachable(exc)
             return []
         return [(text(stream), fields_of(entries)) for stream, entries in taken]
+
+    def _batch_sizes(self) -> dict[str, int]:
+        """Each version held (served id) and its model's batch size."""
+        return {served_id: m.batch_size for served_id, m in list(self.worker.models.items())}
 
     def _ensure_groups(self, streams: Sequence[str] | None = None) -> None:
         """Create the consumer group on every stream read (or ``streams``), and the streams,
@@ -314,9 +310,16 @@ class Consumer:
             )
             return
         model, task = held
-        for start in range(0, len(entries), model.batch_size):
+        # Doorbells (the fetcher has read them) take no place in a batch: acknowledged here.
+        bells: dict[str, Done] = {}
+        for stream, (entry_id, fields) in entries:
+            if is_doorbell(fields):
+                bells.setdefault(stream, ([], []))[1].append(entry_id)
+        self._replier.answer_all(bells)
+        runnable = [(s, entry) for s, entry in entries if not is_doorbell(entry[1])]
+        for start in range(0, len(runnable), model.batch_size):
             self._process_batch(
-                model, task, entries[start : start + model.batch_size], now_ms, delivery
+                model, task, runnable[start : start + model.batch_size], now_ms, delivery
             )
 
     def _process_batch(

@@ -1,6 +1,6 @@
 """What a broker worker makes of the entries it read: which run, which are dropped unrun
-(a doorbell, a malformed entry, one past its deadline) or refused unrun (past its priority
-level's queue timeout), and the model calls a batch of them becomes."""
+(a malformed entry, one past its deadline) or refused unrun (past its priority level's queue
+timeout), and the model calls a batch of them becomes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from app.broker.wire.lanes import Lane
 from app.broker.wire.parsing import MalformedMessage, text
 from app.broker.wire.reply import encode_answer
 from app.broker.wire.request import Request, decode_request, entry_time_ms
-from app.broker.worker.lanes import is_doorbell
 from app.broker.worker.replies import Answered, Entry, EntryId
 from app.broker.worker.stats import ConsumerStats
 from app.errors import InferenceError, InvalidImage, Shed
@@ -53,17 +52,13 @@ def triage(
     on_error: Callable[[str], None],
 ) -> tuple[list[tuple[EntryId, Request]], list[str], dict[str, Done]]:
     """The entries to run (with each one's stream), and per stream what is answered or
-    dropped without running: doorbells (read by the fetcher), malformed entries, entries
-    past their deadline (their callers have had their 504), and ``Shed`` for those past
-    their level's queue timeout."""
+    dropped without running: malformed entries, entries past their deadline (their callers
+    have had their 504), and ``Shed`` for those past their level's queue timeout."""
     runnable: list[tuple[EntryId, Request]] = []
     streams: list[str] = []
     done: dict[str, Done] = {}
     for stream, (entry_id, fields) in entries:
         answered = done.setdefault(stream, ([], []))
-        if is_doorbell(fields):
-            answered[1].append(entry_id)
-            continue
         try:
             request = decode_request(fields, max_image_bytes)
             if request.task is not task:

@@ -82,9 +82,6 @@ end
 return out
 """
 
-# What a read gives: each stream's name and its entries (id, fields).
-Fetched = list[tuple[str, list[tuple[Any, dict[bytes, bytes]]]]]
-
 
 class LaneReader:
     """The lanes of the versions one worker holds, and its reads of them.
@@ -165,15 +162,17 @@ class LaneReader:
             name: ">"
             for stream, (served_id, _) in streams.items()
             if served_id in batch_sizes
-            for name in [stream, *self.of_stream(stream)]
+            for name in [stream, *(lane for lane, _ in self._lanes_of(stream))]
         }
         if not every:
             return None
         return self.client.xreadgroup(GROUP, self.consumer, every, count=1, block=1000)
 
-    def of_stream(self, stream: str) -> list[str]:
-        """The lanes of a task's stream known now."""
-        return [name for name in self.known if self.keys.base(name) == stream]
+    def _lanes_of(self, stream: str) -> list[tuple[str, Lane]]:
+        """The lanes of a task's stream known now, and what each holds."""
+        return [
+            (name, lane) for name, (_, lane) in self.known.items() if self.keys.base(name) == stream
+        ]
 
     def take(self, streams: Mapping[str, tuple[str, Task]], batch_sizes: Mapping[str, int]) -> Any:
         """``read``'s batch of what waits now (``TAKE``), without blocking; None if nothing
@@ -186,12 +185,7 @@ class LaneReader:
             size = batch_sizes.get(served_id)
             if size is None:
                 continue
-            own = [(stream, Lane(task))] + [
-                (name, lane)
-                for name, (held, lane) in self.known.items()
-                if held == served_id and self.keys.base(name) == stream
-            ]
-            ordered = self._in_turn(own)
+            ordered = self._in_turn([(stream, Lane(task)), *self._lanes_of(stream)])
             groups += [size, len(ordered)]
             for name, lane in ordered:
                 keys.append(name)
