@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from app.batching import LevelPolicy, Ticket
-from app.broker.front.transport import ADMIT, BrokerTransport
+from app.broker.front.admission import ADMIT
+from app.broker.front.transport import BrokerTransport
 from app.broker.wire.keys import GROUP, Keys
 from app.broker.wire.lanes import Lane, decode_lane, encode_lane
 from app.broker.wire.parsing import MalformedMessage, text
@@ -56,13 +57,13 @@ class FrontEnd:
     def send(self, tenant: str | None, level: int, weight: float = 1.0) -> Any:
         """Admit one request; its entry id, or the transport's refusal."""
         ticket = Ticket(tenant, level, weight)
-        stream, lane = self.transport._lane(SERVED, Task.TAG, ticket)
+        stream, lane = self.transport.admission.lane(SERVED, Task.TAG, ticket)
         self.sent += 1
         name = f"{tenant}-{level}-{self.sent}"
         fields = encode_request(name, "fe", Task.TAG, 1, 60_000, b"image")
-        keys, args = self.transport._admit_args(SERVED, Task.TAG, stream, lane, fields)
+        keys, args = self.transport.admission.request(SERVED, Task.TAG, stream, lane, fields)
         added = self.admit(keys=keys, args=args)
-        return added if isinstance(added, bytes) else self.transport._refusal(added, lane)
+        return added if isinstance(added, bytes) else self.transport.admission.refusal(added, lane)
 
 
 def worker(client: redis.Redis) -> LaneReader:
@@ -221,9 +222,9 @@ def test_without_a_keys_file_the_callers_of_a_level_share_its_lane() -> None:
     """A regression: API_KEY's tenant (``default``) and the anonymous callers got lanes of
     their own, so a server without keys or levels no longer used its task streams."""
     plain = BrokerTransport("redis://unused", "mb", max_queue=8)
-    assert plain._lane(SERVED, Task.TAG, Ticket("default", 0)) == (TASK_STREAM, None)
+    assert plain.admission.lane(SERVED, Task.TAG, Ticket("default", 0)) == (TASK_STREAM, None)
     levels = BrokerTransport("redis://unused", "mb", max_queue=8, levels=[LevelPolicy()] * 2)
-    stream, lane = levels._lane(SERVED, Task.TAG, Ticket("anonymous", 1))
+    stream, lane = levels.admission.lane(SERVED, Task.TAG, Ticket("anonymous", 1))
     assert stream == f"{TASK_STREAM}:p2" and lane == Lane(Task.TAG, level=1)
 
 

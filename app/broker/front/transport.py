@@ -15,9 +15,9 @@ looked for) is ``app.broker.front.failover``'s. It is refused with 503
 at most ``LOOK_AGAIN_S`` older than the request), and a request already waiting fails the same way
 once no live worker has held its version for ``ORPHANED_S`` (its worker died: a restart
 takes longer than a caller should wait; scaling from zero, it waits for its deadline). It is
-refused with 503 ``queue_full`` when the shared streams hold ``max_queue`` entries (checked
-and added in one script, so the bound holds across front ends, and across every model
-served).
+refused with 503 ``queue_full`` (or, below the highest priority level, 429 ``shed``) when the
+shared streams hold ``max_queue`` entries (checked and added in one script, so the bound
+holds across front ends, and across every model served: ``app.broker.front.admission``).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from app.batching import (
     BatchItem,
     LevelPolicy,
     QueueBacklog,
-    Ticket,
     WorkerStatus,
 )
+from app.broker.front.admission import ADMIT, Admission
 from app.broker.front.backlog import count_backlog
 from app.broker.front.failover import Failover
 from app.broker.front.monitor import Monitor, cannot_reach
@@ -52,15 +52,12 @@ from app.broker.front.waiting import Entry, Waiting
 from app.broker.wire.connect import BACKOFF, connect_async
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
-from app.broker.wire.lanes import Lane, encode_lane
-from app.broker.wire.parsing import text
+from app.broker.wire.lanes import Lane
 from app.broker.wire.request import encode_request
 from app.errors import (
     BrokerUnavailable,
     NotReady,
-    QueueFull,
     ServerError,
-    Shed,
     WorkerDied,
 )
 from app.jobs import BatchKey, ImageJob, Task
@@ -75,32 +72,6 @@ REPLY_BLOCK_S = 1.0  # how long one read of the reply list blocks
 SOCKET_TIMEOUT_S = 2.0
 NOTICE_S = 0.1  # how long before its deadline a request held through a failover hears so
 NO_DEADLINE_MS = 3_600_000  # what a request without a deadline tells the workers
-# Add one request to KEYS[ARGV[1]] unless the streams counted (KEYS but the last when ARGV[7]
-# describes a lane: every routed version's streams and lanes, its level's first ARGV[5])
-# already hold ARGV[2] entries (those waiting and those being computed), or its level's
-# ARGV[6] (0: no bound of its own): one round trip, and the bounds hold across every front
-# end. A lane the version's lanes hash (the last key) did not list yet is described there, and
-# a doorbell entry in KEYS[ARGV[8]] (its task's stream, which every worker holding the
-# version reads) tells a worker to read it.
-ADMIT = """
-local counted = #KEYS
-if ARGV[7] ~= '' then counted = counted - 1 end
-local held, level = 0, 0
-for i = 1, counted do
-  local n = redis.call('XLEN', KEYS[i])
-  held = held + n
-  if i <= tonumber(ARGV[5]) then level = level + n end
-end
-if held >= tonumber(ARGV[2]) then return {'full', held} end
-local bound = tonumber(ARGV[6])
-if bound > 0 and level >= bound then return {'level', level} end
-local stream = KEYS[tonumber(ARGV[1])]
-local id = redis.call('XADD', stream, '*', 'h', ARGV[3], 'img', ARGV[4])
-if ARGV[7] ~= '' and redis.call('HSET', KEYS[#KEYS], stream, ARGV[7]) == 1 then
-  redis.call('XADD', KEYS[tonumber(ARGV[8])], '*', 'lane', stream)
-end
-return id
-"""
 
 
 class BrokerTransport:
@@ -128,10 +99,6 @@ class BrokerTransport:
     ) -> None:
         self.keys = Keys(prefix)
         self.max_queue = max_queue
-        self.levels = tuple(levels)  # MB_PRIORITY_LEVELS: each level's lanes and bound
-        # A keys file's tenants each get a lane (without one, the callers of API_KEY and
-        # the anonymous ones share their level's: nothing changes without keys or levels).
-        self.tenant_lanes = tenant_lanes
         self.scale_from_zero = scale_from_zero
         self.monitor = Monitor(
             self.keys,
@@ -141,6 +108,9 @@ class BrokerTransport:
             on_workers=on_workers,
             on_restart=lambda: self._failover.restarted(),
             after_look=lambda: self._waiting.fail_orphaned(self._held),
+        )
+        self.admission = Admission(
+            self.keys, self.monitor, max_queue=max_queue, levels=levels, tenant_lanes=tenant_lanes
         )
         self.frontend = uuid.uuid4().hex[:16]
         self._url = url
@@ -301,52 +271,15 @@ class BrokerTransport:
         except (RedisError, OSError) as exc:
             raise cannot_reach(exc) from exc
 
-    def _queue_streams(self, served_id: str, stream: str, level: int) -> tuple[list[str], int]:
-        """The streams the queue bound counts (every routed version's streams and lanes, and
-        ``stream``), those of ``level`` first, and how many of them are its."""
-        ids = {route.served_id for route in self.monitor.routes.values()} | {served_id}
-        counted = {s for model in ids for s in self.monitor.counted(model)} | {stream}
-        own = sorted(s for s in counted if self.keys.lane_level(s) == level)
-        return own + sorted(counted.difference(own)), len(own)
-
-    def _lane(self, served_id: str, task: Task, ticket: Ticket) -> tuple[str, Lane | None]:
-        """Where a request of ``ticket`` waits, and what its lane holds (None: its task's
-        stream, the highest level without a tenant)."""
-        level = min(ticket.level, len(self.levels) - 1)
-        tenant = ticket.tenant if self.tenant_lanes and isinstance(ticket.tenant, str) else None
-        stream = self.keys.lane(served_id, task, level, tenant)
-        if level == 0 and tenant is None:
-            return stream, None
-        policy = self.levels[level]
-        timeout_ms = None if policy.timeout_s is None else max(1, round(1000 * policy.timeout_s))
-        reject = policy.on_timeout == "reject"
-        return stream, Lane(task, level, ticket.weight, policy.max_batch, timeout_ms, reject)
-
     async def _one(self, served_id: str, task: Task, item: BatchItem[ImageJob]) -> object:
         """One request, in a ``broker`` span of its trace when traced: ``_sent``."""
-        stream, lane = self._lane(served_id, task, item.ticket)
+        stream, lane = self.admission.lane(served_id, task, item.ticket)
         attributes = {"messaging.system": "redis", "messaging.destination.name": stream}
         with tracing.child_of(item.link, "broker", attributes) as span:
             answer = await self._sent(served_id, task, item, stream, lane)
             if isinstance(answer, ServerError):
                 tracing.failed(span, answer)
             return answer
-
-    def _admit_args(
-        self, served_id: str, task: Task, stream: str, lane: Lane | None, fields: dict[str, bytes]
-    ) -> tuple[list[str], list[Any]]:
-        """The admission script's keys and arguments (``ADMIT``)."""
-        level = 0 if lane is None else lane.level
-        counted, own = self._queue_streams(served_id, stream, level)
-        bound = self.levels[level].max_queue or 0
-        args: list[Any] = [counted.index(stream) + 1, self.max_queue, fields["h"], fields["img"]]
-        args += [own, bound, b"" if lane is None else encode_lane(lane)]
-        if lane is None:
-            return counted, args
-        doorbell = self.keys.stream(served_id, task)
-        if doorbell not in counted:
-            counted.append(doorbell)
-        return [*counted, self.keys.lanes(served_id)], [*args, counted.index(doorbell) + 1]
 
     async def _sent(
         self,
@@ -366,7 +299,7 @@ class BrokerTransport:
         image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
         top_k, traced = item.payload.top_k, tracing.traceparent()
         fields = encode_request(request_id, self.frontend, task, top_k, ttl_ms, image, traced)
-        keys, args = self._admit_args(served_id, task, stream, lane, fields)
+        keys, args = self.admission.request(served_id, task, stream, lane, fields)
         future = self._waiting.add(request_id, served_id)  # before the entry: a fast reply finds it
         added: Any = None  # the entry id (bytes), or why not and the depth ([b"full", n])
         try:
@@ -383,22 +316,8 @@ class BrokerTransport:
         if isinstance(added, bytes):
             self._waiting.sent(request_id, Entry(stream, added, fields, item.deadline))
         if not isinstance(added, bytes):  # not added: refused
-            return self._refusal(added, lane)
+            return self.admission.refusal(added, lane)
         return await self._reply(item, request_id, future, stream, added)
-
-    def _refusal(self, refused: Any, lane: Lane | None) -> ServerError:
-        """What the caller of a request the admission script refused hears: 503 for the
-        highest level (the server is full, whoever asks); 429 ``shed`` for a level below it
-        (higher priorities come first), at a full queue or at its level's own bound."""
-        why, held = text(refused[0]), int(refused[1])
-        retry_after_s = self.monitor.retry_after(held)
-        if lane is None or lane.level == 0:
-            return QueueFull(f"the shared queue is full ({held} waiting)", retry_after_s)
-        if why == "full":
-            message = f"the shared queue is full ({held} waiting); higher priorities come first"
-        else:
-            message = f"priority {lane.level + 1} is full ({held} waiting)"
-        return Shed(message, retry_after_s)
 
     async def _reply(
         self,
