@@ -45,6 +45,9 @@ class ImageJob:
 
     image: npt.NDArray[np.uint8] | bytes
     top_k: int = 0
+    # The response cache keeps its answer (broker mode: a worker may answer it with an
+    # identical request's computation, app.broker.worker.sharing).
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,7 +223,12 @@ def measure(store: Path, mode: str, quick: bool = False) -> list[dict[str, objec
 
 def serving(port: int) -> dict[str, str]:
     """What a server runs its model with (``/info``): the served id, runtime and dtype."""
-    info = httpx.get(f"http://{HOST}:{port}/info", timeout=30).json()
+    deadline = time.monotonic() + 60
+    while True:  # a front end that started last may not have heard a worker's heartbeat yet
+        info = httpx.get(f"http://{HOST}:{port}/info", timeout=30).json()
+        if info.get("model_id") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     runtimes = {w.get("runtime") for w in info["workers"] if w.get("runtime")} or {"auto"}
     _, dtype = split_served_id(info["model_id"])  # the precision it computes in
     return {"model_id": info["model_id"], "runtime": ",".join(sorted(runtimes)), "dtype": dtype}

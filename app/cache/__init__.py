@@ -5,7 +5,7 @@ computed once (``ResponseCache``). The Redis tier is ``app.cache.shared``, impor
 when asked for. No entry needs invalidating: the key holds the served id,
 which every rollout and rollback changes."""
 
+from app.answers import cache_key
 from app.cache.flight import CacheUse, Outcome, ResponseCache
-from app.cache.key import cache_key
 
 __all__ = ["CacheUse", "Outcome", "ResponseCache", "cache_key"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from app.cache.memory import BytesLRU, frozen
+from app.answers import BytesLRU, frozen
 from app.errors import IMAGE_ERRORS, ServerError
 
 if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for

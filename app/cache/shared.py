@@ -1,14 +1,20 @@
 """The shared tier: answers in a Redis every front end reads, so one front end's miss is
 every other's hit. It is a cache, never a dependency: a Redis that is down or slow costs a
 request at most ``timeout_s``, after which the tier is left alone for ``COOL_OFF_S``; each
-failure is counted; no request fails for it."""
+failure is counted; no request fails for it.
+
+Its reads and writes go in batches (``_Batches``): the lookups of the requests that arrive
+while one ``MGET`` is in flight go together in the next, and the answers of a batch of
+images in one pipeline of ``SET``s; one connection each, however many requests are in
+flight, so a busy front end pays one round trip for many of them (docs/cache.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -19,6 +25,53 @@ log = logging.getLogger("app.cache")
 
 TIMEOUT_S = 0.05  # the longest a request waits for the shared cache
 COOL_OFF_S = 1.0  # after a failure, the shared cache is not asked for this long
+MAX_BATCH = 256  # keys in one MGET, or writes in one pipeline
+MAX_PENDING_WRITES = 4096  # writes waiting beyond these are let go (a cache may forget)
+
+Item = TypeVar("Item")
+
+
+class _Batches(Generic[Item]):
+    """Items handed to ``send`` in batches, one batch in flight at a time: what arrives while
+    one is sent goes in the next (none waits for a timer, a lone item goes at once)."""
+
+    def __init__(self, send: Callable[[list[Item]], Awaitable[None]], bound: int) -> None:
+        self._send = send
+        self._bound = bound
+        self._waiting: list[Item] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    def add(self, item: Item) -> bool:
+        """Queue ``item`` (False, let go, when ``bound`` wait already)."""
+        if len(self._waiting) >= self._bound:
+            return False
+        self._waiting.append(item)
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        try:
+            while self._waiting:
+                batch = self._waiting[:MAX_BATCH]
+                del self._waiting[:MAX_BATCH]
+                await self._send(batch)
+        finally:
+            self._sender = None
+
+    def drop(self) -> list[Item]:
+        """Stop sending; the items that were waiting."""
+        if self._sender is not None:
+            self._sender.cancel()
+        waiting, self._waiting = self._waiting, []
+        return waiting
+
+    async def stopped(self) -> None:
+        if self._sender is not None:
+            await asyncio.gather(self._sender, return_exceptions=True)
+
+
+_Read = tuple[str, "asyncio.Future[object]"]
 
 
 class SharedCache:
@@ -40,7 +93,8 @@ class SharedCache:
         self._on_error = on_error
         self._timeout_s = timeout_s
         self._quiet_until = 0.0
-        self._writes: set[asyncio.Task[None]] = set()
+        self._reads: _Batches[_Read] = _Batches(self._mget, bound=1 << 20)
+        self._writes: _Batches[tuple[str, bytes]] = _Batches(self._set, MAX_PENDING_WRITES)
 
     @classmethod
     def connect(
@@ -64,7 +118,13 @@ class SharedCache:
     def _name(self, key: bytes) -> str:
         return self._prefix + key.hex()
 
+    @property
+    def _quiet(self) -> bool:
+        return time.monotonic() < self._quiet_until
+
     def _failed(self, what: str, exc: BaseException) -> None:
+        if self._quiet:  # one failure told per cool-off, however many requests shared it
+            return
         self._on_error()
         self._quiet_until = time.monotonic() + COOL_OFF_S
         log.warning("cache: Redis failed a %s (%s); serving without it for %.0f s",
@@ -72,15 +132,17 @@ class SharedCache:
 
     async def get(self, key: bytes) -> object | None:
         """The answer kept under ``key``, or None (none kept, or Redis did not answer)."""
-        if time.monotonic() < self._quiet_until:
+        if self._quiet:
             return None
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._reads.add((self._name(key), future))
         try:
             async with asyncio.timeout(self._timeout_s):
-                raw = await self._client.get(self._name(key))
-        except Exception as exc:  # down, slow, refused (ACL): a miss
+                raw = await future
+        except TimeoutError as exc:  # slow: a miss
             self._failed("read", exc)
             return None
-        if not isinstance(raw, bytes):  # none kept (a client decoding strings: a bug)
+        if not isinstance(raw, bytes):  # none kept, or the batch failed
             return None
         try:
             answer = decode_reply(raw).result
@@ -91,24 +153,39 @@ class SharedCache:
             return None
         return answer
 
+    async def _mget(self, batch: list[_Read]) -> None:
+        asked = [(name, future) for name, future in batch if not future.done()]
+        if not asked:
+            return
+        raws: Sequence[object] = [None] * len(asked)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                raws = await self._client.mget([name for name, _ in asked])
+        except Exception as exc:  # down, slow, refused (ACL): every one a miss
+            self._failed("read", exc)
+        for (_, future), raw in zip(asked, raws, strict=True):
+            if not future.done():  # its request gave up waiting
+                future.set_result(raw)
+
     def put(self, key: bytes, answer: object) -> None:
         """Keep ``answer`` under ``key``, in the background: a caller never waits for it."""
-        if time.monotonic() < self._quiet_until:
-            return
-        raw = encode_answer("cache", 1, answer)
-        task = asyncio.get_running_loop().create_task(self._put(self._name(key), raw))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        if not self._quiet:
+            self._writes.add((self._name(key), encode_answer("cache", 1, answer)))
 
-    async def _put(self, name: str, raw: bytes) -> None:
+    async def _set(self, batch: list[tuple[str, bytes]]) -> None:
         try:
             async with asyncio.timeout(self._timeout_s * 5):
-                await self._client.set(name, raw, px=self._ttl_ms)
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for name, raw in batch:
+                        pipe.set(name, raw, px=self._ttl_ms)
+                    await pipe.execute()
         except Exception as exc:
             self._failed("write", exc)
 
     async def aclose(self) -> None:
-        for task in list(self._writes):
-            task.cancel()
-        await asyncio.gather(*self._writes, return_exceptions=True)
+        for _, future in self._reads.drop():
+            future.cancel()
+        self._writes.drop()
+        await self._reads.stopped()
+        await self._writes.stopped()
         await self._client.aclose()

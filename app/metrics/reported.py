@@ -34,6 +34,8 @@ class WorkerReport(Protocol):
     def reclaimed(self) -> int: ...
     @property
     def reconnects(self) -> int: ...
+    @property
+    def shared(self) -> int: ...
 
 
 def _histogram_family(
@@ -67,6 +69,10 @@ class WorkerReported(Collector):
             ("microbatch_worker_broker_reconnects", "Times the live workers reached Redis "
              "again after it could not be reached (a failover, a restart).",
              sum(w.reconnects for w in workers)),
+            ("microbatch_worker_shared_images", "Images the live workers answered with an "
+             "identical request's computation (the response cache on: from the same batch, or "
+             "computed moments before), sent through any front end.",
+             sum(w.shared for w in workers)),
         ):  # fmt: skip
             yield CounterMetricFamily(name, documentation, value=count)
         sizes: dict[tuple[str, str, str], dict[int, int]] = {}

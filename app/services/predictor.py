@@ -136,11 +136,13 @@ class Predictor:
             return await self._compute(ask)
         return await self._cache.answer(
             cache_key(self.model_id, ask.task, ask.top_k, ask.data),
-            lambda: self._compute(ask),
+            lambda: self._compute(ask, shared=use is None or not use.fresh),
             use,
         )
 
-    async def _compute(self, ask: _Ask) -> object:
+    async def _compute(self, ask: _Ask, shared: bool = False) -> object:
+        """``ask`` computed; ``shared``: its answer is kept for identical requests, whose
+        computation may answer it (broker mode: ``app.broker.worker.sharing``)."""
         data = ask.data
         # Refuse before decoding when the answer is already 503: overload answers stay fast.
         self._streamer.check_admission(ask.ticket)
@@ -155,7 +157,7 @@ class Predictor:
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")
         return await self._streamer.submit(
-            ImageJob(image, top_k=ask.top_k),
+            ImageJob(image, top_k=ask.top_k, shared=shared),
             key=BatchKey(ask.task, encoded, self.model_id),
             timeout_s=remaining,
             trace=ask.trace,

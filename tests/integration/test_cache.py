@@ -276,3 +276,59 @@ def test_a_shared_cache_that_is_down_costs_requests_nothing_but_is_counted(
         assert metric(scrape(server), "microbatch_cache_errors_total") > errors
     assert said == ["miss", "hit", "miss"]
     assert max(took) < 1.0, took
+
+
+def test_identical_requests_through_two_front_ends_are_computed_once_by_the_worker(
+    tiny_store: Path,
+) -> None:
+    """Each front end computes an image once however many ask it at once; the worker then
+    computes it once for both front ends (broker mode has no shared Redis here: the worker
+    is where their requests meet), unless a caller asks afresh."""
+    image, fresh_image = IMAGES[1], IMAGES[2]
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store) as workers:
+        cache = {"MB_CACHE_BYTES": "16MiB"}
+        fronts = [ServerProcess(**broker_env(redis_server.url, tiny_store, **cache))]
+        fronts.append(ServerProcess(**broker_env(redis_server.url, tiny_store, **cache)))
+        with fronts[0] as a, fronts[1] as b:
+
+            def ran() -> tuple[int, int]:
+                beats = workers.live().values()
+                return sum(int(w["items"]) for w in beats), sum(int(w["shared"]) for w in beats)
+
+            def both(picture: bytes, headers: dict[str, str]) -> list[httpx.Response]:
+                async def send() -> list[httpx.Response]:
+                    async with httpx.AsyncClient(timeout=30) as client:
+                        return await asyncio.gather(*(
+                            client.post(f"{front.base_url}/predict/embedding",
+                                        files={"image": ("x.png", picture)},
+                                        headers={**BINARY, **headers})
+                            for front in (a, b, a, b)
+                        ))  # fmt: skip
+
+                return asyncio.run(send())
+
+            def settled(before: tuple[int, int], answered: int) -> tuple[int, int]:
+                deadline = time.monotonic() + 20  # the heartbeats tell it within seconds
+                while sum(ran()) - sum(before) < answered:
+                    assert time.monotonic() < deadline, (before, ran())
+                    time.sleep(0.1)
+                time.sleep(1.5)  # and nothing more comes
+                now = ran()
+                return now[0] - before[0], now[1] - before[1]
+
+            before = ran()
+            embed(a, IMAGES[0])  # each front end's first request (its workers' view) is done
+            embed(b, IMAGES[0])
+            assert settled(before, 2) == (1, 1)  # one after the other: the worker kept it
+            before = ran()
+            responses = both(image, {})
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            assert len({r.content for r in responses}) == 1  # one answer, bit for bit
+            assert len({r.headers["X-Model-Id"] for r in responses}) == 1
+            assert settled(before, 2) == (1, 1)  # an entry from each: one computed, one shared
+            assert metric(scrape(a), "microbatch_worker_shared_images_total") >= 1
+
+            before = ran()
+            responses = both(fresh_image, {"Cache-Control": "no-cache"})
+            assert all(r.status_code == 200 for r in responses)
+            assert settled(before, 4) == (4, 0)  # asked afresh: each computed for itself

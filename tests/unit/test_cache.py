@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.answers import BytesLRU, frozen, size_of
 from app.cache import CacheUse, Outcome, ResponseCache, cache_key
-from app.cache.memory import BytesLRU, frozen, size_of
 from app.cache.shared import COOL_OFF_S, SharedCache
 from app.errors import DeadlineExceeded, InvalidImage, QueueFull, Shed
 from app.jobs import EmbeddingAndTopK, Task, TopK
@@ -246,3 +246,61 @@ async def test_without_its_redis_the_cache_serves_on_each_request_waiting_little
         assert took < COOL_OFF_S
     finally:
         await cache.aclose()
+
+
+def _command_calls(client: Any, *names: str) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names}
+
+
+async def test_the_shared_tier_batches_its_round_trips_on_two_connections(redis_url: str) -> None:
+    import redis
+
+    errors: list[int] = []
+    shared = SharedCache.connect(redis_url, "t", 60, lambda: errors.append(1))
+    admin = redis.Redis.from_url(redis_url)
+    keys = [bytes([i]) * 32 for i in range(64)]
+    answers = [np.full(8, i, np.float32) for i in range(64)]
+    try:
+        admin.config_resetstat()
+        for key, answer in zip(keys, answers, strict=True):  # a batch of answers comes back
+            shared.put(key, answer)
+        await asyncio.sleep(0.1)
+        got = await asyncio.gather(*(shared.get(key) for key in [*keys, b"none"]))
+        assert got[-1] is None
+        for answer, kept in zip(answers, got[:-1], strict=True):
+            assert np.asarray(kept).tobytes() == answer.tobytes()
+        calls = _command_calls(admin, "set", "get", "mget")
+        # 64 writes in one pipeline, 65 reads in one MGET (or two: the first goes alone while
+        # the rest gather), not 129 round trips on as many connections.
+        assert calls["set"] == 64 and calls["get"] == 0 and 1 <= calls["mget"] <= 2
+        own = admin.client_id()
+        theirs = [c for c in admin.client_list() if int(c["id"]) != own]
+        assert len(theirs) <= 2, theirs  # one connection for reads, one for writes
+        assert errors == []
+    finally:
+        admin.close()
+        await shared.aclose()
+
+
+async def test_a_slow_shared_tier_costs_each_request_its_timeout_and_is_counted_once(
+    redis_url: str,
+) -> None:
+    import redis
+
+    errors: list[int] = []
+    shared = SharedCache.connect(redis_url, "t", 60, lambda: errors.append(1))
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert await shared.get(b"warm") is None and errors == []
+        admin.client_pause(400)  # Redis answers nobody
+        started = time.perf_counter()
+        got = await asyncio.gather(*(shared.get(bytes([i])) for i in range(16)))
+        took = time.perf_counter() - started
+        assert got == [None] * 16 and took < 0.25  # each waits its 50 ms, not Redis's 400
+        assert errors == [1]  # one failure, then the tier rests
+        assert await shared.get(b"again") is None and errors == [1]  # resting: not asked
+    finally:
+        admin.client_unpause()
+        admin.close()
+        await shared.aclose()

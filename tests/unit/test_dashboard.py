@@ -50,7 +50,7 @@ class _Report:
         self.model_s = {"tiny@1": {Task.TAG: [1.0] * (len(LATENCY_BUCKETS) + 1) + [0.01]}}
         self.wait_s = self.model_s
         self.tenant_wait_s = {"shop": self.model_s["tiny@1"][Task.TAG]}
-        self.reclaimed, self.reconnects = 1, 1
+        self.reclaimed, self.reconnects, self.shared = 1, 1, 1
 
 
 @functools.cache

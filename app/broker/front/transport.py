@@ -298,7 +298,9 @@ class BrokerTransport:
             ttl_ms = max(1, int(1000 * (item.deadline - time.monotonic())))
         image = item.payload.image  # encoded, or pixels (a v2 client's preprocessed input)
         top_k, traced = item.payload.top_k, tracing.traceparent()
-        fields = encode_request(request_id, self.frontend, task, top_k, ttl_ms, image, traced)
+        fields = encode_request(
+            request_id, self.frontend, task, top_k, ttl_ms, image, traced, item.payload.shared
+        )
         keys, args = self.admission.request(served_id, task, stream, lane, fields)
         future = self._waiting.add(request_id, served_id)  # before the entry: a fast reply finds it
         added: Any = None  # the entry id (bytes), or why not and the depth ([b"full", n])

@@ -80,6 +80,7 @@ class WorkerInfo(BaseModel):
     reclaimed: int = Field(ge=0)
     given_up: int = Field(ge=0)
     shed: int = Field(0, ge=0)  # absent from workers before priorities in broker mode
+    shared: int = Field(0, ge=0)  # absent from workers before they shared answers
     reconnects: int = Field(0, ge=0)  # absent from workers before it
     # served id -> task -> batch size -> batches; -> task -> histogram (see ConsumerStats)
     sizes: dict[str, dict[Task, dict[int, int]]] = Field(default_factory=dict)

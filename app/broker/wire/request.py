@@ -38,6 +38,9 @@ class Request:
     # client's FP32 input), rather than an encoded upload.
     pixels: tuple[int, int] | None = None
     traceparent: str | None = None  # the sender's trace context, when the request is traced
+    # Its front end keeps answers (its response cache is on, not asked afresh): an identical
+    # request's answer is its answer (app.broker.worker.sharing).
+    shared: bool = False
 
     def as_input(self) -> bytes | npt.NDArray[np.uint8]:
         """What a worker runs: the encoded upload, or the pixels as ``[H, W, 3]``."""
@@ -54,10 +57,11 @@ def encode_request(
     ttl_ms: int,
     image: bytes | npt.NDArray[np.uint8],
     traceparent: str | None = None,
+    shared: bool = False,
 ) -> dict[str, bytes]:
     """The stream entry's fields for one request: an encoded upload, or ``[H, W, 3]`` uint8
     pixels (their size in the header's ``px``); a traced request's W3C ``traceparent`` in
-    the header's ``tp``."""
+    the header's ``tp``; ``sh``: 1 when an identical request's answer may answer it."""
     header: dict[str, Any] = {
         "v": WIRE_VERSION,
         "id": request_id,
@@ -73,6 +77,8 @@ def encode_request(
         image = np.ascontiguousarray(image).tobytes()
     if traceparent is not None:
         header["tp"] = traceparent
+    if shared:
+        header["sh"] = 1
     return {"h": json.dumps(header, separators=(",", ":")).encode(), "img": image}
 
 
@@ -111,6 +117,7 @@ def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Reque
         image=image,
         pixels=pixels,
         traceparent=_traceparent(header.get("tp")),
+        shared=header.get("sh") == 1,
     )
 
 

@@ -22,6 +22,7 @@ Redis every second that this worker lives, which versions it holds and what it h
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -38,12 +39,13 @@ from app.broker.wire.live import LiveView, LiveWorkers
 from app.broker.wire.parsing import text
 from app.broker.wire.request import entry_time_ms
 from app.broker.worker import spans
-from app.broker.worker.entries import Done, Tagged, compute, fields_of, triage
+from app.broker.worker.entries import Done, Tagged, compute, fields_of, replies, triage
 from app.broker.worker.health import Presence, PrimaryWatch, TroubleLog, vital_thread
 from app.broker.worker.lanes import is_doorbell
 from app.broker.worker.orphans import OrphanClaims
 from app.broker.worker.readahead import ReadAhead
 from app.broker.worker.replies import RETRY_S, Entry, Replier
+from app.broker.worker.sharing import Sharing
 from app.broker.worker.stats import ConsumerStats
 from app.broker.worker.versions import WorkerVersions
 from app.jobs import Task
@@ -103,6 +105,7 @@ class Consumer:
         self.max_image_bytes = max_image_bytes
         self.batch_timeout_s = batch_timeout_s
         self.stats = ConsumerStats()
+        self._sharing = Sharing()  # identical requests computed once
         self._trouble = TroubleLog(name, self.stats, lambda: drop_idle(client))
         self._primary = PrimaryWatch()
         self._presence = Presence(client, keys, name, self._describe, self._trouble)
@@ -334,27 +337,32 @@ class Consumer:
             entries, task, now_ms, self.max_image_bytes, self.versions.lanes.lane, self.stats,
             self._trouble.error,
         )  # fmt: skip
+        ran = 0
         if runnable:
             started = time.perf_counter()
             self._running = len(runnable)
+            served_id = model.spec.served_id
             try:
                 requests = [request for _, request in runnable]
-                traced = spans.batch(model.spec.served_id, task, requests, self.name, delivery)
+                traced = spans.batch(served_id, task, requests, self.name, delivery)
+                run = functools.partial(compute, self.worker, self.name, model, task)
                 with self._ahead.computing(), traced:
                     spans.queued(runnable, now_ms)
-                    replies = compute(self.worker, self.name, model, task, runnable)
-                for stream, reply in zip(streams, replies, strict=True):
+                    answers, size, split = self._sharing.run(served_id, task, requests, run)
+                ran = len(split.run)
+                for stream, reply in zip(streams, replies(runnable, answers, size), strict=True):
                     done[stream][0].append(reply)
             finally:
                 self._running = 0
-            waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
-            frontends = len({request.frontend for _, request in runnable})
-            seconds = time.perf_counter() - started
-            served_id = model.spec.served_id
-            tenants = [self.keys.lane_tenant(stream) for stream in streams]
-            self.stats.record(served_id, task, len(runnable), frontends, seconds, waits, tenants)
+            self.stats.shared += split.shared
+            if ran:
+                waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
+                frontends = len({request.frontend for _, request in runnable})
+                seconds = time.perf_counter() - started
+                tenants = [self.keys.lane_tenant(stream) for stream in streams]
+                self.stats.record(served_id, task, ran, frontends, seconds, waits, tenants)
         self._replier.answer_all(done)
-        if runnable:
+        if ran:
             self.worker.memory.after_batch()
 
     # -- heartbeats --------------------------------------------------------------------------

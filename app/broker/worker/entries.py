@@ -99,28 +99,32 @@ def compute(
     name: str,
     model: PreparedModel,
     task: Task,
-    runnable: Sequence[tuple[EntryId, Request]],
-) -> list[Answered]:
-    """Run ``runnable`` as one batch (``app.workers.compute.run_batch``): each entry's
-    reply. If the model call fails for the batch, each entry is run alone, so only the
-    guilty one gets the 500."""
-    size = len(runnable)
-    requests = [request for _, request in runnable]
+    requests: Sequence[Request],
+) -> tuple[list[object], int]:
+    """Run ``requests`` as one batch (``app.workers.compute.run_batch``): each one's answer
+    (or its error), and the size of the batch they ran in. If the model call fails for the
+    batch, each is run alone, so only the guilty one gets the 500."""
+    size = len(requests)
     try:
         answered: dict[int, object] = {}
         for positions, images in by_kind(requests, model.runner.image_shape, answered):
             top_ks = [requests[position].top_k for position in positions]
             done = run_batch(worker, model.spec.served_id, task, images, max(top_ks))
             answered |= results(task, top_ks, positions, done.outputs, done.errors)
-        answers: list[object] = [answered[position] for position in range(size)]
+        return [answered[position] for position in range(size)], size
     except Exception:
         if size > 1:
             log.warning("worker %s: a batch of %d failed; running each alone", name, size)
-            return [
-                reply for one in runnable for reply in compute(worker, name, model, task, [one])
-            ]
+            alone = [compute(worker, name, model, task, [one])[0][0] for one in requests]
+            return alone, 1
         log.error("worker %s: a model call failed:\n%s", name, traceback.format_exc())
-        answers = [InferenceError("model call failed")]
+        return [InferenceError("model call failed")], 1
+
+
+def replies(
+    runnable: Sequence[tuple[EntryId, Request]], answers: Sequence[object], size: int
+) -> list[Answered]:
+    """Each entry's reply: its answer, from a batch of ``size``."""
     return [
         (entry_id, request, encode_answer(request.id, size, answer))
         for (entry_id, request), answer in zip(runnable, answers, strict=True)

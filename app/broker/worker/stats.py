@@ -35,6 +35,7 @@ class ConsumerStats:
     reclaimed: int = 0  # taken over from a worker that died or hung
     given_up: int = 0  # answered 500 after MB_MAX_DELIVERIES deliveries
     shed: int = 0  # answered 429 unrun: past their priority level's queue timeout
+    shared: int = 0  # answered by an identical request's computation (worker.sharing)
     reconnects: int = 0  # Redis reached again after it could not be (a failover, a restart)
     # By served id, then task: batches by size, and the model-time and queue-wait histograms.
     sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
