@@ -66,7 +66,7 @@ def as_tenant(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {TENANT_KEYS[tenant]}", "X-Priority": PRIORITY[tenant]}
 
 
-IMAGES = distinct_images(3)
+IMAGES = distinct_images(4)  # the last for the broker's two front ends at once
 Mode = Literal["inprocess", "broker"]
 Outcome = Literal["fp32", "bf16", "int8"]
 # How far an answer may be from its export's fp32 reference (relative L2 error), by the
@@ -255,6 +255,9 @@ class Deployment:
         self.seen_pids: set[int] = set()
         self._stack = contextlib.ExitStack()
         self.server: ServerProcess | None = None
+        # Broker mode: a second front end, without the shared Redis cache (so identical
+        # requests through both meet only at a worker).
+        self.other: ServerProcess | None = None
         self.workers: Workers | None = None
         self.redis: Any = None  # broker mode: its RedisServer, or SentinelSet
 
@@ -296,6 +299,11 @@ class Deployment:
         server = ServerProcess(**env)
         self._stack.push(server)
         self.server = server.start(ready_timeout_s=180)
+        if self.config.mode == "broker":
+            alone = {k: v for k, v in env.items() if k not in ("MB_CACHE_REDIS", "MB_GRPC_PORT")}
+            other = ServerProcess(**alone)
+            self._stack.push(other)
+            self.other = other.start(ready_timeout_s=180)
         self.worker_pids()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -303,7 +311,7 @@ class Deployment:
 
     def output(self) -> str:
         """What the processes logged (once stopped)."""
-        parts = [p.output for p in (self.server, self.workers) if p is not None]
+        parts = [p.output for p in (self.server, self.other, self.workers) if p is not None]
         return "\n".join(parts)
 
     def sighup(self) -> None:

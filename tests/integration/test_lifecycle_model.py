@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from app.manifest import split_served_id
 from tests.broker import PREFIX
 from tests.lifecycle import (
     ADMIN,
+    IMAGES,
     NAME,
     PRIORITY,
     Answer,
@@ -393,6 +395,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert why is None, (why, self.log)
         if self.config.mode == "broker":
             self._check_lanes(want)
+            self._check_front_ends(want)
         bare, suffix = split_served_id(want)
         if suffix != "float32":  # the export's id without its precision: not what serves
             refused = http_embedding(self.http, 0, pin=bare)
@@ -413,6 +416,26 @@ class Lifecycle(RuleBasedStateMachine):
         lanes = self.deployment.redis.client().hkeys(keys.lanes(want))
         bulk = keys.lane(want, Task.EMBEDDING, int(PRIORITY["bulk"]) - 1, "bulk")
         assert bulk.encode() in lanes, (lanes, self.log)
+
+    def _check_front_ends(self, want: str) -> None:
+        """Broker mode: one image through both front ends at once (each with its own cache,
+        the second without the shared Redis: they meet only at the workers, which compute
+        identical requests once, docs/cache.md) is answered by the export that id names, once
+        the second front end has seen the route the first one took (it looks each second)."""
+        assert self.deployment.other is not None
+        image = len(IMAGES) - 1  # only this check sends it
+        with httpx.Client(base_url=self.deployment.other.base_url, timeout=120) as other:
+            until(
+                lambda: other.get("/info").json().get("model_id") == want,
+                lambda: f"the second front end serving {want} after {self.log}",
+                timeout_s=30,
+            )
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda c: http_embedding(c, image), (self.http, other)))
+        for answer in answers:
+            assert answer.status == 200 and answer.served_id == want, (answer, self.log)
+            why = computed_by(self.catalog, want, image, answer.embedding)
+            assert why is None, (why, answer.cache, self.log)
 
     @invariant()
     def readiness_and_the_index_tell_the_truth(self) -> None:
