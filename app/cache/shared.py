@@ -183,8 +183,9 @@ class SharedCache:
             self._failed("write", exc)
 
     async def aclose(self) -> None:
-        for _, future in self._reads.drop():
-            future.cancel()
+        for _, future in self._reads.drop():  # each a miss: its request computes, or ends
+            if not future.done():
+                future.set_result(None)
         self._writes.drop()
         await self._reads.stopped()
         await self._writes.stopped()

@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from app.answers import BytesLRU, cache_key, frozen
 from app.broker.wire.request import Request
-from app.errors import ServerError
-from app.jobs import Task
+from app.jobs import EmbeddingAndTopK, Task, TopK
 
 RECENT_BYTES = 8 << 20  # answers kept for repeats that reach the worker a batch later
+KEPT = (np.ndarray, TopK, EmbeddingAndTopK)  # the answers kept (an error is not)
 
 
 @dataclass
@@ -88,7 +90,7 @@ class Sharing:
         ran = dict(zip(split.run, computed, strict=True))
         for position, answer in ran.items():
             key = split.keys[position]
-            if key is not None and not isinstance(answer, ServerError):  # errors never kept
+            if key is not None and isinstance(answer, KEPT):  # errors never kept
                 self.recent.put(key, frozen(answer))
         return [
             split.kept[p] if p in split.kept else ran[split.same_as.get(p, p)]
