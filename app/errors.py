@@ -295,6 +295,9 @@ GRPC_STATUS: tuple[tuple[type[ServerError], str], ...] = (
 IMAGE_ERRORS: dict[str, type[ServerError]] = {
     cls.__name__: cls for cls in (InvalidImage, UnsupportedImageFormat, PayloadTooLarge)
 }
+# The same, as ``isinstance`` and ``except`` take them: the errors the same bytes always meet,
+# so identical requests may share them (the response cache, a broker worker's sharing).
+IMAGE_ERROR_TYPES: tuple[type[ServerError], ...] = tuple(IMAGE_ERRORS.values())
 
 
 def retry_after(error: Unavailable | QuotaExceeded) -> int:

@@ -1,4 +1,5 @@
-"""The in-process tier: a least-recently-used map bounded in bytes."""
+"""Answers kept in a process: a least-recently-used map bounded in bytes (a front end's
+cache, a broker worker's recent answers)."""
 
 from __future__ import annotations
 

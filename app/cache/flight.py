@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from app.answers import BytesLRU, frozen
-from app.errors import IMAGE_ERRORS, ServerError
+from app.errors import IMAGE_ERROR_TYPES, ServerError
 
 if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for
     from app.cache.shared import SharedCache
@@ -74,10 +74,9 @@ class CacheUse:
         return None
 
 
-# The errors an image's bytes cause, the same for every request that sends them: shared
-# with those waiting. Any other (a timeout, a refusal for the first request's priority or
-# quota, a cancel) is that request's own.
-_THE_IMAGE_S = tuple(IMAGE_ERRORS.values())
+# The errors an image's bytes cause (IMAGE_ERROR_TYPES), the same for every request that
+# sends them, are shared with those waiting. Any other (a timeout, a refusal for the first
+# request's priority or quota, a cancel) is that request's own.
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,7 @@ class ResponseCache:
                     return self._told(use, Outcome.SHARED_HIT, kept)
             try:
                 computed = frozen(await compute())
-            except _THE_IMAGE_S as exc:
+            except IMAGE_ERROR_TYPES as exc:
                 landed = _Landed(error=exc)
                 raise
             landed = _Landed(computed)

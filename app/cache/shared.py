@@ -1,7 +1,7 @@
 """The shared tier: answers in a Redis every front end reads, so one front end's miss is
 every other's hit. It is a cache, never a dependency: a Redis that is down or slow costs a
-request at most ``timeout_s``, after which the tier is left alone for ``COOL_OFF_S``; each
-failure is counted; no request fails for it.
+request at most ``timeout_s``; an exchange with it that fails or times out is counted, and
+the tier is then left alone for ``COOL_OFF_S``; no request fails for it.
 
 Its reads and writes go in batches (``_Batches``): the lookups of the requests that arrive
 while one ``MGET`` is in flight go together in the next, and the answers of a batch of
@@ -40,10 +40,11 @@ class _Batches(Generic[Item]):
         self._bound = bound
         self._waiting: list[Item] = []
         self._sender: asyncio.Task[None] | None = None
+        self._closed = False
 
     def add(self, item: Item) -> bool:
-        """Queue ``item`` (False, let go, when ``bound`` wait already)."""
-        if len(self._waiting) >= self._bound:
+        """Queue ``item`` (False, let go: ``bound`` wait already, or closed)."""
+        if self._closed or len(self._waiting) >= self._bound:
             return False
         self._waiting.append(item)
         if self._sender is None:
@@ -55,12 +56,16 @@ class _Batches(Generic[Item]):
             while self._waiting:
                 batch = self._waiting[:MAX_BATCH]
                 del self._waiting[:MAX_BATCH]
-                await self._send(batch)
+                try:
+                    await self._send(batch)
+                except Exception:  # a bug: the next batch is still sent
+                    log.exception("cache: a batch for Redis failed")
         finally:
             self._sender = None
 
     def drop(self) -> list[Item]:
-        """Stop sending; the items that were waiting."""
+        """Stop sending, for good; the items that were waiting."""
+        self._closed = True
         if self._sender is not None:
             self._sender.cancel()
         waiting, self._waiting = self._waiting, []
@@ -135,12 +140,12 @@ class SharedCache:
         if self._quiet:
             return None
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._reads.add((self._name(key), future))
+        if not self._reads.add((self._name(key), future)):
+            return None
         try:
             async with asyncio.timeout(self._timeout_s):
                 raw = await future
-        except TimeoutError as exc:  # slow: a miss
-            self._failed("read", exc)
+        except TimeoutError:  # a miss; its MGET, bounded as long, counts a failure if slow
             return None
         if not isinstance(raw, bytes):  # none kept, or the batch failed
             return None
@@ -163,9 +168,10 @@ class SharedCache:
                 raws = await self._client.mget([name for name, _ in asked])
         except Exception as exc:  # down, slow, refused (ACL): every one a miss
             self._failed("read", exc)
-        for (_, future), raw in zip(asked, raws, strict=True):
-            if not future.done():  # its request gave up waiting
-                future.set_result(raw)
+        finally:  # answered (cancelled by a close: each a miss), unless it gave up waiting
+            for (_, future), raw in zip(asked, raws, strict=True):
+                if not future.done():
+                    future.set_result(raw)
 
     def put(self, key: bytes, answer: object) -> None:
         """Keep ``answer`` under ``key``, in the background: a caller never waits for it."""

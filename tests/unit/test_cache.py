@@ -298,9 +298,33 @@ async def test_a_slow_shared_tier_costs_each_request_its_timeout_and_is_counted_
         got = await asyncio.gather(*(shared.get(bytes([i])) for i in range(16)))
         took = time.perf_counter() - started
         assert got == [None] * 16 and took < 0.25  # each waits its 50 ms, not Redis's 400
+        await asyncio.sleep(0.1)  # their MGET's own bound ends as theirs do
         assert errors == [1]  # one failure, then the tier rests
         assert await shared.get(b"again") is None and errors == [1]  # resting: not asked
     finally:
         admin.client_unpause()
         admin.close()
         await shared.aclose()
+
+
+async def test_closing_the_shared_tier_answers_every_lookup_waiting_as_a_miss(
+    redis_url: str,
+) -> None:
+    import redis
+
+    shared = SharedCache.connect(redis_url, "t", 60, lambda: None)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert await shared.get(b"warm") is None
+        admin.client_pause(2000)  # the lookups below wait on Redis when the close comes
+        lookups = [asyncio.ensure_future(shared.get(bytes([i]))) for i in range(8)]
+        await asyncio.sleep(0.01)  # their MGET is sent
+        started = time.perf_counter()
+        await shared.aclose()
+        assert await asyncio.gather(*lookups) == [None] * 8
+        assert time.perf_counter() - started < 0.04  # at once, not after their 50 ms
+        assert await shared.get(b"after") is None  # closed: a miss, Redis not asked
+        shared.put(b"after", np.zeros(2, np.float32))  # nor written
+    finally:
+        admin.client_unpause()
+        admin.close()

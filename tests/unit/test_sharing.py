@@ -6,10 +6,12 @@ an error kept."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from app.broker.wire.request import Request, decode_request, encode_request
 from app.broker.worker.sharing import Sharing
-from app.errors import InvalidImage
+from app.broker.worker.stats import ConsumerStats
+from app.errors import InferenceError, InvalidImage
 from app.jobs import Task, TopK
 
 SERVED = "m@aaaaaaaaaaaa"
@@ -54,13 +56,16 @@ def test_identical_requests_in_a_batch_run_once_and_each_gets_the_answer() -> No
         request(b"\x01x", request_id="c"),  # a's bytes: a's answer
         request(b"\x01x", request_id="d", shared=False),  # not marked: runs
         request(b"\x01x", request_id="e", k=3),  # another k: runs
-        request(b"\x01x", request_id="f", task=Task.EMBEDDING, k=0),  # another task: runs
     ]
     answers, size, split = sharing.run(SERVED, Task.TAG, batch, model)
-    assert model.ran == [[b"\x01x", b"\x02y", b"\x01x", b"\x01x", b"\x01x"]] and size == 5
+    assert model.ran == [[b"\x01x", b"\x02y", b"\x01x", b"\x01x"]] and size == 4
     assert split.same_as == {2: 0} and split.shared == 1
     assert answers[2] is not None and answers[2] is answers[0]
-    assert [int(a.indices[0]) for a in answers] == [1, 2, 1, 1, 1, 1]  # type: ignore[attr-defined]
+    assert [int(a.indices[0]) for a in answers] == [1, 2, 1, 1, 1]  # type: ignore[attr-defined]
+    # The same bytes and k for another task (a batch is of one task): computed again.
+    both = request(b"\x01x", task=Task.EMBEDDING_AND_TAG)
+    _, _, split = sharing.run(SERVED, Task.EMBEDDING_AND_TAG, [both], model)
+    assert len(model.ran) == 2 and split.shared == 0
 
 
 def test_a_repeat_a_batch_later_is_answered_without_the_model_but_not_another_version_s() -> None:
@@ -80,6 +85,30 @@ def test_an_error_is_shared_within_its_batch_but_never_kept() -> None:
     assert split.shared == 1 and all(isinstance(a, InvalidImage) for a in answers)
     answers, _, split = sharing.run(SERVED, Task.TAG, [request(b"bad")], model)
     assert len(model.ran) == 2 and split.shared == 0  # the same bytes tried again
+
+
+def test_a_failed_model_call_is_not_shared_each_identical_request_runs_for_itself() -> None:
+    calls: list[int] = []
+
+    def failing_once(requests: list[Request]) -> tuple[list[object], int]:
+        calls.append(len(requests))
+        if len(calls) == 1:
+            return [InferenceError("model call failed")] * len(requests), len(requests)
+        return [answer_of(r.image[0]) for r in requests], len(requests)
+
+    batch = [request(b"\x05a", request_id="a"), request(b"\x05a", request_id="b")]
+    answers, _, split = Sharing().run(SERVED, Task.TAG, batch, failing_once)
+    assert calls == [1, 1] and split.shared == 0 and split.run == [0, 1]
+    assert isinstance(answers[0], InferenceError)
+    assert int(answers[1].indices[0]) == 5  # type: ignore[attr-defined]
+
+
+def test_a_batch_answered_without_the_model_counts_its_waits_and_no_batch() -> None:
+    stats = ConsumerStats()
+    stats.record(SERVED, Task.TAG, 0, 0, 0.0, [0.002, 0.003], ["shop", None])
+    assert stats.batches == stats.items == 0 and SERVED not in stats.sizes
+    assert stats.wait_s[SERVED][Task.TAG][-1] == pytest.approx(0.005)
+    assert stats.tenant_wait_s["shop"][-1] == pytest.approx(0.002)
 
 
 def test_what_it_keeps_stays_within_its_bytes() -> None:

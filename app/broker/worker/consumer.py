@@ -355,12 +355,11 @@ class Consumer:
             finally:
                 self._running = 0
             self.stats.shared += split.shared
-            if ran:
-                waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
-                frontends = len({request.frontend for _, request in runnable})
-                seconds = time.perf_counter() - started
-                tenants = [self.keys.lane_tenant(stream) for stream in streams]
-                self.stats.record(served_id, task, ran, frontends, seconds, waits, tenants)
+            waits = [(now_ms - entry_time_ms(entry_id)) / 1000 for entry_id, _ in runnable]
+            frontends = len({requests[position].frontend for position in split.run})
+            seconds = time.perf_counter() - started
+            tenants = [self.keys.lane_tenant(stream) for stream in streams]
+            self.stats.record(served_id, task, ran, frontends, seconds, waits, tenants)
         self._replier.answer_all(done)
         if ran:
             self.worker.memory.after_batch()

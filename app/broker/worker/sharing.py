@@ -16,6 +16,7 @@ import numpy as np
 
 from app.answers import BytesLRU, cache_key, frozen
 from app.broker.wire.request import Request
+from app.errors import IMAGE_ERROR_TYPES, ServerError
 from app.jobs import EmbeddingAndTopK, Task, TopK
 
 RECENT_BYTES = 8 << 20  # answers kept for repeats that reach the worker a batch later
@@ -37,6 +38,12 @@ class Split:
     def shared(self) -> int:
         """Requests answered without a model run of their own."""
         return len(self.same_as) + len(self.kept)
+
+
+def _shared_error(answer: object) -> bool:
+    """Whether an answer may go to an identical request: a result, or the image's own error
+    (the same bytes fail the same way)."""
+    return not isinstance(answer, ServerError) or isinstance(answer, IMAGE_ERROR_TYPES)
 
 
 class Sharing:
@@ -64,7 +71,17 @@ class Sharing:
         size = 1
         if split.run:
             computed, size = compute([requests[position] for position in split.run])
-        return self.answers(split, computed), size, split
+        answers = self.answers(split, computed)
+        # An error not of the image's own (a failed model call) is not shared: the requests
+        # that were to take it run for themselves, as a front end's waiting ones do.
+        retry = [p for p, leader in split.same_as.items() if not _shared_error(answers[leader])]
+        if retry:
+            again, _ = compute([requests[position] for position in retry])
+            for position, answer in zip(retry, again, strict=True):
+                answers[position] = answer
+                del split.same_as[position]
+                split.run.append(position)
+        return answers, size, split
 
     def split(self, served_id: str, task: Task, requests: Sequence[Request]) -> Split:
         keys = [

@@ -54,12 +54,16 @@ class ConsumerStats:
         waits: list[float],
         tenants: Sequence[str | None] = (),
     ) -> None:
-        self.batches += 1
-        self.items += size
-        self.mixed_batches += frontends > 1
-        sizes = self.sizes.setdefault(served_id, {}).setdefault(task, {})
-        sizes[size] = sizes.get(size, 0) + 1
-        _observe(self.model_s.setdefault(served_id, {}).setdefault(task, _histogram()), model_s)
+        """A batch of ``size`` run (0: none, every entry answered by another's computation),
+        and the queue waits of every entry it answered."""
+        if size:
+            self.batches += 1
+            self.items += size
+            self.mixed_batches += frontends > 1
+            sizes = self.sizes.setdefault(served_id, {}).setdefault(task, {})
+            sizes[size] = sizes.get(size, 0) + 1
+            model = self.model_s.setdefault(served_id, {}).setdefault(task, _histogram())
+            _observe(model, model_s)
         histogram = self.wait_s.setdefault(served_id, {}).setdefault(task, _histogram())
         for wait in waits:
             _observe(histogram, wait)
