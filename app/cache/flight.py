@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from app.answers import BytesLRU, frozen
+from app.answers import BytesLRU, SharedAnswer, frozen
 from app.errors import IMAGE_ERROR_TYPES, ServerError
 
 if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for
@@ -154,16 +154,20 @@ class ResponseCache:
                         self.memory.put(key, kept)
                     return self._told(use, Outcome.SHARED_HIT, kept)
             try:
-                computed = frozen(await compute())
+                got = await compute()
             except IMAGE_ERROR_TYPES as exc:
                 landed = _Landed(error=exc)
                 raise
+            outcome = Outcome.FRESH if fresh else Outcome.MISS
+            if isinstance(got, SharedAnswer):  # a worker computed it for an identical one
+                got, outcome = got.answer, Outcome.COALESCED
+            computed = frozen(got)
             landed = _Landed(computed)
             if self.memory is not None:
                 self.memory.put(key, computed)
             if self.shared is not None:
                 self.shared.put(key, computed)
-            return self._told(use, Outcome.FRESH if fresh else Outcome.MISS, computed)
+            return self._told(use, outcome, computed)
         finally:
             if flight is not None:
                 del self._flights[key]

@@ -325,6 +325,10 @@ def test_identical_requests_through_two_front_ends_are_computed_once_by_the_work
             assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
             assert len({r.content for r in responses}) == 1  # one answer, bit for bit
             assert len({r.headers["X-Model-Id"] for r in responses}) == 1
+            # Only the request whose entry ran says miss; the other front end's says
+            # coalesced (and each front end's second request coalesced, or a hit).
+            said = sorted(r.headers["X-Cache"] for r in responses)
+            assert said.count("miss") == 1 and "coalesced" in said, said
             assert settled(before, 2) == (1, 1)  # an entry from each: one computed, one shared
             assert metric(scrape(a), "microbatch_worker_shared_images_total") >= 1
 

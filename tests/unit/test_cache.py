@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.answers import BytesLRU, frozen, size_of
+from app.answers import BytesLRU, SharedAnswer, frozen, size_of
 from app.cache import CacheUse, Outcome, ResponseCache, cache_key
 from app.cache.shared import COOL_OFF_S, SharedCache
 from app.errors import DeadlineExceeded, InvalidImage, QueueFull, Shed
@@ -103,6 +103,19 @@ async def test_a_hit_is_the_miss_that_filled_it_and_no_cache_computes_afresh() -
     assert calls == [1, 1] and fresh.header == "miss" and np.asarray(renewed)[0] == 2
     assert await cache.answer(b"k", compute, None) is renewed  # the fresh answer is kept
     assert seen == [Outcome.MISS, Outcome.HIT, Outcome.FRESH, Outcome.HIT]
+
+
+async def test_an_answer_a_worker_shared_is_told_coalesced_and_kept_as_the_answer() -> None:
+    seen: list[Outcome] = []
+    cache = ResponseCache(1 << 20, on_outcome=seen.append)
+    vector = np.arange(4, dtype=np.float32)
+    calls, compute = counting(answer=SharedAnswer(vector))
+    use = CacheUse()
+    got = await cache.answer(b"k", compute, use)
+    assert use.header == "coalesced" and seen == [Outcome.COALESCED] and calls == [1]
+    assert isinstance(got, np.ndarray) and got.tobytes() == vector.tobytes()
+    assert await cache.answer(b"k", compute, again := CacheUse()) is got  # kept, unwrapped
+    assert again.header == "hit" and calls == [1]
 
 
 async def test_thirty_two_identical_requests_in_flight_are_computed_once() -> None:

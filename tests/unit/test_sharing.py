@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from app.broker.wire.reply import decode_reply, encode_answer
 from app.broker.wire.request import Request, decode_request, encode_request
+from app.broker.worker.entries import replies
 from app.broker.worker.sharing import Sharing
 from app.broker.worker.stats import ConsumerStats
 from app.errors import InferenceError, InvalidImage
@@ -85,6 +87,20 @@ def test_an_error_is_shared_within_its_batch_but_never_kept() -> None:
     assert split.shared == 1 and all(isinstance(a, InvalidImage) for a in answers)
     answers, _, split = sharing.run(SERVED, Task.TAG, [request(b"bad")], model)
     assert len(model.ran) == 2 and split.shared == 0  # the same bytes tried again
+
+
+def test_the_replies_say_which_answers_were_shared() -> None:
+    batch = [request(b"\x03c", request_id="a"), request(b"\x03c", request_id="b")]
+    sharing = Sharing()
+    answers, size, split = sharing.run(SERVED, Task.TAG, batch, Model())
+    runnable = [(f"1-{i}".encode(), r) for i, r in enumerate(batch)]
+    said = [
+        decode_reply(raw) for _, _, raw in replies(runnable, answers, size, split.positions_shared)
+    ]
+    assert [(r.id, r.shared) for r in said] == [("a", False), ("b", True)]
+    assert said[0].result.indices.tolist() == said[1].result.indices.tolist()  # type: ignore[attr-defined]
+    error = encode_answer("c", 1, InvalidImage("bad"), shared=True)
+    assert not decode_reply(error).shared  # an error says nothing of it
 
 
 def test_a_failed_model_call_is_not_shared_each_identical_request_runs_for_itself() -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.answers import SharedAnswer
 from app.broker.wire.parsing import MalformedMessage
 from app.broker.wire.reply import decode_reply
 from app.errors import ServerError, WorkerDied
@@ -95,7 +96,7 @@ class Waiting:
         if isinstance(reply.result, ServerError):
             future.set_exception(reply.result)
         else:
-            future.set_result(reply.result)
+            future.set_result(SharedAnswer(reply.result) if reply.shared else reply.result)
 
     def fail(self, error: ServerError, served_id: str | None = None) -> None:
         """Fail every waiting request (or those sent to ``served_id``) with ``error``."""

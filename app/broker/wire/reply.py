@@ -36,17 +36,24 @@ def _frame(header: dict[str, Any], payload: Sequence[bytes] = ()) -> bytes:
 
 
 def encode_result(
-    request_id: str, batch_size: int, outputs: Mapping[str, npt.NDArray[Any]]
+    request_id: str,
+    batch_size: int,
+    outputs: Mapping[str, npt.NDArray[Any]],
+    shared: bool = False,
 ) -> bytes:
     """A reply carrying one item's arrays: its embedding, its top-k indices and probs, or
-    all three (``EMBEDDING_AND_TAG``)."""
+    all three (``EMBEDDING_AND_TAG``); ``shared`` (``sh``): computed for an identical
+    request."""
     arrays, payload = [], []
     for name, array in outputs.items():
         dtype = REPLY_ARRAYS[name]
         data = np.ascontiguousarray(array, dtype=dtype)
         arrays.append([name, dtype, list(data.shape)])
         payload.append(data.tobytes())
-    return _frame({"id": request_id, "batch": batch_size, "arrays": arrays}, payload)
+    header: dict[str, Any] = {"id": request_id, "batch": batch_size, "arrays": arrays}
+    if shared:
+        header["sh"] = 1
+    return _frame(header, payload)
 
 
 def encode_error(request_id: str, batch_size: int, error: ServerError) -> bytes:
@@ -57,23 +64,21 @@ def encode_error(request_id: str, batch_size: int, error: ServerError) -> bytes:
     return _frame({"id": request_id, "batch": batch_size, "error": [name, error.message]})
 
 
-def encode_answer(request_id: str, batch_size: int, answer: object) -> bytes:
+def encode_answer(request_id: str, batch_size: int, answer: object, shared: bool = False) -> bytes:
     """A reply carrying one item's answer as a worker computed it: an embedding array,
-    ``TopK``, ``EmbeddingAndTopK`` or a ``ServerError``."""
+    ``TopK``, ``EmbeddingAndTopK`` or a ``ServerError``; ``shared``: computed for an
+    identical request (an error says nothing of it)."""
     if isinstance(answer, ServerError):
         return encode_error(request_id, batch_size, answer)
+    outputs: dict[str, Any]
     if isinstance(answer, TopK):
-        return encode_result(
-            request_id, batch_size, {"indices": answer.indices, "probs": answer.probs}
-        )
-    if isinstance(answer, EmbeddingAndTopK):
+        outputs = {"indices": answer.indices, "probs": answer.probs}
+    elif isinstance(answer, EmbeddingAndTopK):
         top = answer.top_k
-        return encode_result(
-            request_id,
-            batch_size,
-            {"embedding": answer.embedding, "indices": top.indices, "probs": top.probs},
-        )
-    return encode_result(request_id, batch_size, {"embedding": answer})  # type: ignore[dict-item]
+        outputs = {"embedding": answer.embedding, "indices": top.indices, "probs": top.probs}
+    else:
+        outputs = {"embedding": answer}
+    return encode_result(request_id, batch_size, outputs, shared)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class Reply:
     batch_size: int  # the size of the batch the worker ran it in
     # np.ndarray (embedding), TopK (tag), EmbeddingAndTopK (both) or a ServerError
     result: object
+    shared: bool = False  # computed for an identical request (app.broker.worker.sharing)
 
 
 def decode_reply(raw: bytes, max_bytes: int = 64 << 20) -> Reply:
@@ -104,13 +110,14 @@ def decode_reply(raw: bytes, max_bytes: int = 64 << 20) -> Reply:
             raise MalformedMessage(f"error {error[0]!r} is not one a worker may send")
         return Reply(request_id, batch_size, kind(error[1][:1000]))
     arrays = _arrays(header.get("arrays"), body)
+    shared = header.get("sh") == 1
     if set(arrays) == {"embedding"}:
-        return Reply(request_id, batch_size, arrays["embedding"])
+        return Reply(request_id, batch_size, arrays["embedding"], shared)
     if set(arrays) == {"indices", "probs"}:
-        return Reply(request_id, batch_size, TopK(arrays["indices"], arrays["probs"]))
+        return Reply(request_id, batch_size, TopK(arrays["indices"], arrays["probs"]), shared)
     if set(arrays) == {"embedding", "indices", "probs"}:
         top = TopK(arrays["indices"], arrays["probs"])
-        return Reply(request_id, batch_size, EmbeddingAndTopK(arrays["embedding"], top))
+        return Reply(request_id, batch_size, EmbeddingAndTopK(arrays["embedding"], top), shared)
     raise MalformedMessage(f"arrays {sorted(arrays)} are neither an embedding, top-k nor both")
 
 

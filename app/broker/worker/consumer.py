@@ -350,7 +350,8 @@ class Consumer:
                     spans.queued(runnable, now_ms)
                     answers, size, split = self._sharing.run(served_id, task, requests, run)
                 ran = len(split.run)
-                for stream, reply in zip(streams, replies(runnable, answers, size), strict=True):
+                answered = replies(runnable, answers, size, split.positions_shared)
+                for stream, reply in zip(streams, answered, strict=True):
                     done[stream][0].append(reply)
             finally:
                 self._running = 0

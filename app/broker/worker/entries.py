@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,12 +122,18 @@ def compute(
 
 
 def replies(
-    runnable: Sequence[tuple[EntryId, Request]], answers: Sequence[object], size: int
+    runnable: Sequence[tuple[EntryId, Request]],
+    answers: Sequence[object],
+    size: int,
+    shared: Collection[int] = (),
 ) -> list[Answered]:
-    """Each entry's reply: its answer, from a batch of ``size``."""
+    """Each entry's reply: its answer, from a batch of ``size``; the positions in ``shared``
+    were answered by an identical request's computation."""
     return [
-        (entry_id, request, encode_answer(request.id, size, answer))
-        for (entry_id, request), answer in zip(runnable, answers, strict=True)
+        (entry_id, request, encode_answer(request.id, size, answer, position in shared))
+        for position, ((entry_id, request), answer) in enumerate(
+            zip(runnable, answers, strict=True)
+        )
     ]
 
 

@@ -39,6 +39,10 @@ class Split:
         """Requests answered without a model run of their own."""
         return len(self.same_as) + len(self.kept)
 
+    @property
+    def positions_shared(self) -> set[int]:
+        return self.same_as.keys() | self.kept.keys()
+
 
 def _shared_error(answer: object) -> bool:
     """Whether an answer may go to an identical request: a result, or the image's own error
