@@ -74,11 +74,6 @@ class CacheUse:
         return None
 
 
-# The errors an image's bytes cause (IMAGE_ERROR_TYPES), the same for every request that
-# sends them, are shared with those waiting. Any other (a timeout, a refusal for the first
-# request's priority or quota, a cancel) is that request's own.
-
-
 @dataclass(frozen=True)
 class _Landed:
     """What a computation left its followers: its answer, or the error to share (the
@@ -155,8 +150,8 @@ class ResponseCache:
                     return self._told(use, Outcome.SHARED_HIT, kept)
             try:
                 got = await compute()
-            except IMAGE_ERROR_TYPES as exc:
-                landed = _Landed(error=exc)
+            except IMAGE_ERROR_TYPES as exc:  # the bytes' own, the same for all: shared
+                landed = _Landed(error=exc)  # (a timeout, a refusal, a cancel: its own)
                 raise
             outcome = Outcome.FRESH if fresh else Outcome.MISS
             if isinstance(got, SharedAnswer):  # a worker computed it for an identical one

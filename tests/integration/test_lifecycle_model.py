@@ -388,11 +388,9 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _check_pins(self, want: str) -> None:
         pinned = http_embedding(self.http, 0, pin=want, tenant="shop")  # a tenant's pin
-        assert pinned.status == 200 and pinned.served_id == want, (pinned, self.log)
+        self._assert_computed_by(want, pinned)
         # The probe asked the same image of the same id: the cache answers, with its answer.
         assert pinned.cache == "hit", (pinned, self.log)
-        why = computed_by(self.catalog, want, pinned.image, pinned.embedding)
-        assert why is None, (why, self.log)
         if self.config.mode == "broker":
             self._check_lanes(want)
             self._check_front_ends(want)
@@ -408,10 +406,7 @@ class Lifecycle(RuleBasedStateMachine):
     def _check_lanes(self, want: str) -> None:
         """Broker mode: a tenant's request at its priority waits in its own lane of the
         version served (docs/tenants.md), and is computed by the export that id names."""
-        answer = http_embedding(self.http, 2, tenant="bulk", fresh=True)
-        assert answer.status == 200 and answer.served_id == want, (answer, self.log)
-        why = computed_by(self.catalog, want, answer.image, answer.embedding)
-        assert why is None, (why, self.log)
+        self._assert_computed_by(want, http_embedding(self.http, 2, tenant="bulk", fresh=True))
         keys = Keys(PREFIX)
         lanes = self.deployment.redis.client().hkeys(keys.lanes(want))
         bulk = keys.lane(want, Task.EMBEDDING, int(PRIORITY["bulk"]) - 1, "bulk")
@@ -433,9 +428,13 @@ class Lifecycle(RuleBasedStateMachine):
             with ThreadPoolExecutor(2) as pool:
                 answers = list(pool.map(lambda c: http_embedding(c, image), (self.http, other)))
         for answer in answers:
-            assert answer.status == 200 and answer.served_id == want, (answer, self.log)
-            why = computed_by(self.catalog, want, image, answer.embedding)
-            assert why is None, (why, answer.cache, self.log)
+            self._assert_computed_by(want, answer)
+
+    def _assert_computed_by(self, want: str, answer: Answer) -> None:
+        """A 200 that names ``want`` and carries what that export computes for its image."""
+        assert answer.status == 200 and answer.served_id == want, (answer, self.log)
+        why = computed_by(self.catalog, want, answer.image, answer.embedding)
+        assert why is None, (why, answer.cache, self.log)
 
     @invariant()
     def readiness_and_the_index_tell_the_truth(self) -> None:
