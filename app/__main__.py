@@ -16,7 +16,7 @@ import textwrap
 import uvicorn
 
 from app.errors import SettingsError
-from app.http_protocol import http_protocol
+from app.http_protocol import server_options
 from app.main import create_app
 from app.settings import Settings, get_settings
 
@@ -65,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             create_app(settings),
             host=settings.host,
             port=settings.port,
-            http=http_protocol(),  # each response in one write, on the uvicorn it fits
             log_config=None,  # create_app configured logging, uvicorn's loggers included
             log_level=settings.log_level,
-            access_log=False,  # the app logs each request itself, with its request id
+            **server_options(settings.mb_keep_alive),
         )
     )
     server.run()

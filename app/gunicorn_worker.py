@@ -13,18 +13,20 @@ from typing import Any
 
 from uvicorn_worker import UvicornWorker
 
-from app.http_protocol import http_protocol
+from app.http_protocol import server_options
+from app.settings import get_settings
 from app.workers.lineage import die_with_parent
 
 
 class Worker(UvicornWorker):  # type: ignore[misc]
-    """``uvicorn_worker.UvicornWorker`` with our HTTP protocol and no access log (the app
-    logs each request itself, with its request id); it stops (SIGTERM: admitted requests
+    """``uvicorn_worker.UvicornWorker`` with the options ``python -m app`` serves with
+    (``app.http_protocol.server_options``: one write per response, no access log, idle
+    connections kept ``MB_KEEP_ALIVE``); it stops (SIGTERM: admitted requests
     finish) the moment its gunicorn master dies, even by ``kill -9`` (gunicorn itself would
     notice only at its next timeout check)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.CONFIG_KWARGS = {"loop": "auto", "http": http_protocol(), "access_log": False}
+        self.CONFIG_KWARGS = {"loop": "auto", **server_options(get_settings().mb_keep_alive)}
         super().__init__(*args, **kwargs)
 
     def init_process(self) -> None:

@@ -74,6 +74,14 @@ def http_protocol() -> type[asyncio.Protocol] | str:
     return "auto"
 
 
+def server_options(keep_alive_s: int) -> dict[str, Any]:
+    """The ``uvicorn.Config`` options ``python -m app`` and the gunicorn worker class share:
+    this protocol, no access log (the app logs each request itself, with its request id), and
+    idle connections kept ``keep_alive_s`` (``MB_KEEP_ALIVE``; uvicorn's own 5 s and
+    gunicorn's 2 s are shorter than any load balancer's idle timeout)."""
+    return {"http": http_protocol(), "access_log": False, "timeout_keep_alive": keep_alive_s}
+
+
 def _is_header_block(data: bytes | bytearray | memoryview) -> bool:
     head = bytes(data[:5])
     return head == b"HTTP/" and bytes(data[-4:]) == b"\r\n\r\n"

@@ -129,6 +129,15 @@ class Settings(BaseSettings, TestHooks, BrokerSettings):
     mb_request_timeout: float = Field(
         30.0, gt=0, description="Seconds before a waiting request is answered 504."
     )
+    mb_keep_alive: int = Field(
+        75,
+        ge=1,
+        description=(
+            "Seconds an idle HTTP connection stays open (gunicorn's --keep-alive is ignored). "
+            "Keep it longer than the idle timeout of a load balancer in front (60 s on AWS), "
+            "or the balancer may send a request on a connection the server is closing (502)."
+        ),
+    )
     mb_worker_start_timeout: float = Field(
         300.0, gt=0, description="Seconds the workers get to load and warm up."
     )

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,34 @@ def test_serves_then_exits_cleanly_on_sigterm(tiny_store: Path) -> None:
         time.sleep(0.05)
     assert not [pid for pid in workers if alive(pid)], "orphan worker left"
     assert shm_files() == shm_before
+
+
+def test_an_idle_connection_outlives_uvicorns_five_seconds_then_closes_at_mb_keep_alive(
+    tiny_store: Path,
+) -> None:
+    # Found by the lifecycle test: its client reused a connection idle for 5 s just as
+    # uvicorn's default keep-alive closed it ("server disconnected without a response"), the
+    # race a load balancer in front loses with a 502.
+    with ServerProcess(MODEL_STORE=str(tiny_store), MB_KEEP_ALIVE="7") as server:
+        reused, dropped = (HTTPConnection("127.0.0.1", server.port, timeout=10) for _ in "ab")
+        try:
+            for connection in (reused, dropped):
+                assert _health(connection) == 200
+            first = reused.sock
+            time.sleep(5.5)
+            assert _health(reused) == 200 and reused.sock is first  # the same connection
+            time.sleep(2.5)  # dropped: idle 8 s
+            assert dropped.sock.recv(1) == b"", "the server should have closed it at 7 s"
+        finally:
+            reused.close()
+            dropped.close()
+
+
+def _health(connection: HTTPConnection) -> int:
+    connection.request("GET", "/healthz")
+    answer = connection.getresponse()
+    answer.read()
+    return answer.status
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import warnings
 from pathlib import Path
@@ -130,7 +131,7 @@ async def test_anything_but_a_header_block_passes_straight_through(data: bytes) 
     assert inner.writes == [data]
 
 
-def test_the_command_line_serves_with_this_protocol(
+def test_the_command_line_serves_with_this_protocol_and_mb_keep_alive(
     monkeypatch: pytest.MonkeyPatch, tiny_store: Path
 ) -> None:
     import app.__main__ as cli
@@ -138,6 +139,7 @@ def test_the_command_line_serves_with_this_protocol(
 
     # The tiny model, not the checkout's model_store (empty on a fresh clone), read afresh.
     monkeypatch.setenv("MODEL_STORE", str(tiny_store))
+    monkeypatch.setenv("MB_KEEP_ALIVE", "42")
     monkeypatch.setattr("app.__main__.get_settings", load_settings)
 
     configs: list[Config] = []
@@ -156,6 +158,25 @@ def test_the_command_line_serves_with_this_protocol(
     monkeypatch.setattr("app.__main__.signal.signal", lambda *_: None)
     assert cli.main([]) == 0
     assert configs[0].http is HttpProtocol
+    assert configs[0].timeout_keep_alive == 42 and configs[0].access_log is False
+
+
+def test_the_gunicorn_worker_class_serves_as_the_command_line_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gunicorn.config import Config as GunicornConfig
+    from gunicorn.glogging import Logger
+
+    from app.gunicorn_worker import Worker
+    from app.settings import load_settings
+
+    monkeypatch.setenv("MB_KEEP_ALIVE", "42")
+    monkeypatch.setattr("app.gunicorn_worker.get_settings", load_settings)
+    cfg = GunicornConfig()  # --keep-alive 2, gunicorn's default, which MB_KEEP_ALIVE replaces
+    worker = Worker(0, os.getpid(), [], None, 30, cfg, Logger(cfg))
+    worker.tmp.close()  # the heartbeat file gunicorn's worker opens
+    assert worker.config.http is HttpProtocol
+    assert worker.config.timeout_keep_alive == 42 and worker.config.access_log is False
 
 
 def test_the_pinned_uvicorn_gets_this_protocol_without_a_warning() -> None:
