@@ -42,9 +42,11 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def shm_files() -> set[str]:
+def shm_files(pid: int) -> set[str]:
+    """The input buffers process ``pid`` made that /dev/shm still holds (only its own: the
+    other tests running beside it make and remove theirs meanwhile)."""
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("microbatch-*")} if shm.is_dir() else set()
+    return {p.name for p in shm.glob(f"microbatch-{pid}-*")} if shm.is_dir() else set()
 
 
 class ChildProcess:

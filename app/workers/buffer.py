@@ -50,7 +50,9 @@ class InputBuffer:
 
     @classmethod
     def create(cls, size: int) -> InputBuffer:
-        fd, path = tempfile.mkstemp(prefix="microbatch-", suffix=".buf", dir=_shm_dir(size))
+        # Named after the process that made it, so that a leftover says whose it was.
+        prefix = f"microbatch-{os.getpid()}-"
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".buf", dir=_shm_dir(size))
         try:
             os.ftruncate(fd, size)
         finally:

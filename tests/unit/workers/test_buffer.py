@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.workers.buffer import InputBuffer
+from tests.server import shm_files
 
 
 @pytest.fixture
@@ -49,3 +52,11 @@ def test_unlinking_leaves_the_mapping_usable(buffer: InputBuffer) -> None:
     assert buffer.blob((0, 10)) == b"still here"
     buffer.close()
     buffer.close()  # idempotent
+
+
+def test_the_file_is_named_after_the_process_that_made_it(buffer: InputBuffer) -> None:
+    # tests.server.shm_files finds a server's leftovers by this name, among other tests'.
+    name = Path(buffer.path).name
+    assert name.startswith(f"microbatch-{os.getpid()}-")
+    if Path(buffer.path).parent == Path("/dev/shm"):  # where it has room
+        assert name in shm_files(os.getpid())
