@@ -38,6 +38,7 @@ from app.errors import (
     ModelNotFound,
     ModelStoreError,
     NotReady,
+    ServerError,
 )
 from app.lifecycle import UNLOADED, Route, VersionState, WorkerView, given_up
 from app.manifest import Manifest, split_served_id
@@ -233,7 +234,11 @@ class Models:
                     self._coming.discard(name)
             asked = await self.control.pin(name, number)
             log.info("asked the workers to serve %s version %d", name, chosen)
-            return await self._until_served(name, chosen, item.manifest.model_id, asked)
+            try:
+                return await self._until_served(name, chosen, item.manifest.model_id, asked)
+            except ServerError:
+                self.registry.gave_up(name)  # after an unload: 404 again, not 503
+                raise
 
     async def _until_served(
         self, name: str, number: int, model_id: str, asked: int

@@ -224,6 +224,17 @@ class ModelRegistry:
         """LOADING -> FAILED, at ``step``, with the reason (``/info``, the index)."""
         version.move(VersionState.FAILED, step, reason)
 
+    def gave_up(self, name: str) -> None:
+        """A load of ``name`` ended without it serving: unless a version of it serves or
+        is on its way (loading, ready), the name is unknown again (404), not coming (503
+        with Retry-After, which would have a client retry for nothing)."""
+        coming = any(
+            v.name == name and v.state in (VersionState.LOADING, VersionState.READY)
+            for v in self._versions.values()
+        )
+        if name not in self._serving and not coming:
+            self._known.discard(name)
+
     def switch(self, version: ModelVersion) -> ModelVersion | None:
         """Make ``version`` (READY, or DRAINING: a rollback before it was unloaded) the one
         its name serves, in one step; the version it replaces starts draining and is

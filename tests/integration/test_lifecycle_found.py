@@ -302,6 +302,29 @@ def test_a_load_after_an_unload_answers_503_until_it_serves_in_both_modes(
     served(deployment, bf16, bf16.good[0].served_id)
 
 
+@pytest.mark.parametrize("mode", ["inprocess", "broker"])
+def test_a_failed_load_after_an_unload_leaves_the_name_unknown_not_coming(
+    deploy: Any, bf16: Catalog, mode: Mode
+) -> None:
+    """Found by ``make chaos`` (kill -9 twice, a corrupt version 2, unload, a corrupt version
+    3, load by the route): after the load's 422 nothing serves the name and nothing loads
+    it, yet every request got 503 "no version ready now" with Retry-After, for good. It is
+    404, as after the unload; the next good load serves."""
+    workers = 2 if mode == "broker" else 1
+    deployment = deploy(Config(mode, workers, "bf16"), bf16)
+    base = deployment.base_url
+    unloaded = httpx.post(f"{base}/v2/repository/models/{NAME}/unload", headers=ADMIN, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    publish(deployment.root, bf16.corrupt)
+    failed = load(base)  # the newest: the corrupt one
+    assert failed.status_code == 422 and error_of(failed)["type"] == "model_load_failed"
+    with httpx.Client(base_url=base, timeout=60) as http:
+        answer = http_embedding(http, 0)
+    assert answer.status == 404 and answer.error == "model_not_found", answer
+    assert load(base, 1).status_code == 200
+    served(deployment, bf16, bf16.good[0].served_id)
+
+
 def test_a_restarted_broker_worker_answers_what_its_last_life_left_pending(
     deploy: Any, bf16: Catalog
 ) -> None:
