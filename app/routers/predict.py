@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from app import tracing
 from app.dependencies import (
@@ -18,6 +17,7 @@ from app.dependencies import (
     ticket_of,
 )
 from app.errors import InvalidRequest
+from app.jsonbody import JsonBody
 from app.routers.common import ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
@@ -162,7 +162,7 @@ async def embedding(request: Request) -> Response:
                 media_type="application/octet-stream",
                 headers={SHAPE_HEADER: ",".join(map(str, shape))},
             )
-        return JSONResponse(vectors.tolist() if upload.several else vectors[0].tolist())
+        return JsonBody(vectors if upload.several else vectors[0])
 
 
 def _one_k(form: str | None, query: str | None) -> int | None:
@@ -182,7 +182,7 @@ def _one_k(form: str | None, query: str | None) -> int | None:
     responses=ERRORS,
     openapi_extra=_upload_body(with_k=True),
 )
-async def tag(request: Request) -> JSONResponse:
+async def tag(request: Request) -> JsonBody:
     """Tag images: the top-k class names with their probabilities, most probable first (a
     list of such lists for several images, in order). ``?model=NAME`` chooses the model;
     ``X-Model-Id`` pins the exact export."""
@@ -205,4 +205,4 @@ async def tag(request: Request) -> JSONResponse:
             )
     with tracing.span("encode"):
         shaped = [[{"name": t.name, "prob": t.prob} for t in tags] for tags in answers]
-        return JSONResponse(shaped if upload.several else shaped[0])
+        return JsonBody(shaped if upload.several else shaped[0])

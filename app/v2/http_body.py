@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from app.errors import InvalidRequest, validation_message
+from app.jsonbody import dumps
 from app.v2.inference import InferCall, Requested
 from app.v2.tensors import Tensor, from_raw, from_values
 
@@ -161,7 +162,7 @@ def answer(
         else:
             entry["data"] = tensor.json_data()
         listed.append(entry)
-    document = json.dumps({**head, "outputs": listed}, separators=(",", ":")).encode()
+    document = dumps({**head, "outputs": listed}, allow_nan=True)
     if not blobs:
         return document, None
     return b"".join([document, *blobs]), len(document)

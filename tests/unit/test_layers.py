@@ -2,7 +2,8 @@
 
 routers -> (v2, the Open Inference Protocol both edges share) -> services -> batching <- workers,
 broker (they fill its Transport); app.main starts v2's gRPC edge
-plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs, answers: leaves
+plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs, answers, jsonbody:
+leaves
 that any layer may import (batching only the vocabulary of lifecycle, for the seam's types)
 tracing: the spans workers, broker, v2 and routers make (batching carries a trace unopened)
 tenancy and cache: what services ask before the Streamer (keys and quotas; kept answers),
@@ -29,7 +30,7 @@ LEAVES = {
     "plan", "settings", "settings_values", "settings_testing", "settings_broker", "errors",
     "jobs", "manifest",
     "repository",
-    "lifecycle", "images", "logs", "answers",
+    "lifecycle", "images", "logs", "answers", "jsonbody",
 }  # fmt: skip
 BELOW = {"batching", *LEAVES}  # what every layer above batching may import
 
