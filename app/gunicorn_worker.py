@@ -13,6 +13,7 @@ from typing import Any
 
 from uvicorn_worker import UvicornWorker
 
+from app.errors import SettingsError
 from app.http_protocol import server_options
 from app.settings import get_settings
 from app.workers.lineage import die_with_parent
@@ -26,9 +27,20 @@ class Worker(UvicornWorker):  # type: ignore[misc]
     notice only at its next timeout check)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.CONFIG_KWARGS = {"loop": "auto", **server_options(get_settings().mb_keep_alive)}
+        self.CONFIG_KWARGS = {"loop": "auto", **server_options(None)}
         super().__init__(*args, **kwargs)
 
     def init_process(self) -> None:
         die_with_parent(self.ppid, signal.SIGTERM)
+        self.apply_settings()
         super().init_process()
+
+    def apply_settings(self) -> None:
+        """``MB_KEEP_ALIVE``, read in this worker process: gunicorn builds this object in its
+        master, where settings read would outlive a HUP that brings a new ``.env``. A bad
+        setting is left for the app's start to report, as it always has."""
+        try:
+            keep_alive_s = get_settings().mb_keep_alive
+        except SettingsError:
+            return
+        self.config.timeout_keep_alive = keep_alive_s

@@ -74,12 +74,15 @@ def http_protocol() -> type[asyncio.Protocol] | str:
     return "auto"
 
 
-def server_options(keep_alive_s: int) -> dict[str, Any]:
+def server_options(keep_alive_s: int | None) -> dict[str, Any]:
     """The ``uvicorn.Config`` options ``python -m app`` and the gunicorn worker class share:
     this protocol, no access log (the app logs each request itself, with its request id), and
     idle connections kept ``keep_alive_s`` (``MB_KEEP_ALIVE``; uvicorn's own 5 s and
-    gunicorn's 2 s are shorter than any load balancer's idle timeout)."""
-    return {"http": http_protocol(), "access_log": False, "timeout_keep_alive": keep_alive_s}
+    gunicorn's 2 s are shorter than any load balancer's idle timeout; ``None``: set later)."""
+    options: dict[str, Any] = {"http": http_protocol(), "access_log": False}
+    if keep_alive_s is not None:
+        options["timeout_keep_alive"] = keep_alive_s
+    return options
 
 
 def _is_header_block(data: bytes | bytearray | memoryview) -> bool:

@@ -133,7 +133,8 @@ class Settings(BaseSettings, TestHooks, BrokerSettings):
         75,
         ge=1,
         description=(
-            "Seconds an idle HTTP connection stays open (gunicorn's --keep-alive is ignored). "
+            "Seconds an idle HTTP connection stays open, under python -m app and the gunicorn "
+            "worker class (gunicorn's --keep-alive is ignored; uvicorn --factory takes its own). "
             "Keep it longer than the idle timeout of a load balancer in front (60 s on AWS), "
             "or the balancer may send a request on a connection the server is closing (502)."
         ),

@@ -38,7 +38,6 @@ from app.errors import (
     ModelNotFound,
     ModelStoreError,
     NotReady,
-    ServerError,
 )
 from app.lifecycle import UNLOADED, Route, VersionState, WorkerView, given_up
 from app.manifest import Manifest, split_served_id
@@ -236,8 +235,9 @@ class Models:
             log.info("asked the workers to serve %s version %d", name, chosen)
             try:
                 return await self._until_served(name, chosen, item.manifest.model_id, asked)
-            except ServerError:
-                self.registry.gave_up(name)  # after an unload: 404 again, not 503
+            except ModelLoadFailed as exc:
+                if exc.step != "timeout":  # the workers gave it up: nothing of it is coming
+                    self.registry.gave_up(name)  # after an unload: 404 again, not 503
                 raise
 
     async def _until_served(

@@ -225,9 +225,9 @@ class ModelRegistry:
         version.move(VersionState.FAILED, step, reason)
 
     def gave_up(self, name: str) -> None:
-        """A load of ``name`` ended without it serving: unless a version of it serves or
-        is on its way (loading, ready), the name is unknown again (404), not coming (503
-        with Retry-After, which would have a client retry for nothing)."""
+        """The workers gave a load of ``name`` up: unless a version of it serves or is on
+        its way (loading, ready), the name is unknown again (404), not coming (503 with
+        Retry-After, which would have a client retry for nothing)."""
         coming = any(
             v.name == name and v.state in (VersionState.LOADING, VersionState.READY)
             for v in self._versions.values()

@@ -162,7 +162,7 @@ def answer(
         else:
             entry["data"] = tensor.json_data()
         listed.append(entry)
-    document = dumps({**head, "outputs": listed}, allow_nan=True)
+    document = dumps({**head, "outputs": listed}, allow_nan=True, ensure_ascii=True)
     if not blobs:
         return document, None
     return b"".join([document, *blobs]), len(document)

@@ -173,10 +173,14 @@ def test_the_gunicorn_worker_class_serves_as_the_command_line_does(
     monkeypatch.setenv("MB_KEEP_ALIVE", "42")
     monkeypatch.setattr("app.gunicorn_worker.get_settings", load_settings)
     cfg = GunicornConfig()  # --keep-alive 2, gunicorn's default, which MB_KEEP_ALIVE replaces
-    worker = Worker(0, os.getpid(), [], None, 30, cfg, Logger(cfg))
+    worker = Worker(0, os.getpid(), [], None, 30, cfg, Logger(cfg))  # in gunicorn's master
     worker.tmp.close()  # the heartbeat file gunicorn's worker opens
-    assert worker.config.http is HttpProtocol
-    assert worker.config.timeout_keep_alive == 42 and worker.config.access_log is False
+    assert worker.config.http is HttpProtocol and worker.config.access_log is False
+    worker.apply_settings()  # in the worker process, before it serves (init_process)
+    assert worker.config.timeout_keep_alive == 42
+    monkeypatch.setenv("MB_KEEP_ALIVE", "0")  # a bad setting: left for the app's start
+    worker.apply_settings()
+    assert worker.config.timeout_keep_alive == 42
 
 
 def test_the_pinned_uvicorn_gets_this_protocol_without_a_warning() -> None:

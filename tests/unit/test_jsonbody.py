@@ -60,6 +60,14 @@ def test_null_and_what_orjson_refuses_take_the_standard_librarys_way() -> None:
         dumps({"a": object()})
 
 
+def test_ensure_ascii_escapes_as_the_standard_library_does() -> None:
+    # v2's answers: the request's id and BYTES outputs echoed, escaped as they always were.
+    document = {"id": "café \ud800", "outputs": [{"data": ["✓", "plain"]}], "n": [0.5]}
+    expected = json.dumps(document, separators=(",", ":")).encode()  # ensure_ascii=True
+    assert dumps(document, ensure_ascii=True) == expected
+    assert dumps({"id": "plain", "n": [0.5]}, ensure_ascii=True) == b'{"id":"plain","n":[0.5]}'
+
+
 def test_the_response_carries_the_same_body_and_headers_as_starlettes() -> None:
     document = [{"name": "x", "prob": 0.5}]
     ours, theirs = JsonBody(document), JSONResponse(document)
