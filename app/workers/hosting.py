@@ -77,6 +77,13 @@ class PoolHost:
         self.keepers: dict[int, Keeper] = {}  # by worker slot
         self._workers: dict[int, PoolWorker] = {}  # slot -> the worker its keeper is for
         self._routes: dict[str, Route] = {}
+        # Each name's last route, kept while every worker that held it restarts (the routes
+        # then say nothing of it): what a restarted worker loads first. Dropped once the
+        # name is aimed at nothing (unloaded, or gone from the repository).
+        self._served: dict[str, Route] = {}
+        # The targets of the last aim (start-up, a pin, a reload): a restarted worker's too,
+        # not the repository read afresh (a version published since waits for its reload).
+        self._aimed: dict[str, int | None] | None = None
         self._loads: dict[int, asyncio.Task[None]] = {}  # slot -> its running load
         self._unloads: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -158,7 +165,8 @@ class PoolHost:
         self.seq += 1
         if explicit:
             self._crashed.clear()
-        targets = self.targets()
+        self._aimed = targets = self.targets()
+        self._served = {n: r for n, r in self._served.items() if targets.get(n) is not None}
         for keeper in self.keepers.values():
             keeper.aim(targets, self.read, explicit=explicit, asked=self.seq)
         self._wake.set()
@@ -168,6 +176,7 @@ class PoolHost:
         """A keeper for each live worker: a new one (started, or restarted after dying) is
         aimed as a worker starting beside the others."""
         workers = {w.index: w for w in self.hands.host_workers() if w.alive and w.ready}
+        aimed = self._aimed if self._aimed is not None else self.targets()
         for slot in list(self.keepers):
             if slot in self._loads:
                 continue  # it died loading: how that load ended decides first (a crash?)
@@ -179,10 +188,12 @@ class PoolHost:
             others = self._views()
             keeper = Keeper(f"worker {slot}", min_workers=self.min_workers, on_error=log.error)
             # What the pool serves now (what requests are admitted for), not what the others
-            # alone would make of it: one of them may hold a version that never switched.
-            serving = dict(self._routes) or (routes(others, self.min_workers) if others else {})
+            # alone would make of it: one of them may hold a version that never switched;
+            # when no worker held it any more, what it served last (not the newest on disk:
+            # only a reload or a pin rolls a version out).
+            serving = dict(self._served) or (routes(others, self.min_workers) if others else {})
             keeper.aim(
-                self.targets(), self.read, explicit=False, asked=self.seq, serving=serving,
+                aimed, self.read, explicit=False, asked=self.seq, serving=serving,
                 gave_up=given_up(others, self.min_workers),
             )  # fmt: skip
             for spec, reason in self._crashed.values():
@@ -273,6 +284,7 @@ class PoolHost:
                     task.add_done_callback(self._unloads.discard)
         views = self._views()  # as the keepers left them: a version given up drains first
         self._routes = routes(views, self.min_workers, sticky=self._routes)
+        self._served.update(self._routes)
         self._view = ClusterView(tuple(views), dict(self._routes), dict(self.pins))
 
     async def _unload(self, worker: PoolWorker, served_id: str) -> None:
@@ -316,6 +328,7 @@ class PoolHost:
         died loading is waited for while it restarts to load again (a runtime that crashed
         under ``MB_RUNTIME=auto`` is left out then: ``Hands.load_on``)."""
         self._starting = True
+        self._aimed = self.targets()
         try:
             async with asyncio.timeout(timeout_s):
                 while True:

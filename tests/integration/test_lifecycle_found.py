@@ -325,6 +325,28 @@ def test_a_failed_load_after_an_unload_leaves_the_name_unknown_not_coming(
     served(deployment, bf16, bf16.good[0].served_id)
 
 
+@pytest.mark.parametrize("published", ["corrupt", "good"])
+def test_a_restarted_lone_worker_serves_what_served_not_the_newest_on_disk(
+    deploy: Any, bf16: Catalog, published: str
+) -> None:
+    """Found by ``make chaos`` (inprocess-1-int8: a corrupt version published, no reload,
+    ``kill -9`` of the only worker): restarted, the worker loaded the newest version on disk,
+    not what served. A corrupt one failed, and nothing served (503) until a reload; a good
+    one would have rolled out with no reload asked. It serves version 1 again, and loads
+    nothing else."""
+    deployment = deploy(Config("inprocess", 1, "bf16"), bf16)
+    newer = bf16.good[1] if published == "good" else bf16.corrupt
+    publish(deployment.root, newer)
+    pid = deployment.kill_worker()
+    until(lambda: deployment.worker_pids() not in ([], [pid]), "the worker back", timeout_s=120)
+    with httpx.Client(base_url=deployment.base_url, timeout=60) as http:
+        until(lambda: http_embedding(http, 0).status == 200, "version 1 served again")
+    served(deployment, bf16, bf16.good[0].served_id)
+    states = {r[1]: (r[3], r[4], r[5]) for r in rows(deployment.base_url) if r[0] == NAME}
+    assert states["1"] == ("ready", True, 1), states
+    assert states["2"][0] == "unavailable", states  # on disk, never loaded
+
+
 def test_a_restarted_broker_worker_answers_what_its_last_life_left_pending(
     deploy: Any, bf16: Catalog
 ) -> None:
