@@ -306,7 +306,14 @@ class Lifecycle(RuleBasedStateMachine):
             if want is None:
                 done = not serving and not any(r["state"] == "ready" for r in rows)
                 return done or f"rows {shown}"
-            if len(serving) != 1 or serving[0]["model_id"] != want:
+            # The number too: a version published again (the same export) serves under its
+            # new number once a front end has heard so (found by make chaos: a probe too early
+            # read version 1 in broker mode, where the ids alone were already equal).
+            number = str(self.expected.serving)
+            if len(serving) != 1 or (serving[0]["model_id"], serving[0]["version"]) != (
+                want,
+                number,
+            ):
                 return f"rows {shown}"
             failed = target is not None and not self.expected.on_disk[target].good
             if failed:  # the failure is on its own row, with its reason
