@@ -52,7 +52,7 @@ GOLDEN = sorted((Path(__file__).resolve().parent.parent / "golden").glob("*.jpg"
 TIMING_BATCH = 8
 TIMING_ROUNDS = 3
 TIMING_MIN_S = 0.1
-FAVOURED = 10.0  # testing only (MB_TEST_FASTEST_DTYPE): how much faster a favoured one times
+FAVOURED = 1000.0  # testing only (MB_TEST_FASTEST_DTYPE): how much faster a favoured one times
 # MB_DTYPE=auto keeps the precision it would serve in anyway (the one chosen on this host
 # class before, else the export's own) unless another measures this many times faster: the
 # served id names the precision, and must not flip with the noise of a timing.
@@ -279,7 +279,7 @@ def choose_runtime(
     precisions, the fastest serves only if it is ``DECISIVE``ly faster than ``incumbent``
     (the one chosen on this host class before, with a log line when it changes) or, without
     one, than the first of ``dtypes``. ``favoured`` (testing only, ``MB_TEST_FASTEST_DTYPE``):
-    candidates in that precision are timed ten times faster than measured."""
+    candidates in that precision are timed a thousand times faster than measured."""
     dtypes = list(dtypes) or [options.dtype]
     home = dtypes[0]
     manifest = manifest or read_manifest(store)  # every file verified once, for every load

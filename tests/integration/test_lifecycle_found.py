@@ -384,7 +384,7 @@ def test_a_restart_keeps_every_served_id_and_says_so_when_it_changes(
     """The precision MB_DTYPE=auto chose is kept for the export on this class of host
     (``MB_STATE_DIR``): a restart measures again, keeps it unless another precision is
     decisively faster, and says so when it changes. Here the second start has fp32 timed
-    ten times faster (decisive): it changes, with a warning; a third start keeps it."""
+    a thousand times faster (decisive): it changes, with a warning; a third start keeps it."""
     root = tmp_path / "repository"
     publish(root, bf16.good[0])
     export = bf16.good[0]

@@ -132,7 +132,7 @@ def test_default_settings_give_the_stock_handlers_top1(
 def test_auto_chooses_bf16_for_an_archive_only_where_it_keeps_the_top5(
     lite0_repository: Path, tmp_path: Path
 ) -> None:
-    """The choice itself, in-process, bf16 timed ten times faster (what the
+    """The choice itself, in-process, bf16 timed a thousand times faster (what the
     MB_TEST_FASTEST_DTYPE hook does) on a CPU taken to have bf16 units: an archive whose top 5
     bf16 keeps on the golden photos serves in bf16; the trained one, whose top 5 bf16 changes
     there (on a CPU that computes bf16), serves fp32, and its trial says why."""
