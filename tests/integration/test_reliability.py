@@ -261,8 +261,7 @@ async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: 
     images = distinct_images(12)
     server = ServerProcess(MODEL_STORE=str(slow_store), MB_BATCH_SIZE="4", **SLOW_ONE_WORKER)
     server.start()
-    assert server.process is not None
-    pool = server.process.pid  # whose input buffers go to /dev/shm
+    pool = server.pid  # whose input buffers go to /dev/shm
     workers = server.worker_pids()
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
@@ -275,7 +274,7 @@ async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: 
             async with asyncio.timeout(10):
                 while (await client.get("/readyz")).json()["queue_depth"] < 4:
                     await asyncio.sleep(0.01)
-            server.process.send_signal(signal.SIGTERM)
+            server.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             responses = await asyncio.gather(*requests)
         code = await asyncio.to_thread(server.stop)
     finally:

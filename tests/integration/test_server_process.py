@@ -22,8 +22,7 @@ pytestmark = pytest.mark.slow
 
 def test_serves_then_exits_cleanly_on_sigterm(tiny_store: Path) -> None:
     with ServerProcess(MODEL_STORE=str(tiny_store), MB_WORKER_NUM="2") as server:
-        assert server.process is not None
-        pool = server.process.pid  # whose input buffers go to /dev/shm
+        pool = server.pid  # whose input buffers go to /dev/shm
         workers = server.worker_pids()
         assert len(workers) == 2
         if jemalloc_library() is not None:  # workers run on it (app.workers.allocator)
