@@ -17,6 +17,7 @@ from app.metrics import Metrics
 log = logging.getLogger("app.request")
 
 REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode()
 MODEL_ID_HEADER = b"x-model-id"
 CACHE_HEADER = b"x-cache"
 # Probes and scrapes: a trace every few seconds from each, of nothing worth seeing.
@@ -44,7 +45,7 @@ class RequestLog:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        sent = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        sent = dict(scope["headers"]).get(_REQUEST_ID_KEY, b"").decode("latin-1")
         request_id = sent if _VALID_ID.match(sent) else os.urandom(16).hex()
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
@@ -57,7 +58,7 @@ class RequestLog:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                headers.append((_REQUEST_ID_KEY, request_id.encode()))
                 model_id = state.get("model_id") or _default_model_id(app_state)
                 if model_id:
                     headers.append((MODEL_ID_HEADER, model_id.encode()))
@@ -103,6 +104,8 @@ class RequestLog:
         model, version = state.get("model", ""), state.get("model_version", "")
         inference = "batch_size" in state  # set by the routes that run a model
         self.metrics.on_request(route, status, seconds, model, str(version), inference=inference)
+        if not log.isEnabledFor(logging.INFO):
+            return
         batch_size = state.get("batch_size")
         served = state.get("model_id")
         log.info(

@@ -43,6 +43,7 @@ from app.metrics.labels import (
     LATENCY_BUCKETS,
     LOAD_BUCKETS,
     BatchRun,
+    Children,
     Labels,
 )
 from app.metrics.live import CacheGauges, LiveGauges, LiveState, VersionState
@@ -188,6 +189,19 @@ class Metrics:
             ["model", "step"],
             registry=r,
         )
+        # What each request and batch counts, by label values, looked up once each.
+        self._requests = Children(self.requests)
+        self._latency = Children(self.latency)
+        self._rejected = Children(self.rejected)
+        self._tenant_requests = Children(self.tenant_requests)
+        self._tenant_images = Children(self.tenant_images)
+        self._tenant_refused = Children(self.tenant_refused)
+        self._cache_images = Children(self.cache_images)
+        if not remote_workers:
+            self._batch_size = Children(self.batch_size)
+            self._queue_wait = Children(self.queue_wait)
+            self._model_time = Children(self.model_time)
+            self._tenant_queue_wait = Children(self.tenant_queue_wait)
 
     def watch(self, read_state: Callable[[], LiveState]) -> None:
         """Export gauges read from ``read_state()`` at every scrape."""
@@ -198,7 +212,7 @@ class Metrics:
         self._live.append(CacheGauges(cache))
 
     def on_cache(self, outcome: str) -> None:
-        self.cache_images.labels(outcome).inc()
+        self._cache_images(outcome).inc()
 
     def on_cache_evict(self) -> None:
         self.cache_evictions.inc()
@@ -217,9 +231,9 @@ class Metrics:
     def on_batch(
         self, task: str, size: int, waits: Sequence[float], model: str = "", version: str = ""
     ) -> None:
-        self.batch_size.labels(task, model, version).observe(size)
+        self._batch_size(task, model, version).observe(size)
         self.statistics.on_batch(model, version, size, waits)
-        histogram = self.queue_wait.labels(task, model, version)
+        histogram = self._queue_wait(task, model, version)
         for wait in waits:
             histogram.observe(wait)
 
@@ -228,10 +242,10 @@ class Metrics:
         not counted)."""
         for wait, tenant in zip(waits, tenants, strict=True):
             if tenant is not None:
-                self.tenant_queue_wait.labels(str(tenant)).observe(wait)
+                self._tenant_queue_wait(str(tenant)).observe(wait)
 
     def on_run(self, run: BatchRun, model: str = "", version: str = "") -> None:
-        self.model_time.labels(run.task, model, version).observe(run.compute_s)
+        self._model_time(run.task, model, version).observe(run.compute_s)
         self.statistics.on_run(model, version, run.size, run.compute_s)
 
     def on_load(self, model: str, version: int, seconds: float, failed_step: str | None) -> None:
@@ -247,15 +261,15 @@ class Metrics:
         a refusal that FastAPI or Starlette made itself."""
         reason = error.reject_reason
         if reason is not None:
-            self.rejected.labels(reason).inc()
+            self._rejected(reason).inc()
             if tenant is not None:
-                self.tenant_refused.labels(tenant, reason).inc()
+                self._tenant_refused(tenant, reason).inc()
 
     def on_tenant_images(self, tenant: str, images: int, allowed: bool) -> None:
         """A request of ``tenant`` drew ``images`` from its quota (or had none)."""
         outcome = "admitted" if allowed else "over_quota"
-        self.tenant_requests.labels(tenant, outcome).inc()
-        self.tenant_images.labels(tenant, outcome).inc(images)
+        self._tenant_requests(tenant, outcome).inc()
+        self._tenant_images(tenant, outcome).inc(images)
 
     def on_quota_error(self) -> None:
         self.quota_errors.inc()
@@ -271,8 +285,8 @@ class Metrics:
         inference: bool = False,
     ) -> None:
         """A request answered; ``inference``: one that ran (or tried to run) a model."""
-        self.requests.labels(route, str(status), model, version).inc()
-        self.latency.labels(route, model, version).observe(seconds)
+        self._requests(route, str(status), model, version).inc()
+        self._latency(route, model, version).observe(seconds)
         if inference and model:
             self.statistics.on_request(model, version, ok=status < 400, seconds=seconds)
 

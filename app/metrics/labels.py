@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound="MetricWrapperBase")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -25,3 +31,22 @@ class BatchRun:
 
 
 Labels = Callable[[str], tuple[str, str]]  # served id -> (model name, version)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by their label values, each looked up once.
+    ``labels()`` checks and converts its arguments on every call, a few microseconds of
+    every request for each metric it counts; the children themselves are the metric's own,
+    which keeps them as long as the registry lives (this holds no other)."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
