@@ -136,6 +136,3 @@ def configure_logging(level: str, fmt: str) -> None:
         logger.propagate = False
     # Our request log replaces uvicorn's access log (it has the request id and batch size).
     logging.getLogger("uvicorn.access").disabled = True
-    # python-multipart warns about each malformed form it parses: the client already gets its
-    # 400, so keep only its errors.
-    logging.getLogger("python_multipart").setLevel(max(logging.ERROR, ours))

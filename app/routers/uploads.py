@@ -8,7 +8,8 @@ Two shapes are accepted:
 * the image itself as the whole body, with an ``image/*`` or ``application/octet-stream``
   Content-Type (``curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'``).
 
-The multipart body goes through python-multipart's streaming parser as the chunks arrive.
+The multipart body goes through the ``multipart`` package's push parser as the chunks arrive
+(python-multipart's byte-by-byte state machine cost each upload three times as much).
 FastAPI's own form handling (spooled temporary files, a validation model per field) and its
 dependency resolution cost the event loop more than everything else a request does, so the
 prediction routes read the stream themselves: the upload limit still applies as the bytes
@@ -19,22 +20,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import Request
-from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
 from app.errors import ClientDisconnected, ClientError, InvalidRequest, PayloadTooLarge
 
-if TYPE_CHECKING:
-    from python_multipart.multipart import MultipartCallbacks
-
 FILE_FIELD = "image"
 MAX_TEXT_FIELDS = 8
 MAX_TEXT_FIELD_BYTES = 1024
-RAW_BODY_TYPES = (b"image/", b"application/octet-stream")
+MAX_PART_HEADERS = 8  # a form part has two or three (RFC 7578)
+RAW_BODY_TYPES = ("image/", "application/octet-stream")
 HOW_TO_SEND = (
     f"send the image as the multipart/form-data field '{FILE_FIELD}', or as the whole body "
     "with an image/* Content-Type"
@@ -82,12 +79,14 @@ async def read_upload(
     more than ``max_images`` images, without reading on). ``image_fields``: the form fields
     that hold images; ``any_body``: a body that is not a form is the image, whatever its
     Content-Type (TorchServe's clients send none with ``curl -T``)."""
-    media_type, options = parse_options_header(request.headers.get("content-type"))
-    if media_type == b"multipart/form-data":
-        boundary = options.get(b"boundary")
+    media_type, options = parse_options_header(request.headers.get("content-type") or "")
+    if media_type == "multipart/form-data":
+        boundary = options.get("boundary")
         if not boundary:
             raise ClientError("the multipart Content-Type has no boundary")
-        return await _read_form(request, boundary, max_bytes, max_images, image_fields)
+        # As sent: header values are Latin-1 (ASGI), the body's bytes are the same ones.
+        boundary_bytes = boundary.encode("latin-1", "replace")
+        return await _read_form(request, boundary_bytes, max_bytes, max_images, image_fields)
     if any_body or media_type.startswith(RAW_BODY_TYPES):
         return Upload([Image(await _read_body(request, max_bytes))])
     raise InvalidRequest(HOW_TO_SEND)
@@ -116,7 +115,8 @@ async def _chunks(request: Request) -> AsyncIterator[bytes]:
 
 
 class _Form:
-    """python-multipart callbacks that keep the image parts and the small text fields."""
+    """The parser's events (``multipart.PushMultipartParser``): keeps the image parts and
+    the small text fields."""
 
     def __init__(
         self,
@@ -130,49 +130,29 @@ class _Form:
         self.images: list[Image] = []
         self.fields: dict[str, str] = {}
         self.other_files: list[str] = []  # file parts not named image: refused
-        self._header_name = bytearray()
-        self._header_value = bytearray()
-        self._headers: dict[bytes, bytes] = {}
         self._name = ""
         self._filename = ""
         self._is_image = False
         self._skip = False  # this part is a file not named image: refused at the end
         self._limit = 0
         self._size = 0  # the bytes of every image so far: together within max_bytes
-        self._data = bytearray()
+        self._data: list[bytes] = []  # this part's, as the parser gave them (no copy)
+        self._length = 0
 
-    def callbacks(self) -> MultipartCallbacks:
-        return {
-            "on_part_begin": self._part_begin,
-            "on_header_field": self._header_field,
-            "on_header_value": self._header_value_part,
-            "on_header_end": self._header_end,
-            "on_headers_finished": self._headers_finished,
-            "on_part_data": self._part_data,
-            "on_part_end": self._part_end,
-        }
+    def take(self, event: MultipartSegment | bytes | None) -> None:
+        if event is None:
+            self._part_end()
+        elif isinstance(event, MultipartSegment):
+            self._part_begin(event)
+        else:
+            self._part_data(event)
 
-    def _part_begin(self) -> None:
-        self._headers.clear()
-        self._data = bytearray()
-
-    def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header_name += data[start:end]
-
-    def _header_value_part(self, data: bytes, start: int, end: int) -> None:
-        self._header_value += data[start:end]
-
-    def _header_end(self) -> None:
-        self._headers[bytes(self._header_name).lower()] = bytes(self._header_value)
-        self._header_name.clear()
-        self._header_value.clear()
-
-    def _headers_finished(self) -> None:
-        _, options = parse_options_header(self._headers.get(b"content-disposition"))
-        self._name = options.get(b"name", b"").decode("utf-8", "replace")
-        self._filename = options.get(b"filename", b"").decode("utf-8", "replace")[:200]
+    def _part_begin(self, part: MultipartSegment) -> None:
+        self._data, self._length = [], 0
+        self._name = _utf8(part.name or "")
+        self._filename = _utf8(part.filename or "")[:200]
         self._is_image = self._name in self.image_fields
-        self._skip = not self._is_image and b"filename" in options
+        self._skip = not self._is_image and part.filename is not None
         if self._is_image:
             if len(self.images) >= self.max_images:
                 raise PayloadTooLarge(f"at most {self.max_images} images per request")
@@ -185,21 +165,29 @@ class _Form:
                 raise ClientError(f"the form has more than {MAX_TEXT_FIELDS} fields")
             self._limit = MAX_TEXT_FIELD_BYTES
 
-    def _part_data(self, data: bytes, start: int, end: int) -> None:
+    def _part_data(self, data: bytes) -> None:
         if self._skip:
             return  # refused at the end; the body's own limit bounds it meanwhile
-        self._data += data[start:end]
-        if self._is_image and self._size + len(self._data) > self.max_bytes:
+        self._data.append(data)
+        self._length += len(data)
+        if self._is_image and self._size + self._length > self.max_bytes:
             raise PayloadTooLarge(f"upload is over {self.max_bytes} bytes")
-        if not self._is_image and len(self._data) > self._limit:
+        if not self._is_image and self._length > self._limit:
             raise InvalidRequest(f"form field '{self._name}' is over {self._limit} bytes")
 
     def _part_end(self) -> None:
+        data = b"".join(self._data)  # one chunk (the usual): that very object
         if self._is_image:
-            self.images.append(Image(bytes(self._data), self._filename))
-            self._size += len(self._data)
+            self.images.append(Image(data, self._filename))
+            self._size += len(data)
         elif not self._skip:
-            self.fields[self._name] = self._data.decode("utf-8", "replace")
+            self.fields[self._name] = data.decode("utf-8", "replace")
+
+
+def _utf8(latin1: str) -> str:
+    """A header value the parser read as Latin-1, as the UTF-8 forms send (RFC 7578): a
+    file name in another charset keeps its request going, its odd bytes replaced."""
+    return latin1.encode("latin-1").decode("utf-8", "replace")
 
 
 async def _read_form(
@@ -211,13 +199,19 @@ async def _read_form(
 ) -> Upload:
     form = _Form(max_bytes, max_images, image_fields)
     try:
-        parser = MultipartParser(boundary, form.callbacks())  # refuses a boundary too long
+        # Latin-1 decodes any header bytes; names are then read as UTF-8, mistakes replaced.
+        parser = PushMultipartParser(
+            boundary, max_header_count=MAX_PART_HEADERS, header_charset="latin-1"
+        )
         async for chunk in _chunks(request):
-            parser.write(chunk)
-    except FormParserError as exc:
+            for event in parser.parse(chunk) if chunk else ():  # b"": the end, checked below
+                form.take(event)
+    except MultipartError as exc:
         raise ClientError(f"malformed multipart body: {exc}") from None
-    if parser.state != MultipartState.END:
-        raise ClientError("malformed multipart body: it ends before its closing boundary")
+    try:
+        parser.close()  # refuses a body that ended before its closing boundary
+    except MultipartError:
+        raise ClientError("malformed multipart body: it ends before its closing boundary") from None
     if form.other_files:
         names = ", ".join(repr(name) for name in form.other_files)
         wanted = " or ".join(f"'{name}'" for name in sorted(image_fields))

@@ -28,13 +28,8 @@ def restore_logging() -> Iterator[None]:
     """configure_logging changes this process's loggers: put them back as they were."""
     root = logging.getLogger()
     named = [logging.getLogger(n) for n in ("app", "uvicorn", "uvicorn.error", "uvicorn.access")]
-    multipart = logging.getLogger("python_multipart")
     saved = [(x, x.handlers[:], x.level, x.propagate, x.disabled) for x in named]
-    before, root_level, multipart_level = (
-        [h for h in root.handlers if ours(h)],
-        root.level,
-        multipart.level,
-    )
+    before, root_level = [h for h in root.handlers if ours(h)], root.level
     yield
     for logger, handlers, level, propagate, disabled in saved:
         logger.handlers[:], logger.propagate, logger.disabled = handlers, propagate, disabled
@@ -45,7 +40,6 @@ def restore_logging() -> Iterator[None]:
     for handler in before:
         root.addHandler(handler)
     root.setLevel(root_level)
-    multipart.setLevel(multipart_level)
 
 
 def lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -99,7 +93,6 @@ def test_libraries_log_warnings_and_up_unless_log_level_is_stricter(
         library.info("library info")
         library.warning("library warning")
         library.error("library error")
-        logging.getLogger("python_multipart.multipart").warning("a malformed form")
     finally:
         library.setLevel(logging.NOTSET)
     assert [json.loads(line)["message"] for line in lines(capsys)] == printed
