@@ -70,10 +70,12 @@ async def _disconnected(request: Request) -> None:
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` in the request's own task (no task of its own: one hand-over less each
     way); if the client goes away first, cancel it (so a queued item leaves the queue and is
-    never computed) and raise ``ClientDisconnected``."""
+    never computed) and raise ``ClientDisconnected``. The watcher starts at the event loop's
+    next turn: work done without waiting (an answer the response cache kept) costs none."""
     current = asyncio.current_task()
     assert current is not None, "called from a request's task"
     left = False
+    watcher: asyncio.Task[None] | None = None
 
     def on_leave(watcher: asyncio.Task[None]) -> None:
         nonlocal left
@@ -81,8 +83,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             left = True
             current.cancel()
 
-    watcher = asyncio.create_task(_disconnected(request))
-    watcher.add_done_callback(on_leave)
+    def watch() -> None:
+        nonlocal watcher
+        watcher = asyncio.create_task(_disconnected(request))
+        watcher.add_done_callback(on_leave)
+
+    starting = asyncio.get_running_loop().call_soon(watch)
     try:
         return await work
     except asyncio.CancelledError:
@@ -90,4 +96,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             raise ClientDisconnected("the client closed the connection") from None
         raise
     finally:
-        watcher.cancel()
+        starting.cancel()
+        if watcher is not None:
+            watcher.cancel()

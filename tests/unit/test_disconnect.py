@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from app.errors import ClientDisconnected
+from app.routers import common
 from app.routers.common import unless_disconnected
 
 
@@ -55,16 +56,47 @@ async def handling(request: FakeRequest, work: Work) -> asyncio.Task[None]:
     return task
 
 
+def watchers() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if "_disconnected" in repr(t.get_coro())]
+
+
 async def test_the_result_comes_back_and_the_watcher_stops() -> None:
+    request, work = FakeRequest(), Work()
+    task = await handling(request, work)
+    await asyncio.sleep(0)  # the watcher starts at the loop's next turn
+    started = watchers()
+    assert len(started) == 1 and not started[0].done()
+    work.release.set()
+    await task
+    async with asyncio.timeout(5):  # the watcher ends: nothing is left to hear a disconnect
+        await asyncio.gather(*started, return_exceptions=True)
+    assert started[0].cancelled()
+    request.leave()  # a disconnect after the answer cancels nothing
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_work_done_without_waiting_starts_no_watcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer the response cache kept: no watcher is made for it."""
+    made: list[object] = []
+    real = common._disconnected
+
+    def counted(request: Any) -> Any:
+        made.append(request)
+        return real(request)
+
+    monkeypatch.setattr(common, "_disconnected", counted)
     request, work = FakeRequest(), Work()
     work.release.set()
     assert await unless_disconnected(request, work()) == "result"  # type: ignore[arg-type]
-    watchers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    assert watchers and all(t.done() or t.cancelling() for t in watchers)
-    async with asyncio.timeout(5):  # the watcher ends: nothing is left to hear a disconnect
-        await asyncio.gather(*watchers, return_exceptions=True)
-    request.leave()  # a disconnect after the answer cancels nothing
-    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert made == [] and watchers() == []
+    waiting = await handling(request, Work())  # work that waits gets one
+    await asyncio.sleep(0)
+    assert made == [request]
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
 
 
 async def test_a_client_that_leaves_cancels_the_work() -> None:
@@ -92,7 +124,7 @@ async def test_a_shutdown_while_the_client_leaves_stays_a_cancellation() -> None
     request, work = FakeRequest(), Work()
 
     task = await handling(request, work)
-    (watcher,) = [t for t in asyncio.all_tasks() if "_disconnected" in repr(t.get_coro())]
+    (watcher,) = watchers()
     # The shutdown's cancel lands in the same loop turn as the disconnect's.
     watcher.add_done_callback(lambda _: task.cancel())
     request.leave()
