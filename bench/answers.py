@@ -21,7 +21,7 @@ from pathlib import Path
 import uvloop
 
 from bench.baseline import source_tree
-from bench.loadgen import closed_loop, multipart_request
+from bench.loadgen import Connection, closed_loop, multipart_request
 from bench.systems import REPO, RunningServer, bench_jpegs, export_bench_model, serve
 
 HOST = "127.0.0.1"
@@ -47,8 +47,19 @@ def measure(source: Path, store: Path, jpegs: list[bytes]) -> dict[str, tuple[fl
         settings=defaults | {"MB_CACHE_BYTES": "64MiB"}, source=source,
     ) as server:  # fmt: skip
         # One image again and again: after the first, every answer is the response cache's.
-        out[HIT] = _timed(server, [multipart_request(HOST, server.port, "/predict/tag", jpegs[0])])
+        request = multipart_request(HOST, server.port, "/predict/tag", jpegs[0])
+        out[HIT] = _timed(server, [request])
+        cache = uvloop.run(_cache_header(server.port, request))
+        assert cache == "hit", f"X-Cache: {cache}: this tree keeps no answers (MB_CACHE_BYTES)"
     return out
+
+
+async def _cache_header(port: int, request: bytes) -> str | None:
+    connection = Connection(HOST, port)
+    try:
+        return (await connection.send(request)).headers.get("x-cache")
+    finally:
+        await connection.close()
 
 
 def _timed(server: RunningServer, requests: list[bytes]) -> tuple[float, float, float]:

@@ -74,12 +74,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     next turn: work done without waiting (an answer the response cache kept) costs none."""
     current = asyncio.current_task()
     assert current is not None, "called from a request's task"
-    left = False
+    left = finished = False
     watcher: asyncio.Task[None] | None = None
 
     def on_leave(watcher: asyncio.Task[None]) -> None:
         nonlocal left
-        if not watcher.cancelled() and watcher.exception() is None:
+        # Not once the work is done: a disconnect heard in the same loop turn as the answer
+        # would cancel the task while it sends that answer.
+        if not finished and not watcher.cancelled() and watcher.exception() is None:
             left = True
             current.cancel()
 
@@ -96,6 +98,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             raise ClientDisconnected("the client closed the connection") from None
         raise
     finally:
+        finished = True
         starting.cancel()
         if watcher is not None:
             watcher.cancel()

@@ -18,11 +18,12 @@ arrive, and every malformed body still gets its own 4xx.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
+from multipart import MultipartError, MultipartSegment, PushMultipartParser
 from starlette.requests import ClientDisconnect
 
 from app.errors import ClientDisconnected, ClientError, InvalidRequest, PayloadTooLarge
@@ -31,6 +32,8 @@ FILE_FIELD = "image"
 MAX_TEXT_FIELDS = 8
 MAX_TEXT_FIELD_BYTES = 1024
 MAX_PART_HEADERS = 8  # a form part has two or three (RFC 7578)
+MAX_BOUNDARY = 1024  # RFC 2046 allows 70; longer ones only cost each chunk's search more
+_BOUNDARY = re.compile(r';\s*boundary\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]+))', re.IGNORECASE)
 RAW_BODY_TYPES = ("image/", "application/octet-stream")
 HOW_TO_SEND = (
     f"send the image as the multipart/form-data field '{FILE_FIELD}', or as the whole body "
@@ -79,14 +82,12 @@ async def read_upload(
     more than ``max_images`` images, without reading on). ``image_fields``: the form fields
     that hold images; ``any_body``: a body that is not a form is the image, whatever its
     Content-Type (TorchServe's clients send none with ``curl -T``)."""
-    media_type, options = parse_options_header(request.headers.get("content-type") or "")
+    content_type = request.headers.get("content-type") or ""
+    media_type = content_type.partition(";")[0].strip().lower()
     if media_type == "multipart/form-data":
-        boundary = options.get("boundary")
-        if not boundary:
-            raise ClientError("the multipart Content-Type has no boundary")
-        # As sent: header values are Latin-1 (ASGI), the body's bytes are the same ones.
-        boundary_bytes = boundary.encode("latin-1", "replace")
-        return await _read_form(request, boundary_bytes, max_bytes, max_images, image_fields)
+        return await _read_form(
+            request, _boundary(content_type), max_bytes, max_images, image_fields
+        )
     if any_body or media_type.startswith(RAW_BODY_TYPES):
         return Upload([Image(await _read_body(request, max_bytes))])
     raise InvalidRequest(HOW_TO_SEND)
@@ -184,6 +185,22 @@ class _Form:
             self.fields[self._name] = data.decode("utf-8", "replace")
 
 
+def _boundary(content_type: str) -> bytes:
+    """The form's boundary, as sent (header values are Latin-1 in ASGI, as are the body's
+    bytes): quoted, or up to the next ``;`` or space, so ``=``, ``/`` or ``:`` unquoted (against
+    RFC 2045, but some clients send them) still find the parts."""
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        raise ClientError("the multipart Content-Type has no boundary")
+    quoted, bare = found.groups()
+    boundary = bare if quoted is None else re.sub(r"\\(.)", r"\1", quoted)
+    if not boundary:
+        raise ClientError("the multipart Content-Type has an empty boundary")
+    if len(boundary) > MAX_BOUNDARY:
+        raise ClientError(f"the multipart boundary is over {MAX_BOUNDARY} characters")
+    return boundary.encode("latin-1", "replace")
+
+
 def _utf8(latin1: str) -> str:
     """A header value the parser read as Latin-1, as the UTF-8 forms send (RFC 7578): a
     file name in another charset keeps its request going, its odd bytes replaced."""
@@ -201,7 +218,10 @@ async def _read_form(
     try:
         # Latin-1 decodes any header bytes; names are then read as UTF-8, mistakes replaced.
         parser = PushMultipartParser(
-            boundary, max_header_count=MAX_PART_HEADERS, header_charset="latin-1"
+            boundary,
+            max_header_count=MAX_PART_HEADERS,
+            max_segment_count=max_images + 2 * MAX_TEXT_FIELDS + 1,  # then 400, read no more
+            header_charset="latin-1",
         )
         async for chunk in _chunks(request):
             for event in parser.parse(chunk) if chunk else ():  # b"": the end, checked below

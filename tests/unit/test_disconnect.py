@@ -131,3 +131,22 @@ async def test_a_shutdown_while_the_client_leaves_stays_a_cancellation() -> None
     with pytest.raises(asyncio.CancelledError):
         await task
     assert work.cancelled
+
+
+async def test_a_disconnect_heard_as_the_work_ends_cancels_nothing_after() -> None:
+    """The client leaves in the very loop turn the answer comes: the request's task goes on
+    to send it, uncancelled (the watcher's callback runs after the work has returned)."""
+    request, work = FakeRequest(), Work()
+
+    async def handler() -> str:
+        result = await unless_disconnected(request, work())  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)  # sending the answer
+        return result
+
+    task = asyncio.create_task(handler())
+    await work.started.wait()
+    await asyncio.sleep(0)  # the watcher is waiting for the disconnect
+    request.leave()
+    work.release.set()
+    assert await task == "result"
+    assert task.cancelling() == 0

@@ -78,6 +78,9 @@ def test_file_names_in_utf8_or_not() -> None:
 
 def test_a_quoted_or_long_boundary_and_a_raw_body() -> None:
     assert read([form([("image", "a", IMAGE)], "q b")], 'multipart/form-data; boundary="q b"')
+    # Unquoted with "=" and ".", after a tab (some mail and SOAP stacks send these).
+    odd = "----=_Part_0_1.2"
+    assert read([form([("image", "a", IMAGE)], odd)], f"multipart/form-data;\tboundary={odd}")
     long = "b" * 300
     assert read([form([("image", "a", IMAGE)], long)], f"multipart/form-data; boundary={long}")
     assert read([IMAGE[:5], IMAGE[5:]], "image/jpeg").data == [IMAGE]
@@ -107,6 +110,13 @@ def test_a_quoted_or_long_boundary_and_a_raw_body() -> None:
             "malformed multipart body",
         ),
         ([b"--b--\r\n"], "multipart/form-data", ClientError, "no boundary"),
+        ([b"--b--\r\n"], "multipart/form-data; boundary=" + "b" * 1025, ClientError, "over 1024"),
+        (
+            [form([("image", "a", b"x")] + [("k", None, b"3")] * 100)],
+            None,
+            ClientError,
+            "malformed multipart body",
+        ),
         ([b"{}"], "application/json", InvalidRequest, "send the image"),
     ],
     ids=[
@@ -120,6 +130,8 @@ def test_a_quoted_or_long_boundary_and_a_raw_body() -> None:
         "garbage",
         "no-disposition",
         "no-boundary",
+        "long-boundary",
+        "repeated-field",
         "json",
     ],
 )
