@@ -52,6 +52,7 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.core.result import Ok, Result
 from schemathesis.schemas import APIOperation, BaseSchema
 
+from tests.forms import multipart_form
 from tests.server import ServerProcess, alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -325,24 +326,12 @@ raw_types = st.sampled_from(
 )
 
 
-def _multipart(parts: list[tuple[str, str | None, bytes]], boundary: str) -> bytes:
-    """A form built by hand, so field and file names go out as drawn, quotes and all."""
-    body = b""
-    for name, filename, content in parts:
-        disposition = f'form-data; name="{name}"'
-        if filename is not None:
-            disposition += f'; filename="{filename}"'
-        body += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
-        body += content + b"\r\n"
-    return body + f"--{boundary}--\r\n".encode()
-
-
 @st.composite
 def uploads(draw: st.DrawFn) -> tuple[str, bytes]:
     """(Content-Type, body): a multipart form, maybe cut short, or a raw body."""
     if draw(st.booleans()):
         boundary = draw(boundaries)
-        body = _multipart(draw(form_parts), boundary)
+        body = multipart_form(draw(form_parts), boundary)
         if draw(st.integers(0, 9)) == 0:
             body = body[: draw(st.integers(0, len(body)))]
         return f"multipart/form-data; boundary={boundary}", body
@@ -434,7 +423,7 @@ def test_long_multipart_boundary(findings_server: ServerProcess, route: str) -> 
     check_answer(empty.status_code, empty.headers, empty.content, timeout_asked=False)
     assert empty.status_code == 422, empty.text
     assert "the form field 'image' is missing" in empty.json()["error"]["message"]
-    image = _multipart([("image", "cat.png", SEED_IMAGES[0])], boundary)
+    image = multipart_form([("image", "cat.png", SEED_IMAGES[0])], boundary)
     answered = httpx.post(
         f"{findings_server.base_url}{route}",
         content=image,

@@ -11,22 +11,14 @@ from starlette.requests import Request
 
 from app.errors import ClientError, InvalidRequest, PayloadTooLarge
 from app.routers.uploads import MAX_TEXT_FIELD_BYTES, Upload, read_upload
+from tests.forms import multipart_form
 
 BOUNDARY = "xYz-7d9f"
 IMAGE = b"\xff\xd8\xff\xe0 not a real jpeg \r\n--xYz but close \r\n\xff\xd9"
 
 
 def form(parts: Sequence[tuple[str, str | None, bytes]], boundary: str = BOUNDARY) -> bytes:
-    body = b""
-    for name, filename, content in parts:
-        disposition = f'form-data; name="{name}"'
-        if filename is not None:
-            disposition += f'; filename="{filename}"'
-        body += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n".encode()
-        if filename is not None:
-            body += b"Content-Type: image/jpeg\r\n"
-        body += b"\r\n" + content + b"\r\n"
-    return body + f"--{boundary}--\r\n".encode()
+    return multipart_form(parts, boundary, file_type="image/jpeg")
 
 
 def read(
