@@ -234,6 +234,12 @@ async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
     around = [a for a in answers if a[0] < died_at < a[0] + a[1]]  # in flight at the death
     after = [a for a in answers if a[0] > died_at + 6]
     assert before and all(status == 200 for _, _, status, _ in before)  # served while loading
-    assert around and all((s, k) == (503, "worker_died") for _, _, s, k in around), around
+    # An answer the worker sent just before it died may reach its caller just after (a full
+    # suite's busy host read one batch's 200s 1 s after their requests went out): 200, soon
+    # after the death. Every other request in flight at the death gets 503 worker_died.
+    delivered = [a for a in around if a[2] == 200]
+    assert all(sent + seconds < died_at + 2 for sent, seconds, _, _ in delivered), around
+    failed = [a for a in around if a[2] != 200]
+    assert failed and all((s, k) == (503, "worker_died") for _, _, s, k in failed), around
     assert max(seconds for _, seconds, _, _ in around) < 8, around  # not 28, not a deadline
     assert after and {(s, k) for _, _, s, k in after} == {(503, "worker_died")}
