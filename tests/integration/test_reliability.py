@@ -274,7 +274,7 @@ async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: 
             async with asyncio.timeout(10):
                 while (await client.get("/readyz")).json()["queue_depth"] < 4:
                     await asyncio.sleep(0.01)
-            server.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            os.kill(server.pid, signal.SIGTERM)
             responses = await asyncio.gather(*requests)
         code = await asyncio.to_thread(server.stop)
     finally:
