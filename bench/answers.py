@@ -13,6 +13,7 @@ the medians' ratios (this tree over ``REF``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -34,18 +35,17 @@ def measure(source: Path, store: Path, jpegs: list[bytes]) -> dict[str, tuple[fl
     """``row -> (lone p50 ms, images/s at CLIENTS, HTTP CPU ms per request)``."""
     out = {}
     defaults = {"MB_RUNTIME": "auto", "MB_DTYPE": "auto"}
-    with serve(
-        "ours", store, batch_size="32", max_latency=0.005, threads=2, settings=defaults,
-        source=source,
-    ) as server:  # fmt: skip
+
+    def server_with(settings: dict[str, str]) -> contextlib.AbstractContextManager[RunningServer]:
+        return serve("ours", store, batch_size="32", max_latency=0.005, threads=2,
+                     settings=defaults | settings, source=source)  # fmt: skip
+
+    with server_with({}) as server:
         for path in PATHS:
             out[path] = _timed(
                 server, [multipart_request(HOST, server.port, path, j) for j in jpegs]
             )
-    with serve(
-        "ours", store, batch_size="32", max_latency=0.005, threads=2,
-        settings=defaults | {"MB_CACHE_BYTES": "64MiB"}, source=source,
-    ) as server:  # fmt: skip
+    with server_with({"MB_CACHE_BYTES": "64MiB"}) as server:
         # One image again and again: after the first, every answer is the response cache's.
         request = multipart_request(HOST, server.port, "/predict/tag", jpegs[0])
         out[HIT] = _timed(server, [request])
