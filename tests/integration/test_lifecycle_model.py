@@ -282,6 +282,14 @@ class Lifecycle(RuleBasedStateMachine):
                 lambda: http_embedding(self.http, 0, fresh=True).error != "broker_unavailable"
             )
             until(reached, "the front end reaching Redis again", timeout_s=30)
+            # Every worker heartbeats to the new primary again, whatever serves: until then
+            # a live worker is missing from /readyz (found by CI after the unload, where
+            # nothing serves and _settle waits for no worker).
+            until(
+                lambda: len(self.deployment.worker_pids()) == self.config.workers,
+                "every worker heard from through the new primary",
+                timeout_s=60,
+            )
             self._settle(self.expected.serving)
 
         refusals = frozenset({"worker_died", "broker_unavailable"})
