@@ -38,6 +38,15 @@ class TestHooks(BaseModel):
             "bf16 timing came out 8x slower than fp32's)."
         ),
     )
+    mb_test_retire_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Testing only: seconds a broker worker keeps a drained version loaded after it "
+            "stops reading its work (instead of the lifecycle's RETIRE_S), so a test can act "
+            "while one is in that state."
+        ),
+    )
 
     @field_validator("mb_test_load_delay_s", mode="before")
     @classmethod

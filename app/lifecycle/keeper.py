@@ -348,13 +348,16 @@ class Keeper:
     def _drain(self, served_id: str, now: float, empty: Callable[[str], bool]) -> list[Effect]:
         """Stop reading a drained export once its work is done and ``grace_s`` has passed;
         unload it ``retire_s`` later if still done (new work puts it back in the reads). A
-        version whose export another version still holds just goes."""
+        version whose export another version still holds just goes (and that export is read
+        again if it had stopped: a rollback written as the next version while this one
+        drained)."""
         holders = [(k, life) for k, life in self.lives.items() if life.served_id == served_id]
         if any(life.state is not VersionState.DRAINING for _, life in holders):
             for key, life in holders:
                 if life.state is VersionState.DRAINING:
                     self._gone(key)
-            return []
+            was_stopped = self._stopped.pop(served_id, None) is not None
+            return [Effect("read", served_id)] if was_stopped else []
         stopped = self._stopped.get(served_id)
         if stopped is None:
             settled = min(life.age_s(now) for _, life in holders) >= self.grace_s

@@ -55,6 +55,7 @@ class WorkerConfig:
     log_level: str = "info"
     log_format: str = "text"  # "json": each record (a traceback too) one JSON line
     load_delays_s: tuple[float, ...] = ()  # testing only: MB_TEST_LOAD_DELAY_S, by worker
+    retire_s: float | None = None  # testing only: MB_TEST_RETIRE_S (None: the lifecycle's)
     state_dir: Path | None = None  # MB_STATE_DIR: the precisions chosen, kept (None: memory)
 
     def load_delay_for(self, index: int) -> float:
@@ -305,6 +306,7 @@ def plan_serving(
             log_level=settings.log_level,
             log_format=settings.log_format,
             load_delays_s=settings.mb_test_load_delay_s,
+            retire_s=settings.mb_test_retire_s,
             bf16_units=settings.mb_test_cpu_bf16,
             fastest_dtype=settings.mb_test_fastest_dtype,
             state_dir=settings.mb_state_dir,

@@ -13,7 +13,9 @@ features meet, each as a plain test against real servers with the default precis
 - a restarted broker worker left the entries its last life had pending unanswered until
   their deadline (it starts holding nothing now, and takes them back once it holds its
   models);
-- two loads of one name at once, a load after an unload, an unload naming a version.
+- two loads of one name at once, a load after an unload, an unload naming a version;
+- a rollback written as the next version while the old one drained was never computed
+  (broker mode).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import httpx
 import numpy as np
 import pytest
 
+from app.lifecycle import SWITCH_GRACE_S
 from app.manifest import read_manifest
 from tests.answers import error_of
 from tests.lifecycle import (
@@ -294,8 +297,15 @@ def test_a_load_after_an_unload_answers_503_until_it_serves_in_both_modes(
         assert http_embedding(http, 0).status == 404
         loading = threading.Thread(target=load, args=(base,))
         loading.start()
-        time.sleep(1.0)  # the load has begun (each worker sleeps 3 s in it)
-        gap = http.post("/predict/embedding", params={"model": NAME}, files={"image": IMAGES[0]})
+        # Asked until the load has begun (each worker then sleeps 3 s in it): a busy machine
+        # may take a while to send the route its request.
+        deadline = time.monotonic() + 2.5
+        while True:
+            gap = http.post("/predict/embedding", params={"model": NAME},
+                            files={"image": IMAGES[0]})  # fmt: skip
+            if gap.status_code != 404 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         loading.join()
     assert gap.status_code == 503 and error_of(gap)["type"] == "not_ready", gap.text
     assert gap.headers["Retry-After"].isdigit()
@@ -420,3 +430,28 @@ def test_a_broker_worker_loads_the_precision_the_fleet_recorded_without_measurin
     assert len(measured) == 1, trials  # fp32 and bf16 tried: the first to load
     (other,) = [labels for labels in trials if labels not in measured]
     assert other == {"torchscript"}, trials  # bf16 only, the fleet's: its one candidate
+
+
+def test_a_rollback_written_as_the_next_version_while_the_old_one_drains_is_computed(
+    deploy: Any, bf16: Catalog
+) -> None:
+    """Found by ``make chaos`` (broker-2-bf16-poll): version 1's export, written again as
+    version 3 after its workers had stopped reading version 1 (drained) but before they
+    unloaded it, was held with no load and routed to, and nobody read its work: every
+    request the cache could not answer waited its 30 s and got 504. The window between the
+    two (2.5 s) is held open here (``MB_TEST_RETIRE_S``)."""
+    deployment = deploy(Config("broker", 2, "bf16"), bf16, MB_TEST_RETIRE_S="120")
+    first, second = bf16.good[0].served_id, bf16.good[1].served_id
+    with httpx.Client(base_url=deployment.base_url, timeout=60) as http:
+        publish(deployment.root, bf16.good[1])
+        deployment.sighup()
+        until(lambda: http_embedding(http, 0).served_id == second, "version 2 serving")
+        time.sleep(SWITCH_GRACE_S + 3)  # version 1 drained: no longer read, still loaded
+        assert publish(deployment.root, bf16.good[0]) == 3
+        deployment.sighup()
+        until(lambda: http_embedding(http, 0).served_id == first, "version 3 serving")
+        answer = http_embedding(http, 3, fresh=True)  # past the cache: a worker computes it
+        assert answer.status == 200 and answer.served_id == first, answer
+        assert computed_by(bf16, first, 3, answer.embedding) is None
+    states = {r[1]: (r[3], r[4]) for r in rows(deployment.base_url) if r[0] == NAME}
+    assert states["3"] == ("ready", True), states

@@ -213,6 +213,31 @@ def test_what_its_name_moved_from_drains_then_stops_being_read_then_unloads() ->
     assert states(keeper) == [(2, "ready")]
 
 
+def test_an_export_no_longer_read_is_read_again_once_a_new_number_holds_it() -> None:
+    """Version 1 drained and stopped being read; version 4, the same export written as the
+    next version before version 1 unloads, is held with no load, and its work is read again
+    (found by make chaos: its requests waited in a stream no worker read, 504 after 30 s)."""
+    keeper = Keeper("w0", grace_s=3.0, retire_s=2.5)
+    keeper.aim({"tagger": 1}, Disk(), explicit=False)
+    load_all(keeper)
+    keeper.aim({"tagger": 2}, Disk(), explicit=True)
+    load_all(keeper)
+    start = keeper.lives[("tagger", 1)].since
+    keeper.settle(view(keeper), start, empty)  # 1 drains
+    later = keeper.lives[("tagger", 1)].since + 3.0
+    assert keeper.settle(view(keeper), later, empty) == [Effect("unread", "t@aaa")]
+    keeper.aim({"tagger": 4}, Disk(), explicit=True)
+    assert load_all(keeper) == []  # held already, as version 1
+    two = keeper.lives[("tagger", 2)].since
+    assert keeper.settle(view(keeper), two, empty) == [Effect("read", "t@aaa")]
+    assert states(keeper) == [(2, "draining"), (4, "ready")]
+    # Version 2 goes its way; version 4's export is read from now on, and never unloaded.
+    two = keeper.lives[("tagger", 2)].since
+    effects = [keeper.settle(view(keeper), two + t, empty) for t in (3.0, 6.0, 9.0)]
+    assert effects == [[Effect("unread", "t@bbb")], [Effect("unload", "t@bbb")], []]
+    assert states(keeper) == [(4, "ready")]
+
+
 def test_a_version_still_loading_elsewhere_keeps_the_old_one_however_long_it_takes() -> None:
     keeper = Keeper("w0")
     keeper.aim({"tagger": 1}, Disk(), explicit=False)

@@ -93,7 +93,8 @@ class WorkerVersions:
         self._ensure_groups = ensure_groups  # the consumer's: retried while Redis is away
         self._on_error = on_error
         self.keeper = Keeper(
-            name, min_workers=min_workers, grace_s=SWITCH_GRACE_S, retire_s=RETIRE_S,
+            name, min_workers=min_workers, grace_s=SWITCH_GRACE_S,
+            retire_s=worker.config.retire_s or RETIRE_S,
             on_error=on_error,
         )  # fmt: skip
         self.pins = PinReader(client, keys)
