@@ -337,6 +337,15 @@ class Deployment:
         assert old is not None
         self.redis.restart(self.redis.kill_primary())
         self.redis.after_fault(old)
+        # Only the new primary stamps heartbeats now (the old one is back as a replica):
+        # every worker has reached it once each has sent one since.
+        assert self.workers is not None
+        since = self.workers.now_ms()
+        until(
+            lambda: self.workers is not None and self.workers.beat_since(since),
+            "every worker's heartbeat on the new primary",
+            timeout_s=60,
+        )
 
     def kill_worker(self) -> int:
         pid = sorted(self.worker_pids())[0]

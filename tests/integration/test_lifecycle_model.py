@@ -37,7 +37,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from app.broker.wire.keys import Keys
+from app.broker.front.monitor import MONITOR_S
+from app.broker.wire.keys import HEARTBEAT_S, Keys
 from app.jobs import Task
 from app.manifest import split_served_id
 from tests.broker import PREFIX
@@ -227,9 +228,18 @@ class Lifecycle(RuleBasedStateMachine):
     def sighup(self) -> None:
         """``kill -HUP``: load what is new, as the repository chooses it."""
         target = self.expected.target()
+        # A version that failed already shows its failed row before the retry starts: wait
+        # for the retry to end (its failure counted in-process; in broker mode, a heartbeat
+        # and a look later), or a check would read it loading.
+        again = target is not None and not self.expected.on_disk[target].good
+        failures = self._load_failures() if again else 0
 
         def hang_up() -> None:
             self.deployment.sighup()
+            if again and self.config.mode == "inprocess":
+                until(lambda: self._load_failures() > failures, "the failed version retried")
+            elif again:
+                time.sleep(HEARTBEAT_S + MONITOR_S)
             self._settle(target, slow=True)
 
         self._step("SIGHUP", hang_up)
@@ -275,19 +285,24 @@ class Lifecycle(RuleBasedStateMachine):
         answered or refused 503 as when a worker dies."""
 
         def fail_over() -> None:
-            self.deployment.fail_over_redis()
-            # Until the front end reaches the new primary, a request hears it cannot (one
-            # past the cache: a hit answers meanwhile, found by this test).
-            reached = (  # noqa: E731
-                lambda: http_embedding(self.http, 0, fresh=True).error != "broker_unavailable"
-            )
-            until(reached, "the front end reaching Redis again", timeout_s=30)
-            # Every worker heartbeats to the new primary again, whatever serves: until then
-            # a live worker is missing from /readyz (found by CI after the unload, where
+            self.deployment.fail_over_redis()  # returns once every worker beats to the new one
+            # Until a front end reaches the new primary, a request through it hears it cannot
+            # (one past the cache: a hit answers meanwhile, found by this test). Each front
+            # end reconnects on its own.
+            others = [] if self.deployment.other is None else [self.deployment.other.base_url]
+            for base_url in [self.deployment.base_url, *others]:
+                with httpx.Client(base_url=base_url, timeout=120) as http:
+                    until(
+                        lambda: http_embedding(http, 0, fresh=True).error != "broker_unavailable",
+                        f"the front end at {base_url} reaching Redis again",
+                        timeout_s=30,
+                    )
+            # /readyz lists every worker again once the front end has looked since: until
+            # then a live worker may be missing from it (found by CI after the unload, where
             # nothing serves and _settle waits for no worker).
             until(
                 lambda: len(self.deployment.worker_pids()) == self.config.workers,
-                "every worker heard from through the new primary",
+                "every worker in /readyz after the failover",
                 timeout_s=60,
             )
             self._settle(self.expected.serving)
@@ -335,6 +350,13 @@ class Lifecycle(RuleBasedStateMachine):
             lambda: f"{NAME} settled on {want} after {self.log[-1]} ({settled()})",
             timeout_s=120,
         )
+
+    def _load_failures(self) -> float:
+        """The server's count of failed loads (in-process: its own workers')."""
+        text = self.http.get("/metrics").text
+        counted = (line.rpartition(" ")[2] for line in text.splitlines()
+                   if line.startswith("microbatch_model_load_failures_total{"))  # fmt: skip
+        return sum(float(value) for value in counted)
 
     def _rows(self) -> list[dict[str, Any]]:
         answer = self.http.get("/v2/repository/index")
