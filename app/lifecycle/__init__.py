@@ -16,6 +16,7 @@ from app.lifecycle.rules import (
     WorkerView,
     chosen_version,
     fate,
+    followed,
     given_up,
     routes,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "WorkerView",
     "chosen_version",
     "fate",
+    "followed",
     "given_up",
     "routes",
 ]

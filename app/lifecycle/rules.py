@@ -179,6 +179,35 @@ def routes(
     return chosen
 
 
+def followed(
+    targets: Mapping[str, int | None], decided: Collection[str], workers: Sequence[WorkerView]
+) -> dict[str, int | None]:
+    """A worker's targets as its supervisor restarts it (after a crash) beside ``workers``:
+    a name they serve whose target the newest on disk gives (no pin ``decided`` it) aims at
+    the newest version of it they hold ready or are loading, what they were last aimed at; a
+    crash rolls out nothing nobody asked for (found by make chaos: a version published with
+    no reload, then every worker killed in turn, each restarted loaded it, and the fleet
+    switched). A name nobody serves keeps its target, as does one it cannot read.
+
+    >>> from types import SimpleNamespace as V
+    >>> ready = VersionState.READY
+    >>> w = V(name="w1", alive=True, draining=False, models=[V(name="m", version=1, state=ready)])
+    >>> followed({"m": 2, "n": 1}, (), [w]), followed({"m": 2}, ("m",), [w])
+    ({'m': 1, 'n': 1}, {'m': 2})
+    """
+    aimed: dict[str, int] = {}
+    for worker in _serving(workers):
+        for model in worker.models:
+            if model.state in (VersionState.LOADING, VersionState.READY):
+                aimed[model.name] = max(aimed.get(model.name, 0), model.version)
+    return {
+        name: aimed[name]
+        if name in aimed and name not in decided and target not in (None, UNKNOWN)
+        else target
+        for name, target in targets.items()
+    }
+
+
 def given_up(
     workers: Sequence[WorkerView], min_workers: int | None = None
 ) -> dict[tuple[str, int], str]:

@@ -455,3 +455,35 @@ def test_a_rollback_written_as_the_next_version_while_the_old_one_drains_is_comp
         assert computed_by(bf16, first, 3, answer.embedding) is None
     states = {r[1]: (r[3], r[4]) for r in rows(deployment.base_url) if r[0] == NAME}
     assert states["3"] == ("ready", True), states
+
+
+def test_restarted_broker_workers_serve_what_served_not_the_newest_on_disk(
+    deploy: Any, bf16: Catalog
+) -> None:
+    """Found by ``make chaos`` (broker-2-int8: a version published with no reload, then
+    ``kill -9`` of each worker in turn): each restarted worker loaded what the other served
+    and then the newest on disk, so once both had restarted the fleet switched to a version
+    nobody asked for. They serve version 1, and load nothing else."""
+    deployment = deploy(Config("broker", 2, "bf16"), bf16)
+    first = bf16.good[0].served_id
+    publish(deployment.root, bf16.good[1])
+    for _ in range(2):
+        restart_one(deployment)
+    time.sleep(3)  # a load of version 2 would have begun by now
+    with httpx.Client(base_url=deployment.base_url, timeout=60) as http:
+        answer = http_embedding(http, 3, fresh=True)
+    assert answer.status == 200 and answer.served_id == first, answer
+    states = {r[1]: r[3:] for r in rows(deployment.base_url) if r[0] == NAME}
+    assert states == {"1": ("ready", True, 2), "2": ("unavailable", False, 0)}, states
+
+
+def restart_one(deployment: Deployment) -> None:
+    """``kill -9`` of a broker worker; back once it restarted and version 1 is ready on
+    every worker."""
+    before = deployment.worker_pids()
+    pid = deployment.kill_worker()
+    until(lambda: pid not in deployment.worker_pids(), "the dead worker gone")
+    until(lambda: len(set(deployment.worker_pids()) - set(before)) == 1, "it restarted",
+          timeout_s=120)  # fmt: skip
+    until(lambda: [r[3:] for r in rows(deployment.base_url) if r[1] == "1"]
+          == [("ready", True, 2)], "version 1 on both workers", timeout_s=120)  # fmt: skip

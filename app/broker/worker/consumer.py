@@ -94,8 +94,10 @@ class Consumer:
         on_beat: Callable[[], None] | None = None,
         on_started: Callable[[], None] | None = None,
         load_delay_s: float = 0.0,
+        restarted: bool = False,
     ) -> None:
         self.client = client
+        self._restarted = restarted  # by its supervisor, after a crash
         self._on_beat = on_beat  # each turn of the heartbeat thread, Redis reachable or not
         self._on_started = on_started  # once its first loads ended
         self.keys = keys
@@ -143,7 +145,8 @@ class Consumer:
         self._stop = self._replier.stop = self.claims.stop = stop
         if not self._presence.join(stop):
             return
-        self.versions.start()  # once it is the one worker under its name: its first loads
+        # Once it is the one worker under its name: its first loads.
+        self.versions.start(follow=self._restarted)
         beat = vital_thread(self._beat, "heartbeat")
         fetch = vital_thread(self._fetch, "fetcher")
         next_round = time.monotonic() + RECLAIM_S

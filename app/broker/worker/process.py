@@ -118,10 +118,13 @@ def consumer_main(
         on_beat=None if beat is None else lambda: setattr(beat, "value", time.monotonic()),
         on_started=None if loaded is None else loaded.set,
         load_delay_s=spec.config.load_delay_for(spec.index),  # rollouts' loads only
+        restarted=spec.restarts > 0,
     )
     # Start-up is a load like any other: it holds nothing yet, and once it runs its versions
     # load what the other workers serve first, then each target (chosen then, not when the
     # supervisor started: a worker restarted after a rollout comes back with what serves).
+    # Restarted by its supervisor (a crash), its targets are what the others were aimed at,
+    # not the newest on disk: a crash rolls out nothing; a fresh start of the command does.
     signal.signal(signal.SIGHUP, lambda *_: consumer.request_reload())
     if reload.is_set():
         consumer.request_reload()

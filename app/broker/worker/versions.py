@@ -39,7 +39,15 @@ from app.broker.wire.parsing import text
 from app.broker.worker.lanes import LaneReader
 from app.broker.worker.loading import HostLock
 from app.jobs import Task
-from app.lifecycle import RETIRE_S, SWITCH_GRACE_S, ModelSpec, VersionState, given_up, routes
+from app.lifecycle import (
+    RETIRE_S,
+    SWITCH_GRACE_S,
+    ModelSpec,
+    VersionState,
+    followed,
+    given_up,
+    routes,
+)
 from app.lifecycle.keeper import Effect, Keeper
 from app.repository import Repository, scrub
 from app.workers.choices import HostChoices, PrecisionChoice
@@ -125,15 +133,17 @@ class WorkerVersions:
         """The pins' sequence number it last acted on (its heartbeat says)."""
         return self.keeper.aimed
 
-    def start(self) -> None:
+    def start(self, *, follow: bool = False) -> None:
         """At the worker's start: aimed as a worker starting beside the others (what they
-        serve first, then each target), and its first load started."""
+        serve first, then each target), and its first load started. ``follow`` (restarted
+        after a crash): each target is what the others were aimed at (``followed``), not
+        the newest on disk."""
         try:
             others: list[Any] = LiveWorkers(self.keys).read(self.client).others(self.name)
         except (RedisError, OSError) as exc:
             log.warning("worker %s: Redis cannot say what serves now (%s)", self.name, exc)
             others = []
-        self._aim(explicit=False, others=others)
+        self._aim(explicit=False, others=others, follow=follow)
         self._start_next(None)
         self._advertise()
 
@@ -190,15 +200,18 @@ class WorkerVersions:
                 self._on_error(f"could not look at the streams: {exc}")
         self._advertise()
 
-    def _aim(self, *, explicit: bool, others: Sequence[Any] = ()) -> None:
+    def _aim(self, *, explicit: bool, others: Sequence[Any] = (), follow: bool = False) -> None:
         """Read which version each name should serve (with what the admin route chose) and
-        aim the keeper at it; ``others``: the live workers, for one that starts."""
+        aim the keeper at it; ``others``: the live workers, for one that starts (``follow``:
+        aimed at what they were aimed at)."""
         try:
             pins = self.pins.read()
         except (RedisError, OSError) as exc:
             self._on_error(f"could not read the admin route's pins: {exc}")
             pins = {}
         targets = self.repository.targets(pins, self._on_error)
+        if follow and others:  # restarted beside them: what they were aimed at
+            targets = followed(targets, {*pins, *self.repository.pins}, others)
         self.keeper.aim(
             targets, self._read, explicit=explicit, asked=self.pins.seen,
             serving=routes(others, self.min_workers) if others else None,
