@@ -192,14 +192,21 @@ def test_one_export_under_two_names_is_loaded_once_and_unloaded_once_neither_hol
     assert keeper.held() == []
 
 
-def test_what_its_name_moved_from_drains_then_stops_being_read_then_unloads() -> None:
+def moved_to_version_2() -> Keeper:
+    """A keeper that served version 1 and holds version 2 ready, as every worker does: 1
+    drains."""
     keeper = Keeper("w0", grace_s=3.0, retire_s=2.5)
     keeper.aim({"tagger": 1}, Disk(), explicit=False)
     load_all(keeper)
     keeper.aim({"tagger": 2}, Disk(), explicit=True)
     load_all(keeper)
+    keeper.settle(view(keeper), keeper.lives[("tagger", 1)].since, empty)
+    return keeper
+
+
+def test_what_its_name_moved_from_drains_then_stops_being_read_then_unloads() -> None:
+    keeper = moved_to_version_2()
     start = keeper.lives[("tagger", 1)].since
-    keeper.settle(view(keeper), start, empty)  # every worker has 2 ready: 1 drains
     assert states(keeper) == [(1, "draining"), (2, "ready")]
     assert keeper.settle(view(keeper), start + 1.0, empty) == []  # within the grace
     later = keeper.lives[("tagger", 1)].since + 3.0
@@ -217,13 +224,7 @@ def test_an_export_no_longer_read_is_read_again_once_a_new_number_holds_it() -> 
     """Version 1 drained and stopped being read; version 4, the same export written as the
     next version before version 1 unloads, is held with no load, and its work is read again
     (found by make chaos: its requests waited in a stream no worker read, 504 after 30 s)."""
-    keeper = Keeper("w0", grace_s=3.0, retire_s=2.5)
-    keeper.aim({"tagger": 1}, Disk(), explicit=False)
-    load_all(keeper)
-    keeper.aim({"tagger": 2}, Disk(), explicit=True)
-    load_all(keeper)
-    start = keeper.lives[("tagger", 1)].since
-    keeper.settle(view(keeper), start, empty)  # 1 drains
+    keeper = moved_to_version_2()
     later = keeper.lives[("tagger", 1)].since + 3.0
     assert keeper.settle(view(keeper), later, empty) == [Effect("unread", "t@aaa")]
     keeper.aim({"tagger": 4}, Disk(), explicit=True)
