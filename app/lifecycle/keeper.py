@@ -17,9 +17,10 @@ same export: it is loaded once, by served id, and unloaded once no version holds
   export held already serves under the target's number with no load (a rollback written as
   the next version: one form of rollback, the renumbering). A worker that starts beside
   others (``routes``: what they serve) loads what they serve first, so it serves at once
-  mid-rollout, then the target (its driver aims it at what they were aimed at:
-  ``app.lifecycle.followed``). A version that failed is not loaded again, unless the aim is
-  ``explicit`` (SIGHUP, the admin route): a poll never retries.
+  mid-rollout, then the target (a broker worker restarted after a crash is aimed at
+  what they were aimed at: ``app.lifecycle.followed``). A version that failed is not
+  loaded again, unless the aim is ``explicit`` (SIGHUP, the admin route): a poll never
+  retries.
 - **Load**: one at a time, in order; never a version the other workers gave up on.
 - **Settle**: ``app.lifecycle.fate`` for each version held; a version drained stops being
   read once its work is done (``empty``) and ``grace_s`` has passed since it began draining

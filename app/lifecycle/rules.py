@@ -30,7 +30,7 @@ finish, then it is unloaded.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import Enum
 from typing import Literal, Protocol
 
@@ -179,33 +179,50 @@ def routes(
     return chosen
 
 
+class Aiming(WorkerView, Protocol):
+    """A worker as ``followed`` reads it: also the version it was last aimed at, by name."""
+
+    @property
+    def targets(self) -> Mapping[str, int]: ...
+
+
 def followed(
-    targets: Mapping[str, int | None], decided: Collection[str], workers: Sequence[WorkerView]
+    targets: Mapping[str, int | None],
+    decided: Collection[str],
+    workers: Sequence[Aiming],
+    on_disk: Callable[[str], Collection[int]],
 ) -> dict[str, int | None]:
     """A worker's targets as its supervisor restarts it (after a crash) beside ``workers``:
     a name they serve whose target the newest on disk gives (no pin ``decided`` it) aims at
-    the newest version of it they hold ready or are loading, what they were last aimed at; a
-    crash rolls out nothing nobody asked for (found by make chaos: a version published with
-    no reload, then every worker killed in turn, each restarted loaded it, and the fleet
-    switched). A name nobody serves keeps its target, as does one it cannot read.
+    the newest version of it they were aimed at (their heartbeats' ``targets``: a load still
+    queued counts) or hold ready or are loading, among those ``on_disk`` here. A crash rolls
+    out nothing nobody asked for (found by make chaos: a version published with no reload,
+    every worker killed in turn, each restarted loaded it, and the fleet switched), and
+    leaves a rollout in progress going. A name none of them aims at keeps its target, as
+    does one it cannot read, or one whose versions they aim at are not on disk here.
 
     >>> from types import SimpleNamespace as V
-    >>> ready = VersionState.READY
-    >>> w = V(name="w1", alive=True, draining=False, models=[V(name="m", version=1, state=ready)])
-    >>> followed({"m": 2, "n": 1}, (), [w]), followed({"m": 2}, ("m",), [w])
-    ({'m': 1, 'n': 1}, {'m': 2})
+    >>> ready, disk = VersionState.READY, lambda name: (1, 2, 3)
+    >>> w = V(name="w1", alive=True, draining=False, targets={"m": 2},
+    ...       models=[V(name="m", version=1, state=ready)])
+    >>> followed({"m": 3, "n": 1}, (), [w], disk), followed({"m": 3}, ("m",), [w], disk)
+    ({'m': 2, 'n': 1}, {'m': 3})
     """
-    aimed: dict[str, int] = {}
-    for worker in _serving(workers):
+    aimed: dict[str, set[int]] = {}
+    for worker in (w for w in workers if w.alive and not w.draining):
         for model in worker.models:
             if model.state in (VersionState.LOADING, VersionState.READY):
-                aimed[model.name] = max(aimed.get(model.name, 0), model.version)
-    return {
-        name: aimed[name]
-        if name in aimed and name not in decided and target not in (None, UNKNOWN)
-        else target
-        for name, target in targets.items()
-    }
+                aimed.setdefault(model.name, set()).add(model.version)
+        for name, version in worker.targets.items():
+            aimed.setdefault(name, set()).add(version)
+    chosen = dict(targets)
+    for name, target in targets.items():
+        if name in decided or target is None or target == UNKNOWN or name not in aimed:
+            continue
+        there = aimed[name] & set(on_disk(name))
+        if there:
+            chosen[name] = max(there)
+    return chosen
 
 
 def given_up(

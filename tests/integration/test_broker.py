@@ -840,8 +840,8 @@ async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) 
         fronts = [front_end(redis_server, tiny_store, MB_MAX_QUEUE="4") for _ in range(2)]
         with fronts[0], fronts[1]:
             (worker,) = workers.live().values()
-            # Paused just after a heartbeat: it stays live for the front ends (STALE_S) while
-            # the test fills the queue, however slowly this machine runs it.
+            # Paused just after a heartbeat: it stays live for the front ends (STALE_S, 3 s)
+            # for as long as it can while the test fills the queue.
             since = workers.now_ms()
             await wait_for(lambda: workers.beat_since(since), what="a fresh heartbeat")
             os.kill(worker["pid"], signal.SIGSTOP)

@@ -446,7 +446,7 @@ def test_a_rollback_written_as_the_next_version_while_the_old_one_drains_is_comp
         publish(deployment.root, bf16.good[1])
         deployment.sighup()
         until(lambda: http_embedding(http, 0).served_id == second, "version 2 serving")
-        time.sleep(SWITCH_GRACE_S + 3)  # version 1 drained: no longer read, still loaded
+        time.sleep(SWITCH_GRACE_S + 8)  # version 1 drained: no longer read, still loaded
         assert publish(deployment.root, bf16.good[0]) == 3
         deployment.sighup()
         until(lambda: http_embedding(http, 0).served_id == first, "version 3 serving")

@@ -238,8 +238,8 @@ class Lifecycle(RuleBasedStateMachine):
             self.deployment.sighup()
             if again and self.config.mode == "inprocess":
                 until(lambda: self._load_failures() > failures, "the failed version retried")
-            elif again:
-                time.sleep(HEARTBEAT_S + MONITOR_S)
+            elif again:  # its heartbeat saying so, twice over, and a front end's look
+                time.sleep(2 * (HEARTBEAT_S + MONITOR_S))
             self._settle(target, slow=True)
 
         self._step("SIGHUP", hang_up)

@@ -12,6 +12,7 @@ import pytest
 from app.broker.wire.heartbeat import WorkerInfo
 from app.errors import ModelNotFound
 from app.lifecycle import (
+    UNKNOWN,
     UNLOADED,
     Fate,
     IllegalMove,
@@ -20,6 +21,7 @@ from app.lifecycle import (
     VersionState,
     chosen_version,
     fate,
+    followed,
     given_up,
     routes,
 )
@@ -166,3 +168,42 @@ def test_a_rollback_withdraws_the_newer_version_once_the_chosen_one_is_ready() -
 def test_a_worker_keeps_what_it_has_while_the_rule_says_nothing_or_it_lacks_the_route() -> None:
     assert _fate(1, route=None, target=2) is Fate.KEEP  # a rolling restart's split
     assert _fate(1, route=V2, target=2, route_held=False) is Fate.KEEP  # all it has of it
+
+
+# -- a worker restarted after a crash ----------------------------------------------------------
+
+
+def on_disk(*versions: int) -> Any:
+    return lambda name: versions
+
+
+@pytest.mark.parametrize(
+    ("others", "disk", "target", "decided", "want"),
+    [
+        # What the others hold, not the newest on disk (published, no reload asked).
+        ([worker("w1", (1, "ready"), targets={"tagger": 1})], (1, 2), 2, (), 1),
+        # A rollout in progress: one loads it, another has it queued (only its aim says).
+        ([worker("w1", (1, "ready"), (2, "loading"))], (1, 2), 2, (), 2),
+        ([worker("w1", (1, "ready"), targets={"tagger": 2})], (1, 2), 2, (), 2),
+        # Older heartbeats (no targets): what they hold.
+        ([worker("w1", (1, "ready"))], (1, 2, 3), 3, (), 1),
+        # Their aim gone from disk here (a rollback by deleting it): its own target.
+        ([worker("w1", (3, "ready"), targets={"tagger": 3})], (1, 2), 2, (), 2),
+        # A draining worker is not followed; nobody else: its own target.
+        ([worker("w1", (1, "ready"), draining=True)], (1, 2), 2, (), 2),
+        # A pin decides; an unloaded name and one it cannot read stay as they are.
+        ([worker("w1", (1, "ready"))], (1, 2), 2, ("tagger",), 2),
+        ([worker("w1", (1, "ready"))], (1, 2), None, ("tagger",), None),
+        ([worker("w1", (1, "ready"))], (1, 2), UNKNOWN, (), UNKNOWN),
+        # What they hold as failed or draining is not an aim.
+        ([worker("w1", (2, "failed", "verify", "bad"), (1, "ready"))], (1, 2), 2, (), 1),
+    ],
+)
+def test_a_restarted_worker_follows_what_the_others_were_aimed_at(
+    others: list[WorkerInfo],
+    disk: tuple[int, ...],
+    target: int | None,
+    decided: tuple[str, ...],
+    want: int | None,
+) -> None:
+    assert followed({"tagger": target}, decided, others, on_disk(*disk)) == {"tagger": want}

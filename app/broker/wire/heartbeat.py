@@ -5,6 +5,8 @@ does not check."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.broker.wire.parsing import TOKEN, MalformedMessage
@@ -59,6 +61,8 @@ class WorkerInfo(BaseModel):
     models: list[AdvertisedModel] = Field(default_factory=list, max_length=256)
     draining: bool = False  # told to stop: it finishes what it holds and takes nothing new
     aimed: int = Field(0, ge=0)  # the admin route's last request it acted on (pins' seq)
+    # name -> the version it was last aimed at (absent from workers before it)
+    targets: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict, max_length=256)
     host: str = Field(max_length=128)
     index: int = Field(ge=0)
     pid: int = Field(ge=0)

@@ -398,6 +398,7 @@ class Consumer:
             "runtime": first.get("runtime"),
             "draining": self.draining_since is not None,
             "aimed": self.versions.aimed,
+            "targets": self.versions.aims,
             "ready": any(m["state"] == "ready" for m in advertised),
             "alive": True,
             "running": self._running,

@@ -119,6 +119,7 @@ class WorkerVersions:
         self.started = threading.Event()  # its first loads ended
         self.streams: dict[str, tuple[str, Task]] = {}  # what the fetcher reads
         self.advertised: list[dict[str, Any]] = []  # the heartbeat's "models"
+        self.aims: dict[str, int] = {}  # the heartbeat's "targets": each name's, last aimed at
         self.read_batch_size = 1
         self._advertise()
 
@@ -211,7 +212,8 @@ class WorkerVersions:
             pins = {}
         targets = self.repository.targets(pins, self._on_error)
         if follow and others:  # restarted beside them: what they were aimed at
-            targets = followed(targets, {*pins, *self.repository.pins}, others)
+            decided = {*pins, *self.repository.pins}
+            targets = followed(targets, decided, others, self.repository.versions)
         self.keeper.aim(
             targets, self._read, explicit=explicit, asked=self.pins.seen,
             serving=routes(others, self.min_workers) if others else None,
@@ -358,5 +360,7 @@ class WorkerVersions:
                 entry.update(model.advertised)
             held.append(entry)
         self.advertised = held
+        self.aims = {name: target for name, target in self.keeper.targets.items()
+                     if target is not None and target >= 1}  # fmt: skip
         sizes = [m.batch_size for m in list(self.worker.models.values())]
         self.read_batch_size = max(sizes, default=1)
