@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def error_of(response: Any) -> dict[str, str]:
     """An error answer's ``type`` and ``message``, in either of the server's shapes: ``{"error":
@@ -15,3 +17,14 @@ def error_of(response: Any) -> dict[str, str]:
         return {"type": body["type"], "message": error}
     assert isinstance(error, dict), body
     return error
+
+
+def metric(scrape: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples on a /metrics scrape whose labels include ``labels``
+    (0 when there is none)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import Enum
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from app.errors import ModelNotFound
 from app.lifecycle.states import Route, VersionState
@@ -114,7 +114,10 @@ class WorkerView(Protocol):
         what it says of a version after that is this request's outcome."""
 
 
-def _serving(workers: Sequence[WorkerView]) -> list[WorkerView]:
+Serving = TypeVar("Serving", bound=WorkerView)
+
+
+def _serving(workers: Sequence[Serving]) -> list[Serving]:
     return [w for w in workers if w.alive and not w.draining]
 
 
@@ -209,7 +212,7 @@ def followed(
     ({'m': 2, 'n': 1}, {'m': 3})
     """
     aimed: dict[str, set[int]] = {}
-    for worker in (w for w in workers if w.alive and not w.draining):
+    for worker in _serving(workers):
         for model in worker.models:
             if model.state in (VersionState.LOADING, VersionState.READY):
                 aimed.setdefault(model.name, set()).add(model.version)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import re
 import signal
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 
 from app.broker.wire.keys import Keys
+from tests.answers import metric
 from tests.broker import PREFIX, Workers, broker_env, make_tls_files, stream_state
 from tests.conftest import distinct_images, expected_for
 from tests.integration.test_broker_rollout import served_id
@@ -139,9 +139,7 @@ class Load:
 
 
 def _metric(base: str, name: str, label: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    found = re.search(rf'^{name}_total{{event="{label}"}} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric(httpx.get(f"{base}/metrics", timeout=10).text, f"{name}_total", event=label)
 
 
 def _reclaimed(workers: Workers) -> int:

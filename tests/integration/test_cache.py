@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.cache import cache_key
 from app.cache.shared import COOL_OFF_S
@@ -26,6 +25,7 @@ from app.jobs import Task
 from app.v2.proto import inference_pb2 as pb
 from app.v2.proto import inference_pb2_grpc as pb_grpc
 from app.v2.tensors import pack_bytes
+from tests.answers import metric
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import distinct_images, expected_for
 from tests.models import TINY_DIM
@@ -38,17 +38,6 @@ BINARY = {"Accept": "application/octet-stream"}
 # One image per test (a fresh one: the server of the first three tests is shared, and an
 # image another test asked is already kept).
 IMAGES = distinct_images(6, size=40)
-
-
-def metric(scrape: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples on a /metrics scrape whose labels include ``labels``
-    (0 when there is none)."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(scrape)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
 
 
 def scrape(server: ServerProcess) -> str:

@@ -41,6 +41,7 @@ from app.broker.front.monitor import MONITOR_S
 from app.broker.wire.keys import HEARTBEAT_S, Keys
 from app.jobs import Task
 from app.manifest import split_served_id
+from tests.answers import metric
 from tests.broker import PREFIX
 from tests.lifecycle import (
     ADMIN,
@@ -353,10 +354,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _load_failures(self) -> float:
         """The server's count of failed loads (in-process: its own workers')."""
-        text = self.http.get("/metrics").text
-        counted = (line.rpartition(" ")[2] for line in text.splitlines()
-                   if line.startswith("microbatch_model_load_failures_total{"))  # fmt: skip
-        return sum(float(value) for value in counted)
+        return metric(self.http.get("/metrics").text, "microbatch_model_load_failures_total")
 
     def _rows(self) -> list[dict[str, Any]]:
         answer = self.http.get("/v2/repository/index")
