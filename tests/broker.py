@@ -280,6 +280,16 @@ def stream_key(store: Path, task: str) -> str:
     return f"{PREFIX}:{{q}}:{read_manifest(store).version}:{task}"
 
 
+def lane_entries(redis_server: RedisServer, task: str, tenant: str) -> int:
+    """How many entries ``tenant``'s lanes of ``task`` have ever been given, over every
+    export and level (read or not: a stream counts what was added to it)."""
+    client = redis_server.client()
+    return sum(
+        int(client.xinfo_stream(lane)["entries-added"])
+        for lane in client.scan_iter(f"{PREFIX}:{{q}}:*:{task}:p*:{tenant}")
+    )
+
+
 def stream_state(redis_server: RedisServer) -> dict[str, tuple[int, int]]:
     """Each task's (entries, entries pending in the consumer group), over every export."""
     client = redis_server.client()
