@@ -20,29 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from app.batching.contract import as_server_error, deliver, fail
+from app.batching.contract import answer, deliver, fail
 from app.batching.fair import FairQueue, LevelPolicy, Ticket
 from app.batching.observe import BatchObserver, Trace
 from app.batching.transport import NO_TICKET, BatchFn, BatchItem
-from app.errors import (
-    DeadlineExceeded,
-    NotReady,
-    QueueFull,
-    Shed,
-    Unavailable,
-)
+from app.errors import DeadlineExceeded, NotReady, QueueFull, Shed
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -373,32 +364,9 @@ class Streamer(Generic[T, R]):
         task.add_done_callback(self._tasks.discard)
 
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
-        key = batch[0].key
         started = self._clock()
         try:
-            try:
-                await self._run(key, batch)
-            except Exception as exc:
-                if len(batch) == 1 or isinstance(exc, Unavailable):
-                    raise
-                # One poison input must not fail its neighbours: retry each item alone, so
-                # only the guilty one gets the error.
-                log.warning(
-                    "batch of %d %r items failed (%r); retrying them one by one",
-                    len(batch),
-                    key,
-                    exc,
-                )
-                for item in batch:
-                    if not item.future.done():
-                        await self._run_guarded(key, [item])
-        except asyncio.CancelledError:
-            for item in batch:
-                fail(item, NotReady("server is shutting down"))
-            raise
-        except Exception as exc:
-            for item in batch:
-                fail(item, as_server_error(exc, key, len(batch)))
+            await answer(batch[0].key, batch, self._run)
         finally:
             elapsed = self._clock() - started
             per_item = elapsed / len(batch)
@@ -408,7 +376,7 @@ class Streamer(Generic[T, R]):
             self._in_flight -= 1
             self._wake.set()
 
-    async def _run(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
+    async def _run(self, key: Hashable, batch: Sequence[_Pending[T, R]]) -> None:
         items = [
             BatchItem(
                 item.id, item.payload, item.deadline, item.trace and item.trace.link, item.ticket
@@ -417,10 +385,3 @@ class Streamer(Generic[T, R]):
         ]
         results = await self._batch_fn(key, items)
         deliver(batch, results)
-
-    async def _run_guarded(self, key: Hashable, batch: list[_Pending[T, R]]) -> None:
-        try:
-            await self._run(key, batch)
-        except Exception as exc:
-            for item in batch:
-                fail(item, as_server_error(exc, key, len(batch)))
