@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +273,33 @@ class Workers(ChildProcess):
 
     def __enter__(self) -> Workers:
         return self.start()
+
+
+@contextmanager
+def paused(redis_server: RedisServer, worker: Mapping[str, Any]) -> Iterator[None]:
+    """``worker`` (a ``Workers.live()`` value) stopped (SIGSTOP) as if busy with a long batch,
+    resumed (SIGCONT) on leaving. Its heartbeat is kept fresh meanwhile, as a busy worker's
+    own heartbeat thread keeps it: the front ends count it live however long the test takes
+    on a busy host, not for STALE_S only."""
+    client = redis_server.client()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S / 2):
+            seconds, micros = client.time()
+            client.zadd(
+                f"{PREFIX}:{{w}}:workers", {worker["name"]: seconds * 1000 + micros // 1000}
+            )
+
+    os.kill(worker["pid"], signal.SIGSTOP)
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beating.join()
+        os.kill(worker["pid"], signal.SIGCONT)
 
 
 def stream_key(store: Path, task: str) -> str:

@@ -238,8 +238,10 @@ async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
     # suite's busy host read one batch's 200s 1 s after their requests went out): 200, soon
     # after the death. Every other request in flight at the death gets 503 worker_died.
     delivered = [a for a in around if a[2] == 200]
-    assert all(sent + seconds < died_at + 2 for sent, seconds, _, _ in delivered), around
+    assert all(sent + seconds < died_at + 6 for sent, seconds, _, _ in delivered), around
     failed = [a for a in around if a[2] != 200]
     assert failed and all((s, k) == (503, "worker_died") for _, _, s, k in failed), around
-    assert max(seconds for _, seconds, _, _ in around) < 8, around  # not 28, not a deadline
+    # Told within seconds of the death: its last heartbeat's age (STALE_S) and the front
+    # end's next look, then ORPHANED_S; on a busy host a few more. Not at a deadline (30 s).
+    assert max(sent + seconds - died_at for sent, seconds, _, _ in around) < 12, around
     assert after and {(s, k) for _, _, s, k in after} == {(503, "worker_died")}
