@@ -103,7 +103,12 @@ class SharedCache:
 
     @classmethod
     def connect(
-        cls, url: str, prefix: str, ttl_s: float, on_error: Callable[[], None]
+        cls,
+        url: str,
+        prefix: str,
+        ttl_s: float,
+        on_error: Callable[[], None],
+        timeout_s: float = TIMEOUT_S,
     ) -> SharedCache:
         """A cache in the Redis at ``url`` (Sentinel's too), through a client of its own
         that never retries: its timeouts are the request path's."""
@@ -114,11 +119,11 @@ class SharedCache:
 
         client = connect_async(
             url,
-            socket_timeout=TIMEOUT_S * 5,
-            socket_connect_timeout=TIMEOUT_S * 5,
+            socket_timeout=timeout_s * 5,
+            socket_connect_timeout=timeout_s * 5,
             retry=Retry(NoBackoff(), 0),
         )
-        return cls(client, prefix, ttl_s, on_error)
+        return cls(client, prefix, ttl_s, on_error, timeout_s)
 
     def _name(self, key: bytes) -> str:
         return self._prefix + key.hex()

@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -94,12 +95,15 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_front_ends_share_a_tenants_quota(tiny_store: Path, keys: Path) -> None:
     """bulk has 2 images/s, burst 2: whichever front end it asks, over 4 s it gets about
-    2 + 2 x 4 images, not twice that; shop is not refused."""
+    2 + 2 x 4 images, not twice that (a bucket per front end); shop is not refused. The
+    bucket is capped at its burst, so a host slow enough to take over a second a round
+    admits fewer: the lower bound allows that."""
     with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
         env = broker_env(
             redis_server.url, tiny_store, MB_KEYS_FILE=str(keys), MB_PRIORITY_LEVELS="2"
         )
         with ServerProcess(**env) as one, ServerProcess(**env) as two:
+            assert all(tag(front, SHOP) == 200 for front in (one, two))  # both warm
             started = time.monotonic()
             admitted = 0
             while time.monotonic() - started < 4.0:
@@ -108,7 +112,7 @@ def test_front_ends_share_a_tenants_quota(tiny_store: Path, keys: Path) -> None:
             elapsed = time.monotonic() - started
             assert all(tag(front, SHOP) == 200 for front in (one, two))
     expected = 2 + 2 * elapsed
-    assert expected - 2 <= admitted <= expected + 2, (admitted, elapsed)
+    assert expected / 2 <= admitted <= expected + 2, (admitted, elapsed)
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +146,19 @@ def test_grpc_answers_permission_denied_and_resource_exhausted(server: ServerPro
     with pytest.raises(InferenceServerException) as unknown:
         infer("nope")
     assert unknown.value.status() == "StatusCode.UNAUTHENTICATED"
-    refused = None
-    for _ in range(5):  # bulk's burst is 2
+
+    def tried(_: int) -> InferenceServerException | None:
         try:
             infer(BULK)
         except InferenceServerException as error:
-            refused = error
-            break
-    assert refused is not None and refused.status() == "StatusCode.RESOURCE_EXHAUSTED"
+            return error
+        return None
+
+    with ThreadPoolExecutor(6) as pool:  # bulk's burst is 2: six at once, not one by one
+        errors = [error for error in pool.map(tried, range(6)) if error is not None]
+    assert errors, "six at once within a burst of 2, and none refused"
+    refused = errors[0]
+    assert refused.status() == "StatusCode.RESOURCE_EXHAUSTED"
     assert "over its quota" in refused.message()
     # statistics need the metrics scope, which this file gives a call without a key
     assert client.get_inference_statistics("tiny-test")

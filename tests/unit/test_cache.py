@@ -219,7 +219,7 @@ async def test_the_shared_tier_hands_one_front_end_s_answer_to_another_bit_for_b
         calls, compute = counting(answer=answer)
         first, second = CacheUse(), CacheUse()
         await front_ends[0].answer(b"k", compute, first)
-        await asyncio.sleep(0.05)  # the write is in the background
+        await cached_in_redis(redis_url, 1)  # the write is in the background
         got = await front_ends[1].answer(b"k", compute, second)
         assert calls == [1] and first.outcomes == [Outcome.MISS]
         assert second.outcomes == [Outcome.SHARED_HIT] and second.header == "hit"
@@ -261,6 +261,20 @@ async def test_without_its_redis_the_cache_serves_on_each_request_waiting_little
         await cache.aclose()
 
 
+async def cached_in_redis(redis_url: str, count: int) -> None:
+    """Wait until Redis holds ``count`` cached answers (written in the background)."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 5
+        while len(admin.keys("t:cache:*")) < count:
+            assert time.monotonic() < deadline, f"{count} answers never reached Redis"
+            await asyncio.sleep(0.01)
+    finally:
+        admin.close()
+
+
 def _command_calls(client: Any, *names: str) -> dict[str, int]:
     stats = client.info("commandstats")
     return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names}
@@ -278,7 +292,7 @@ async def test_the_shared_tier_batches_its_round_trips_on_two_connections(redis_
         admin.config_resetstat()
         for key, answer in zip(keys, answers, strict=True):  # a batch of answers comes back
             shared.put(key, answer)
-        await asyncio.sleep(0.1)
+        await cached_in_redis(redis_url, len(keys))
         got = await asyncio.gather(*(shared.get(key) for key in [*keys, b"none"]))
         assert got[-1] is None
         for answer, kept in zip(answers, got[:-1], strict=True):
@@ -306,12 +320,14 @@ async def test_a_slow_shared_tier_costs_each_request_its_timeout_and_is_counted_
     admin = redis.Redis.from_url(redis_url)
     try:
         assert await shared.get(b"warm") is None and errors == []
-        admin.client_pause(400)  # Redis answers nobody
+        admin.client_pause(2000)  # Redis answers nobody
         started = time.perf_counter()
         got = await asyncio.gather(*(shared.get(bytes([i])) for i in range(16)))
         took = time.perf_counter() - started
-        assert got == [None] * 16 and took < 0.25  # each waits its 50 ms, not Redis's 400
-        await asyncio.sleep(0.1)  # their MGET's own bound ends as theirs do
+        assert got == [None] * 16 and took < 0.5  # each waits its 50 ms, not Redis's 2 s
+        deadline = time.monotonic() + 0.5  # their MGET's own bound ends as theirs do
+        while not errors and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         assert errors == [1]  # one failure, then the tier rests
         assert await shared.get(b"again") is None and errors == [1]  # resting: not asked
     finally:
@@ -325,7 +341,7 @@ async def test_closing_the_shared_tier_answers_every_lookup_waiting_as_a_miss(
 ) -> None:
     import redis
 
-    shared = SharedCache.connect(redis_url, "t", 60, lambda: None)
+    shared = SharedCache.connect(redis_url, "t", 60, lambda: None, timeout_s=1.0)
     admin = redis.Redis.from_url(redis_url)
     try:
         assert await shared.get(b"warm") is None
@@ -335,7 +351,7 @@ async def test_closing_the_shared_tier_answers_every_lookup_waiting_as_a_miss(
         started = time.perf_counter()
         await shared.aclose()
         assert await asyncio.gather(*lookups) == [None] * 8
-        assert time.perf_counter() - started < 0.04  # at once, not after their 50 ms
+        assert time.perf_counter() - started < 0.5  # at once, not after their 1 s
         assert await shared.get(b"after") is None  # closed: a miss, Redis not asked
         shared.put(b"after", np.zeros(2, np.float32))  # nor written
     finally:
