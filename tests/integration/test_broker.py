@@ -172,7 +172,7 @@ async def test_a_lone_request_runs_at_once_as_a_batch_of_one(
     response = await post(fronts[0].base_url, "/predict/embedding", distinct_images(1)[0])
     took = time.monotonic() - started
     assert response.status_code == 200
-    assert took < 1.0, f"a lone request took {took:.2f} s (MB_MAX_LATENCY is 5 s)"
+    assert took < 3.0, f"a lone request took {took:.2f} s (MB_MAX_LATENCY is 5 s)"
     await wait_for(
         lambda: sizes_run(workers, "embedding")[1] == before[1] + 1, what="the batch of 1"
     )
@@ -317,20 +317,24 @@ async def test_forged_entries_and_replies_are_dropped_and_nothing_crashes(
 async def test_a_front_end_killed_mid_request_leaves_the_other_serving_and_redis_bounded(
     slow_models: SlowModels,
 ) -> None:
-    # A batch of 1 s: the first request's outlasts the other 3 requests' way into Redis and
-    # the test's look for them (every 0.1 s), so that none is answered before the kill.
-    slow = slow_models(1.0)
-    with RedisServer() as redis_server, Workers(redis_server, slow, count=1):
+    # The worker is paused (as if busy) from before the 4 requests until after the kill, so
+    # that none is answered before it, however slow the host.
+    slow = slow_models(0.25)
+    with RedisServer() as redis_server, Workers(redis_server, slow, count=1) as workers:
         doomed, survivor = front_end(redis_server, slow), front_end(redis_server, slow)
         with doomed, survivor:
             images = distinct_images(6)
-            in_flight = [
-                asyncio.create_task(post(doomed.base_url, "/predict/embedding", image))
-                for image in images[:4]
-            ]
-            await wait_for(lambda: stream_state(redis_server)["embedding"][0] >= 4, what="queued")
-            os.kill(doomed.pid, signal.SIGKILL)
-            results = await asyncio.gather(*in_flight, return_exceptions=True)
+            (worker,) = workers.live().values()
+            with paused(redis_server, worker):
+                in_flight = [
+                    asyncio.create_task(post(doomed.base_url, "/predict/embedding", image))
+                    for image in images[:4]
+                ]
+                await wait_for(
+                    lambda: stream_state(redis_server)["embedding"][0] >= 4, what="queued"
+                )
+                os.kill(doomed.pid, signal.SIGKILL)
+                results = await asyncio.gather(*in_flight, return_exceptions=True)
             assert all(isinstance(r, httpx.TransportError) for r in results)
             response = await post(survivor.base_url, "/predict/embedding", images[5])
             assert response.status_code == 200
@@ -483,7 +487,7 @@ async def test_redis_stopped_under_load_gives_fast_503s_then_recovers_by_itself(
     )
     assert statuses == {503: 20}
     assert {kind for _, _, kind in outage} == {"broker_unavailable"}
-    assert slowest < 0.5
+    assert slowest < 1.5  # not its socket timeout (2 s) or more
     assert ready.status_code == 503
 
 
@@ -494,7 +498,7 @@ async def test_no_worker_alive_gives_fast_503s_and_readiness_503(tiny_store: Pat
             await wait_for(lambda: front.readiness()[0] == 503, what="readiness 503")
             began = time.monotonic()
             response = await post(front.base_url, "/predict/embedding", distinct_images(1)[0])
-            assert time.monotonic() - began < 0.5
+            assert time.monotonic() - began < 1.5  # at once: ORPHANED_S (2 s) or more is not
     assert response.status_code == 503
     assert error_of(response)["type"] == "worker_died"
     assert "Retry-After" in response.headers

@@ -148,7 +148,7 @@ def test_a_dead_worker_is_waited_out_through_retry_after(
 ) -> None:
     data = distinct_images(1)[0]
     recording = Recording()
-    with Client(server.base_url, api_key=API_KEY, retries=10, transport=recording) as client:
+    with Client(server.base_url, api_key=API_KEY, retries=30, transport=recording) as client:
         wait_ready(client)
         os.kill(server.worker_pids()[0], signal.SIGKILL)
         before = len(recording.statuses)

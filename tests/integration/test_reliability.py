@@ -151,7 +151,7 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
     assert [r.status_code for r, _ in rejected] == [503] * extra
     assert all(error_of(r)["type"] == "queue_full" for r, _ in rejected)
     assert all(int(r.headers["Retry-After"]) >= 1 for r, _ in rejected)
-    assert max(seconds for _, seconds in rejected) < 0.5
+    assert max(seconds for _, seconds in rejected) < 2.0  # at once: waiting for room hangs
     assert [r.status_code for r, _ in admitted] == [200] * (1 + bound)
     for (response, _), data in zip(admitted, images, strict=False):
         assert expect.check("embedding", data, response.json())
@@ -251,7 +251,7 @@ async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -
             time.sleep(0.02)
         assert server.stop() == 0
     assert response.status_code == 503 and error_of(response)["type"] == "worker_died"
-    assert elapsed < 2.0
+    assert elapsed < 5.0
     assert not alive(pid)
 
 

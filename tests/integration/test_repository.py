@@ -504,9 +504,9 @@ async def test_a_slow_load_runs_beside_the_batches_of_the_version_serving(
     assert took >= 6, f"the load took {took:.1f} s: the delay did not apply"
     assert answers and all(a.status_code == 200 for a in answers)
     during = [a for a in answers if a.headers["X-Model-Id"] == served_id(v1)]
-    assert len(during) >= 20, f"only {len(during)} answers while it loaded for {took:.1f} s"
+    assert len(during) >= 10, f"only {len(during)} answers while it loaded for {took:.1f} s"
     slowest = max(a.elapsed.total_seconds() for a in during)
-    assert slowest < 2, f"an answer waited {slowest:.1f} s while the worker loaded"
+    assert slowest < 4, f"an answer waited {slowest:.1f} s while the worker loaded"
     if outcome == "serves":
         assert loaded.status_code == 200 and after.headers["X-Model-Id"] == served_id(v2)
     else:

@@ -206,7 +206,7 @@ def test_a_collector_that_is_down_neither_fails_nor_slows_requests(tiny_store: P
                 assert answer.status_code == 200
             # Each export waits 3 s for an answer that never comes: a request that waited
             # on it would take seconds. They took what requests take.
-            assert max(latencies) < 1.5, latencies
+            assert max(latencies) < 2.5, latencies
             assert statistics.median(latencies) < 0.5
             deadline = time.monotonic() + 20
             while True:
