@@ -298,12 +298,12 @@ def test_a_load_after_an_unload_answers_503_until_it_serves_in_both_modes(
         loading = threading.Thread(target=load, args=(base,))
         loading.start()
         # Asked until the load has begun (each worker then sleeps 3 s in it): a busy machine
-        # may take a while to send the route its request.
-        deadline = time.monotonic() + 2.5
+        # may take a while to send the route its request. 404 until the load ends: wrong.
+        deadline = time.monotonic() + 60
         while True:
             gap = http.post("/predict/embedding", params={"model": NAME},
                             files={"image": IMAGES[0]})  # fmt: skip
-            if gap.status_code != 404 or time.monotonic() > deadline:
+            if gap.status_code != 404 or not loading.is_alive() or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         loading.join()
