@@ -249,7 +249,7 @@ async def test_every_request_is_answered_once_across_failovers(
                         reclaimed = _reclaimed(workers)
                         start = time.monotonic()
                         elected, healed_s = await _fault(redis_set, fault)
-                        await asyncio.sleep(RESUMED_S)  # the load goes on after it healed
+                        await asyncio.sleep(RESUMED_S + 1)  # the load goes on after it healed
                         figures = load.figures(fault, start, elected, time.monotonic())
                         figures.primary_s = healed_s
                         figures.resent, figures.lost = (

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -15,13 +14,14 @@ import pytest
 
 from app.tenancy import key_hash
 from tests.answers import error_of
-from tests.broker import RedisServer, Workers, broker_env, lane_entries
+from tests.broker import RedisServer, Workers, broker_env, lane_entries, paused
 from tests.conftest import SlowModels, distinct_images
 from tests.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 BATCH_S = 0.3  # each model call: long enough for the queue to build while one runs
+PAUSED_BATCH_S = 0.5  # each model call once all is queued: batches told apart at the client
 KEYS = {"a": "key-a", "b": "key-b", "h": "key-h"}
 
 
@@ -54,62 +54,59 @@ async def send(
     return response
 
 
-def watch_landing(
-    redis_server: RedisServer, counts: dict[str, int], stop: threading.Event
-) -> list[float]:
-    """Start a thread that notes (in the list returned) when every tenant's lanes of /tag
-    have been given ``counts``' entries: from then on the workers may take them."""
-    landed: list[float] = []
-
-    def watch() -> None:
-        while not stop.is_set():
-            if all(lane_entries(redis_server, "tag", t) >= n for t, n in counts.items()):
-                landed.append(time.monotonic())
-                return
-            time.sleep(0.005)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return landed
+async def landed(redis_server: RedisServer, tenant: str, count: int) -> None:
+    """Wait until ``tenant``'s lanes of /tag have been given ``count`` entries."""
+    deadline = time.monotonic() + 30
+    while await asyncio.to_thread(lane_entries, redis_server, "tag", tenant) < count:
+        assert time.monotonic() < deadline, f"{tenant}'s {count} entries never reached Redis"
+        await asyncio.sleep(0.02)
 
 
 async def test_the_higher_priority_goes_first_and_tenants_share_across_front_ends(
     slow_models: SlowModels, tmp_path: Path
 ) -> None:
-    """a floods 40 requests through one front end (10 batches of 4); b sends 4 and h 2
-    through the other a moment later. First come, first served, both would wait for all of
-    a's; here h's join the next batch, and b's share a's batches half and half.
+    """a queues 40 requests through one front end; b 4 and h 4 through the other, after a's.
+    First come, first served, both would wait for all of a's. Here h's run in the first batch
+    the worker takes, all four together, and b's share the next ones with a's, half and half.
 
-    The batches are counted from the moment b's and h's entries are in Redis, not from when
-    the test sent them: on a busy host their way through the other front end can take
-    longer than a batch."""
-    slow = slow_models(BATCH_S)
+    The worker is paused (as if busy) while they queue, so the batches it then takes follow
+    from its rules, not from how fast the uploads came on this host: at most one of a's runs
+    first (the one its blocking read may have been handed meanwhile)."""
+    slow = slow_models(PAUSED_BATCH_S)
     env = {"MB_KEYS_FILE": str(keys_file(tmp_path)), "MB_PRIORITY_LEVELS": "2"}
-    images = distinct_images(46)
-    stop = threading.Event()
-    with RedisServer() as redis_server, Workers(redis_server, slow, MB_BATCH_SIZE="4"):
+    images = distinct_images(51)
+    with RedisServer() as redis_server, Workers(redis_server, slow, MB_BATCH_SIZE="4") as workers:
         settings = broker_env(redis_server.url, slow, MB_BATCH_SIZE="4", **env)
         with ServerProcess(**settings) as one, ServerProcess(**settings) as two:
             finished: list[tuple[str, float]] = []
             async with httpx.AsyncClient(timeout=60) as client:
-                flood = [send(client, one.base_url, "a", images[i], finished) for i in range(40)]
-                flooding = asyncio.gather(*flood)
-                await asyncio.sleep(2 * BATCH_S)  # a's first batch runs, the rest waits
-                landing = watch_landing(redis_server, {"b": 4, "h": 2}, stop)
-                others = [
-                    send(client, two.base_url, "b", images[40 + i], finished) for i in range(4)
-                ]
-                others += [
-                    send(client, two.base_url, "h", images[44 + i], finished) for i in range(2)
-                ]
-                try:
-                    answers = await asyncio.gather(flooding, asyncio.gather(*others))
-                finally:
-                    stop.set()
+                # One each first: the front ends warm, and every tenant's lane known to the
+                # worker (no doorbell read beside a batch later).
+                warm = [(one, "a", 48), (two, "b", 49), (two, "h", 50)]
+                for front, tenant, index in warm:
+                    assert (
+                        await send(client, front.base_url, tenant, images[index], [])
+                    ).is_success
+                (worker,) = workers.live().values()
+                with paused(redis_server, worker):
+                    flood = [
+                        send(client, one.base_url, "a", images[i], finished) for i in range(40)
+                    ]
+                    flooding = asyncio.gather(*flood)
+                    await landed(redis_server, "a", 41)
+                    others = [
+                        send(client, two.base_url, tenant, images[40 + i], finished)
+                        for i, tenant in enumerate("bbbbhhhh")
+                    ]
+                    answering = asyncio.gather(*others)
+                    await landed(redis_server, "b", 5)
+                    await landed(redis_server, "h", 5)
+                answers = await asyncio.gather(flooding, answering)
             # The workers' heartbeats carry each tenant's waits; the front end's next look
             # reads them (on a busy host, a few seconds).
             expected = [
                 f'microbatch_tenant_queue_wait_seconds_count{{tenant="{tenant}"}} {count}.0'
-                for tenant, count in (("a", 40), ("b", 4), ("h", 2))
+                for tenant, count in (("a", 41), ("b", 5), ("h", 5))
             ]
             deadline = time.monotonic() + 20
             while True:
@@ -120,21 +117,17 @@ async def test_the_higher_priority_goes_first_and_tenants_share_across_front_end
     assert all(r.status_code == 200 for group in answers for r in group), [
         r.text for group in answers for r in group if r.status_code != 200
     ]
-    assert landing, "b's and h's entries never showed in Redis"
-    landed = landing[0]
-    order = [f"{tenant}{t - landed:+.2f}" for tenant, t in finished]
-    a_after = [t for tenant, t in finished if tenant == "a" and t > landed]
+    first = min(t for _, t in finished)
+    order = [f"{tenant}{t - first:+.2f}" for tenant, t in sorted(finished, key=lambda f: f[1])]
+    a_done = [t for tenant, t in finished if tenant == "a"]
     h_done = max(t for tenant, t in finished if tenant == "h")
     b_done = max(t for tenant, t in finished if tenant == "b")
-    assert len(a_after) >= 20, order  # a's backlog was still there when b's and h's came
-    # h's two run in the first batch read after they came. Before it: the batch running
-    # then, and the one its worker had read ahead if they came in its last moments (a's in
-    # h's batch end with them). First come, first served: all of a's 20 or more.
-    assert sum(t < h_done - BATCH_S / 2 for t in a_after) <= 8, order
-    # b's four in turn with a's: the two batches above, h's (2 more places), then batches
-    # of 2 + 2 until b's are done: at most 8 + 2 + 4 of a's.
-    assert sum(t < b_done - BATCH_S / 2 for t in a_after) <= 14, order
-    assert h_done - landed < 3 * BATCH_S + 1.0, order
+    # A batch's answers come back together; the next batch's PAUSED_BATCH_S later.
+    # h's four run as one batch, the first (or the second, after a lone a): with h at a's
+    # level, taken in turn with a and b, a's would run in h's batches, and before the last.
+    assert sum(t < h_done - PAUSED_BATCH_S / 2 for t in a_done) <= 1, order
+    # b's four in turn with a's: two batches of 2 + 2 after h's (in FIFO order: after a's 40).
+    assert sum(t < b_done - PAUSED_BATCH_S / 2 for t in a_done) <= 3, order
     # Each tenant's queue wait, timed by the workers in its lane, shows on any front end.
     assert [line for line in expected if line not in metrics] == []
 
