@@ -230,7 +230,7 @@ async def test_full_queue_rejects_at_once_with_retry_after() -> None:
         started = time.monotonic()
         with pytest.raises(QueueFull) as info:
             await streamer.submit("one too many")
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < 2.0  # at once: waiting for room would hang
         assert info.value.retry_after_s >= 1
         assert streamer.queue_depth == 3  # the refused item never joined the queue
         model.release.set()
