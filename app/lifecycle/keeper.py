@@ -88,12 +88,15 @@ class Keeper:
         grace_s: float = 0.0,
         retire_s: float = 0.0,
         on_error: Callable[[str], None] = lambda message: None,
+        on_failed: Callable[[ModelSpec, str], None] = lambda spec, step: None,
     ) -> None:
         self.name = name
         self.min_workers = min_workers
         self.grace_s = grace_s
         self.retire_s = retire_s
         self._on_error = on_error
+        self._on_failed = on_failed  # a version failed here without a load (its driver's
+        # loads are told by the driver): counted as a failed load
         self.lives: dict[tuple[str, int], VersionLife] = {}  # held or loading, by (name, number)
         self.specs: dict[tuple[str, int], ModelSpec] = {}  # each one's spec, as held
         self.failed: dict[tuple[str, int], VersionLife] = {}  # FAILED, until no longer aimed at
@@ -204,7 +207,10 @@ class Keeper:
         try:
             self._read_now(spec)
         except Exception as exc:  # a copy that does not verify: a failure like any other
-            self._fail_new(spec, "verify", str(getattr(exc, "message", exc)))
+            reason = str(getattr(exc, "message", exc))
+            self._fail_new(spec, "verify", reason)
+            self._on_error(f"{spec.name} version {spec.version} failed: verify: {reason}")
+            self._on_failed(spec, "verify")
             return
         life = self.lives[holder]
         key = (spec.name, spec.version)

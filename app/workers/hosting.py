@@ -186,7 +186,8 @@ class PoolHost:
             if slot in self.keepers:
                 continue
             others = self._views()
-            keeper = Keeper(f"worker {slot}", min_workers=self.min_workers, on_error=log.error)
+            keeper = Keeper(f"worker {slot}", min_workers=self.min_workers, on_error=log.error,
+                            on_failed=self._failed_unloaded)  # fmt: skip
             # What the pool serves now (what requests are admitted for), not what the others
             # alone would make of it: one of them may hold a version that never switched;
             # when no worker held it any more, what it served last (not the newest on disk:
@@ -267,6 +268,12 @@ class PoolHost:
             self._wake.set()
         if self._on_load is not None:
             self._on_load(spec.name, spec.version, time.monotonic() - started, failed)
+
+    def _failed_unloaded(self, spec: ModelSpec, step: str) -> None:
+        """A version that failed without a load (a copy of a held export that does not
+        verify): counted with the loads that failed."""
+        if self._on_load is not None:
+            self._on_load(spec.name, spec.version, 0.0, step)
 
     def _settle(self) -> None:
         now = time.monotonic()

@@ -168,12 +168,19 @@ def test_a_rollback_written_as_the_next_version_is_held_with_no_load() -> None:
 
 
 def test_a_copy_that_does_not_verify_fails_on_its_own_row_and_nothing_else_moves() -> None:
-    keeper = Keeper("w0")
+    """It fails with no load, and says so as a load would: logged (``on_error``) and told
+    to the driver (``on_failed``), which counts it with the loads that failed (it was
+    silent: make chaos's random sequences waited for the count)."""
+    said: list[str] = []
+    told: list[tuple[int, str]] = []
+    keeper = Keeper("w0", on_error=said.append,
+                    on_failed=lambda spec, step: told.append((spec.version, step)))  # fmt: skip
     keeper.aim({"tagger": 1}, Disk(), explicit=False)
     load_all(keeper)
     keeper.aim({"tagger": 4}, Disk(corrupt=[4]), explicit=True)
     assert states(keeper) == [(1, "ready"), (4, "failed")]
     assert keeper.failed[("tagger", 4)].step == "verify"
+    assert told == [(4, "verify")] and len(said) == 1 and "sha256" in said[0]
     assert keeper.settle(view(keeper), 10.0, empty) == [] and states(keeper)[0] == (1, "ready")
 
 
