@@ -80,6 +80,7 @@ class SentinelSet:
         self.nodes = [self._node(f"redis-{i}", self._data_lines()) for i in range(3)]
         self.sentinels = [self._node(f"sentinel-{i}", []) for i in range(3)]
         self.url = self.url_as(OPS_USER, OPS_PASSWORD) if acl else self.url_as(None, None)
+        self.elected_at = 0.0  # when ``after_fault`` last saw a new primary
 
     def url_as(self, user: str | None, password: str | None) -> str:
         """The set's ``redis+sentinel://`` URL (``rediss+sentinel://`` with TLS), as
@@ -258,10 +259,11 @@ class SentinelSet:
         node.start([f"replicaof 127.0.0.1 {self.primary_port()}"])
 
     def after_fault(self, old_port: int, timeout_s: float = 30) -> float:
-        """Wait until the Sentinels agree on a new primary and both replicas follow it;
-        returns the seconds it took."""
+        """Wait until the Sentinels agree on a new primary (``elected_at``: when this saw
+        it, by ``time.monotonic()``) and both replicas follow it; returns the seconds it took."""
         started = time.monotonic()
         self.wait(lambda: self.primary_port() not in (None, old_port), "a new primary", timeout_s)
+        self.elected_at = time.monotonic()
         self.wait(lambda: len(self.replicas_synced()) == 2, "two replicas in sync", timeout_s)
         return time.monotonic() - started
 
