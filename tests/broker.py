@@ -242,6 +242,29 @@ class Workers(ChildProcess):
         seconds, micros = self.redis.client().time()
         return int(seconds) * 1000 + int(micros) // 1000
 
+    @contextmanager
+    def paused(self, worker: Mapping[str, Any]) -> Iterator[None]:
+        """``worker`` (a ``live()`` value) stopped (SIGSTOP) as if busy with a long batch,
+        resumed (SIGCONT) on leaving. Its heartbeat is kept fresh meanwhile, as a busy
+        worker's own heartbeat thread keeps it: the front ends count it live however long the
+        test takes on a busy host, not for STALE_S only."""
+        done = threading.Event()
+
+        def beat() -> None:
+            client = self.redis.client()
+            while not done.wait(HEARTBEAT_S / 2):
+                client.zadd(f"{PREFIX}:{{w}}:workers", {worker["name"]: self.now_ms()})
+
+        os.kill(worker["pid"], signal.SIGSTOP)
+        beating = threading.Thread(target=beat, daemon=True)
+        beating.start()
+        try:
+            yield
+        finally:
+            done.set()
+            beating.join()
+            os.kill(worker["pid"], signal.SIGCONT)
+
     def beat_since(self, since_ms: int) -> bool:
         """Whether each of the ``count`` workers has sent a heartbeat stamped after
         ``since_ms``: it then holds every batch the worker had answered by that moment (a
@@ -273,33 +296,6 @@ class Workers(ChildProcess):
 
     def __enter__(self) -> Workers:
         return self.start()
-
-
-@contextmanager
-def paused(redis_server: RedisServer, worker: Mapping[str, Any]) -> Iterator[None]:
-    """``worker`` (a ``Workers.live()`` value) stopped (SIGSTOP) as if busy with a long batch,
-    resumed (SIGCONT) on leaving. Its heartbeat is kept fresh meanwhile, as a busy worker's
-    own heartbeat thread keeps it: the front ends count it live however long the test takes
-    on a busy host, not for STALE_S only."""
-    client = redis_server.client()
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(HEARTBEAT_S / 2):
-            seconds, micros = client.time()
-            client.zadd(
-                f"{PREFIX}:{{w}}:workers", {worker["name"]: seconds * 1000 + micros // 1000}
-            )
-
-    os.kill(worker["pid"], signal.SIGSTOP)
-    beating = threading.Thread(target=beat, daemon=True)
-    beating.start()
-    try:
-        yield
-    finally:
-        done.set()
-        beating.join()
-        os.kill(worker["pid"], signal.SIGCONT)
 
 
 def stream_key(store: Path, task: str) -> str:

@@ -35,7 +35,6 @@ from tests.broker import (
     RedisServer,
     Workers,
     broker_env,
-    paused,
     recovery_s,
     stream_key,
     stream_state,
@@ -45,6 +44,7 @@ from tests.children import dies_with_run, group_guard, start
 from tests.conftest import SlowModels, distinct_images, normalised_pixels
 from tests.models import POISON_RGB, TINY_DIM, TinyEmbedding, export_test_model
 from tests.server import ServerProcess, on_jemalloc
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +72,6 @@ def sizes_run(workers: Workers, task: str) -> Counter[int]:
 
 def total(workers: Workers, field: str) -> int:
     return sum(int(info.get(field, 0)) for info in workers.live().values())
-
-
-async def wait_for(condition: Any, timeout_s: float = 20, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(condition):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 async def post(base_url: str, path: str, data: bytes, **kwargs: Any) -> httpx.Response:
@@ -325,7 +317,7 @@ async def test_a_front_end_killed_mid_request_leaves_the_other_serving_and_redis
         with doomed, survivor:
             images = distinct_images(6)
             (worker,) = workers.live().values()
-            with paused(redis_server, worker):
+            with workers.paused(worker):
                 in_flight = [
                     asyncio.create_task(post(doomed.base_url, "/predict/embedding", image))
                     for image in images[:4]
@@ -517,7 +509,7 @@ async def test_a_request_past_its_deadline_is_never_run(tiny_store: Path) -> Non
             assert (await post(front.base_url, "/predict/embedding", images[0])).status_code == 200
             await wait_for(lambda: total(workers, "items") == 1, what="the heartbeat")
             (worker,) = workers.live().values()
-            with paused(redis_server, worker):
+            with workers.paused(worker):
                 late = await post(
                     front.base_url,
                     "/predict/embedding",
@@ -846,7 +838,7 @@ async def test_the_shared_queue_bound_holds_across_front_ends(tiny_store: Path) 
                 assert (await post(front.base_url, "/predict/embedding", image)).status_code == 200
             await wait_for(lambda: stream_state(redis_server)["embedding"][0] == 0, what="empty")
             (worker,) = workers.live().values()
-            with paused(redis_server, worker):
+            with workers.paused(worker):
                 requests = [
                     asyncio.create_task(post(fronts[i % 2].base_url, "/predict/embedding", image))
                     for i, image in enumerate(images[:4])

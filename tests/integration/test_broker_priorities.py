@@ -14,9 +14,10 @@ import pytest
 
 from app.tenancy import key_hash
 from tests.answers import error_of
-from tests.broker import RedisServer, Workers, broker_env, lane_entries, paused
+from tests.broker import RedisServer, Workers, broker_env, lane_entries
 from tests.conftest import SlowModels, distinct_images
 from tests.server import ServerProcess
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,8 @@ async def send(
 
 async def landed(redis_server: RedisServer, tenant: str, count: int) -> None:
     """Wait until ``tenant``'s lanes of /tag have been given ``count`` entries."""
-    deadline = time.monotonic() + 30
-    while await asyncio.to_thread(lane_entries, redis_server, "tag", tenant) < count:
-        assert time.monotonic() < deadline, f"{tenant}'s {count} entries never reached Redis"
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: lane_entries(redis_server, "tag", tenant) >= count, timeout_s=30,
+                   what=f"{tenant}'s {count} entries in Redis")  # fmt: skip
 
 
 async def test_the_higher_priority_goes_first_and_tenants_share_across_front_ends(
@@ -88,7 +87,7 @@ async def test_the_higher_priority_goes_first_and_tenants_share_across_front_end
                         await send(client, front.base_url, tenant, images[index], [])
                     ).is_success
                 (worker,) = workers.live().values()
-                with paused(redis_server, worker):
+                with workers.paused(worker):
                     flood = [
                         send(client, one.base_url, "a", images[i], finished) for i in range(40)
                     ]

@@ -24,8 +24,9 @@ from app.lifecycle import Route
 from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import distinct_images
-from tests.integration.test_broker import front_end, post, wait_for
+from tests.integration.test_broker import front_end, post
 from tests.server import free_port
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import shutil
-import signal
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,14 +234,6 @@ async def test_every_panel_and_rule_answers_for_an_in_process_server(repository:
     assert {s["metric"]["state"] for s in shown["versions"]} == {"ready", "failed"}
 
 
-def _paused(workers: Workers) -> Callable[[], None]:
-    """SIGSTOP the workers' process group; returns the function that resumes it."""
-    assert workers.process is not None
-    group = os.getpgid(workers.process.pid)
-    os.killpg(group, signal.SIGSTOP)
-    return lambda: os.killpg(group, signal.SIGCONT)
-
-
 async def test_every_panel_and_rule_answers_in_broker_mode_and_shows_the_backlog(
     repository: Path,
 ) -> None:
@@ -270,17 +259,15 @@ async def test_every_panel_and_rule_answers_in_broker_mode_and_shows_the_backlog
             assert admin_load(front.base_url).status_code == 422  # the workers' verify failed
             statuses = await steady_load(front.base_url, seconds=5, clients=4)
             statuses += await no_images(front.base_url)
-            # Requests arrive while the worker is paused (for less than the 3 s after which
-            # its heartbeat would count as gone): they wait in the shared streams, and those
-            # that find the front end's queue full are refused. Again if no scrape saw it.
+            # Requests arrive while the worker is paused (as if busy): they wait in the shared
+            # streams, and those that find the front end's queue full are refused. Again if
+            # no scrape saw it.
             backlog: list[dict[str, Any]] = []
+            (worker,) = workers.live().values()
             for _ in range(3):
-                resume = _paused(workers)
-                try:
+                with workers.paused(worker):
                     waiting = asyncio.ensure_future(burst(front.base_url, requests=16))
                     await asyncio.sleep(1.2)
-                finally:
-                    resume()
                 statuses += await waiting
                 seen = time.time()
                 prometheus.scraped_after(seen + 1)

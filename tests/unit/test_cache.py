@@ -20,6 +20,7 @@ from app.errors import DeadlineExceeded, InvalidImage, QueueFull, Shed
 from app.jobs import EmbeddingAndTopK, Task, TopK
 from tests.broker import RedisServer
 from tests.server import free_port
+from tests.waiting import wait_for
 
 PIXELS = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
 
@@ -267,10 +268,8 @@ async def cached_in_redis(redis_url: str, count: int) -> None:
 
     admin = redis.Redis.from_url(redis_url)
     try:
-        deadline = time.monotonic() + 5
-        while len(admin.keys("t:cache:*")) < count:
-            assert time.monotonic() < deadline, f"{count} answers never reached Redis"
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: len(admin.keys("t:cache:*")) >= count, timeout_s=5,
+                       what=f"{count} answers in Redis")  # fmt: skip
     finally:
         admin.close()
 
@@ -325,9 +324,8 @@ async def test_a_slow_shared_tier_costs_each_request_its_timeout_and_is_counted_
         got = await asyncio.gather(*(shared.get(bytes([i])) for i in range(16)))
         took = time.perf_counter() - started
         assert got == [None] * 16 and took < 0.5  # each waits its 50 ms, not Redis's 2 s
-        deadline = time.monotonic() + 0.5  # their MGET's own bound ends as theirs do
-        while not errors and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        # Their MGET's own bound ends as theirs do.
+        await wait_for(lambda: errors, timeout_s=0.5, what="the failure counted")
         assert errors == [1]  # one failure, then the tier rests
         assert await shared.get(b"again") is None and errors == [1]  # resting: not asked
     finally:
