@@ -95,8 +95,9 @@ class Keeper:
         self.grace_s = grace_s
         self.retire_s = retire_s
         self._on_error = on_error
-        self._on_failed = on_failed  # a version failed here without a load (its driver's
-        # loads are told by the driver): counted as a failed load
+        # A version that failed with no load to report it (a copy of a held export that does
+        # not verify): its driver counts it with the loads that failed.
+        self._on_failed = on_failed
         self.lives: dict[tuple[str, int], VersionLife] = {}  # held or loading, by (name, number)
         self.specs: dict[tuple[str, int], ModelSpec] = {}  # each one's spec, as held
         self.failed: dict[tuple[str, int], VersionLife] = {}  # FAILED, until no longer aimed at
