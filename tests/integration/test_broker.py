@@ -554,9 +554,11 @@ GHOST_ID = "ghost@" + "0" * 12
 GHOST_STREAM = f"{PREFIX}:{{q}}:{'0' * 12}:embedding"
 
 
-async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
+@pytest.mark.parametrize("leaves", ["waiting", "while-added"])
+async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream(leaves: str) -> None:
     """The Streamer cancels a batch whose callers all left; the broker transport then deletes
-    the entry, so a worker that has not read it yet never computes it."""
+    the entry, so a worker that has not read it yet never computes it: also when the caller
+    leaves after Redis added the entry but before its answer (the id) came back."""
     from app.batching import BatchItem
     from app.broker.front.transport import BrokerTransport
     from app.jobs import BatchKey, ImageJob, Task
@@ -568,12 +570,24 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream() -> None:
         await transport.start()
         try:
             assert transport.ready
+            answered = asyncio.Event()
+            if leaves == "while-added":
+                admit = transport._admit
+
+                async def answered_late(**kwargs: Any) -> Any:
+                    added = await admit(**kwargs)
+                    await answered.wait()  # the answer reaches the front end after the cancel
+                    return added
+
+                transport._admit = answered_late
             item = BatchItem(1, ImageJob(b"upload", top_k=0), time.monotonic() + 30)
             waiting = asyncio.create_task(
                 transport.run_batch(BatchKey(Task.EMBEDDING, True, GHOST_ID), [item])
             )
             await wait_for(lambda: client.xlen(GHOST_STREAM) == 1, what="added")
             waiting.cancel()
+            await asyncio.sleep(0)
+            answered.set()
             await wait_for(lambda: client.xlen(GHOST_STREAM) == 0, what="deleted")
         finally:
             await transport.aclose()

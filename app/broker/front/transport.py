@@ -304,8 +304,12 @@ class BrokerTransport:
         keys, args = self.admission.request(served_id, task, stream, lane, fields)
         future = self._waiting.add(request_id, served_id)  # before the entry: a fast reply finds it
         added: Any = None  # the entry id (bytes), or why not and the depth ([b"full", n])
+        admitting = asyncio.ensure_future(self._admit(keys=keys, args=args))
         try:
-            added = await self._admit(keys=keys, args=args)
+            added = await asyncio.shield(admitting)
+        except asyncio.CancelledError:  # its caller left while Redis ran the script
+            self._in_background(self._withdraw(stream, admitting))
+            raise
         except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
             log.error("broker: Redis refused a request: %s", exc)
             return BrokerUnavailable("the broker (Redis) refused the request")
@@ -370,6 +374,13 @@ class BrokerTransport:
         if entry is not None:
             stream, entry_id = entry.stream, entry.entry_id
         self._in_background(self._delete(stream, entry_id))
+
+    async def _withdraw(self, stream: str, admitting: asyncio.Future[Any]) -> None:
+        """Delete the entry an admission whose caller left added, once Redis answers it."""
+        with contextlib.suppress(RedisError, OSError):
+            added = await admitting
+            if isinstance(added, bytes):
+                await self._delete(stream, added)
 
     async def _delete(self, stream: str, entry_id: bytes) -> None:
         assert self._redis is not None
