@@ -201,6 +201,10 @@ class WorkerHandle:
         """Running a batch (a load beside it does not make it busy)."""
         return self._batch is not None
 
+    def running(self, batch_id: int) -> bool:
+        """Running batch ``batch_id`` still (not answered, not dead)."""
+        return self._batch is not None and self._batch[0] == batch_id
+
     @property
     def serving(self) -> bool:
         """Alive, ready and not running a batch."""

@@ -343,7 +343,7 @@ class WorkerPool:
             tracing.carried(items),
         )
         future = worker.send(message)
-        reply = await self._wait_reply(worker, future, len(items))
+        reply = await self._wait_reply(worker, batch_id, future, len(items))
         assert isinstance(reply, BatchDone)
         if self._on_run is not None:
             run = BatchRun(
@@ -357,21 +357,25 @@ class WorkerPool:
         return results(key.task, top_ks, ids, reply.outputs, reply.errors)
 
     async def _wait_reply(
-        self, worker: WorkerHandle, future: asyncio.Future[Reply], size: int
+        self, worker: WorkerHandle, batch_id: int, future: asyncio.Future[Reply], size: int
     ) -> Reply:
         # Awaited straight (no shield, no wait_for: one hand-over instead of three). If every
         # caller leaves, the future is cancelled and the worker computes on: only its reply
         # (or its death) hands it back. Past MB_BATCH_TIMEOUT it is killed, and its death
-        # fails the future.
+        # fails the future: so the timer stays armed while the worker still runs the batch,
+        # whether anyone waits for it or not.
         timer = asyncio.get_running_loop().call_later(
-            self.batch_timeout_s, self._hung, worker, size
+            self.batch_timeout_s, self._hung, worker, batch_id, size
         )
         try:
             return await future
         finally:
-            timer.cancel()
+            if not worker.running(batch_id):
+                timer.cancel()
 
-    def _hung(self, worker: WorkerHandle, size: int) -> None:
+    def _hung(self, worker: WorkerHandle, batch_id: int, size: int) -> None:
+        if not worker.running(batch_id):  # it answered after its callers left
+            return
         log.error(
             "worker %d spent over MB_BATCH_TIMEOUT=%g s on a batch of %d: killing it",
             worker.index,

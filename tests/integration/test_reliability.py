@@ -4,6 +4,7 @@ deaths, hangs, overload, disconnects and shutdown. Real worker processes through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -253,6 +254,39 @@ async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -
     assert response.status_code == 503 and error_of(response)["type"] == "worker_died"
     assert elapsed < 5.0
     assert not alive(pid)
+
+
+async def test_a_hung_worker_whose_callers_left_is_killed_and_serves_again(
+    tiny_store: Path,
+) -> None:
+    """The batch timeout (3 s) outlasts the request's (1 s): the caller has its 504 and
+    leaves, and the worker, hung (stopped), is still killed at the batch timeout and
+    restarted; the requests after it are served."""
+    with ServerProcess(
+        MODEL_STORE=str(tiny_store), MB_BATCH_TIMEOUT="3", MB_REQUEST_TIMEOUT="1",
+        **SLOW_ONE_WORKER,
+    ) as server:  # fmt: skip
+        (pid,) = server.worker_pids()
+        image = {"image": ("x.png", distinct_images(1)[0])}
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            left = httpx.post(f"{server.base_url}/predict/embedding", files=image, timeout=30)
+            assert left.status_code == 504, left.text
+            deadline = time.monotonic() + 10
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not alive(pid), "the hung worker was not killed"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status, body = server.readiness()
+            if status == 200 and any(w["ready"] and w["pid"] != pid for w in body["workers"]):
+                break
+            time.sleep(0.1)
+        served = httpx.post(f"{server.base_url}/predict/embedding", files=image, timeout=30)
+        assert served.status_code == 200, served.text
 
 
 async def test_sigterm_finishes_admitted_requests_and_exits_cleanly(slow_store: Path) -> None:
