@@ -106,6 +106,40 @@ async def test_after_a_failover_each_waiting_request_gets_its_entry_back_or_a_ty
             await client.aclose()
 
 
+async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_back() -> None:
+    """The caller leaves (its deadline, a disconnect) while its lost entry is sent again:
+    the new entry leaves the stream, so no worker computes it for nobody."""
+
+    class Leaving:
+        """The client, where the caller leaves while the resend's XADD is under way."""
+
+        def __init__(self, client: aioredis.Redis, waiting: Waiting) -> None:
+            self.client, self.waiting = client, waiting
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.client, name)
+
+        async def xadd(self, *args: Any) -> Any:
+            added = await self.client.xadd(*args)
+            self.waiting.discard("fe-left")  # as _reply does when its caller goes
+            return added
+
+    with RedisServer() as server:
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            waiting = Waiting()
+            events: list[str] = []
+            failover = Failover(waiting, hold=True, on_event=events.append)
+            await _sent(client, waiting, "fe-left", add=False, left_s=10)
+            failover.lost(ConnectionError("primary gone"))
+            failover.reached()
+            await failover.recheck(Leaving(client, waiting), "mb:replies:fe", waiting.deliver)  # type: ignore[arg-type]
+            assert await client.xlen("mb:{q}:v:tag") == 0
+            assert events == ["reconnect"]
+        finally:
+            await client.aclose()
+
+
 async def test_a_plain_redis_lost_fails_every_waiting_request_at_once() -> None:
     waiting = Waiting()
     future = waiting.add("fe-1", "tiny@v")

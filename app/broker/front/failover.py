@@ -151,6 +151,9 @@ class Failover:
                 )  # fmt: skip
                 continue
             added: Any = await client.xadd(entry.stream, entry.fields)  # type: ignore[arg-type]
+            if request_id not in self.waiting:  # its caller left meanwhile: nobody to compute for
+                await client.xdel(entry.stream, added)
+                continue
             self.waiting.sent(request_id, Entry(entry.stream, added, entry.fields, entry.deadline))
             resent += 1
             self.on_event("resent")
