@@ -593,6 +593,34 @@ async def test_a_caller_that_leaves_takes_its_entry_out_of_the_stream(leaves: st
             await transport.aclose()
 
 
+async def test_a_front_end_that_stops_takes_its_waiting_entries_out_of_the_stream() -> None:
+    """At shutdown the requests still waiting are answered 503 (``not_ready``), and their
+    entries leave the streams before the clients close: no worker computes them."""
+    from app.batching import BatchItem
+    from app.broker.front.transport import BrokerTransport
+    from app.errors import NotReady
+    from app.jobs import BatchKey, ImageJob, Task
+
+    with RedisServer() as redis_server:
+        client = redis_server.client()
+        add_ghost_worker(redis_server)
+        transport = BrokerTransport(redis_server.url, PREFIX, max_queue=16)
+        await transport.start()
+        items = [BatchItem(i, ImageJob(b"upload", top_k=0), time.monotonic() + 30) for i in (1, 2)]
+        waiting = [
+            asyncio.create_task(
+                transport.run_batch(BatchKey(Task.EMBEDDING, True, GHOST_ID), [item])
+            )
+            for item in items
+        ]
+        await wait_for(lambda: client.xlen(GHOST_STREAM) == 2, what="added")
+        await transport.aclose()
+        assert client.xlen(GHOST_STREAM) == 0
+        for task in waiting:
+            (answer,) = (await task).values()
+            assert isinstance(answer, NotReady)
+
+
 async def test_a_front_end_that_saw_no_worker_looks_again_before_refusing() -> None:
     """A worker that started after the front end's last look (up to a second ago) serves the
     next request: the front end looks at Redis itself before it answers ``worker_died``."""

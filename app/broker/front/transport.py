@@ -45,6 +45,7 @@ from app.batching import (
 )
 from app.broker.front.admission import ADMIT, Admission
 from app.broker.front.backlog import count_backlog
+from app.broker.front.deletes import Deletes
 from app.broker.front.failover import Failover
 from app.broker.front.monitor import Monitor, cannot_reach
 from app.broker.front.status import worker_status
@@ -124,6 +125,7 @@ class BrokerTransport:
         self._failover = Failover(self._waiting, hold=sentinel, on_event=on_event)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._deletes = Deletes(lambda: self._redis)
 
     # -- the Transport's state ---------------------------------------------------------------
 
@@ -211,7 +213,10 @@ class BrokerTransport:
                 log.error("broker: %s did not stop; leaving it", task.get_name())
         await self.monitor.aclose()
         self._tasks = []
+        left = [entry for _, entry in self._waiting.entries()]
         self._waiting.fail(NotReady("server is shutting down"))
+        if self.monitor.connected:  # their entries out first: no worker computes them
+            await self._deletes.now(left, SOCKET_TIMEOUT_S)
         if self.monitor.admin is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self.monitor.admin.aclose()
@@ -308,7 +313,7 @@ class BrokerTransport:
         try:
             added = await asyncio.shield(admitting)
         except asyncio.CancelledError:  # its caller left while Redis ran the script
-            self._in_background(self._withdraw(stream, admitting))
+            self._deletes.once_added(stream, admitting)
             raise
         except ResponseError as exc:  # Redis answered, and refused (out of memory, say)
             log.error("broker: Redis refused a request: %s", exc)
@@ -373,19 +378,7 @@ class BrokerTransport:
         entry = self._waiting.entry(request_id)
         if entry is not None:
             stream, entry_id = entry.stream, entry.entry_id
-        self._in_background(self._delete(stream, entry_id))
-
-    async def _withdraw(self, stream: str, admitting: asyncio.Future[Any]) -> None:
-        """Delete the entry an admission whose caller left added, once Redis answers it."""
-        with contextlib.suppress(RedisError, OSError):
-            added = await admitting
-            if isinstance(added, bytes):
-                await self._delete(stream, added)
-
-    async def _delete(self, stream: str, entry_id: bytes) -> None:
-        assert self._redis is not None
-        with contextlib.suppress(RedisError, OSError):
-            await self._redis.xdel(stream, entry_id)
+        self._deletes.later(stream, entry_id)
 
     # -- replies -----------------------------------------------------------------------------
 
