@@ -7,8 +7,10 @@ a reply already there is delivered, and a plain Redis fails them all at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -71,39 +73,50 @@ async def _sent(client: aioredis.Redis, waiting: Waiting, rid: str, *, add: bool
     return future
 
 
-async def test_after_a_failover_each_waiting_request_gets_its_entry_back_or_a_typed_refusal() -> (
-    None
-):
+@contextlib.asynccontextmanager
+async def _redis() -> AsyncIterator[aioredis.Redis]:
+    """A client of a redis-server of its own."""
     with RedisServer() as server:
         client = aioredis.Redis.from_url(server.url)
         try:
-            waiting = Waiting()
-            events: list[str] = []
-            failover = Failover(waiting, hold=True, on_event=events.append)
-            kept = await _sent(client, waiting, "fe-kept", add=True, left_s=10)
-            lost = await _sent(client, waiting, "fe-lost", add=False, left_s=10)
-            late = await _sent(client, waiting, "fe-late", add=False, left_s=0.05)
-            answered = await _sent(client, waiting, "fe-answered", add=False, left_s=10)
-            # Its reply made it to the new primary (with its entry's deletion): delivered.
-            reply = encode_answer("fe-answered", 1, np.ones(4, dtype=np.float32))
-            await client.rpush("mb:replies:fe", reply)
-            failover.lost(ConnectionError("primary gone"))
-            assert len(waiting) == 4  # held, not failed
-            failover.reached()
-            await failover.recheck(client, "mb:replies:fe", waiting.deliver)
-            assert events == ["reconnect", "resent", "lost"]
-            assert not failover.recheck_due
-            assert answered.done() and answered.result() is not None
-            with pytest.raises(BrokerUnavailable, match="failed over and lost"):
-                late.result()
-            assert not kept.done() and not lost.done()
-            resent = waiting.entry("fe-lost")
-            assert resent is not None and resent.entry_id != b"1-1"
-            found: Any = await client.xrange(resent.stream, resent.entry_id, resent.entry_id)
-            assert found[0][1] == {k.encode(): v for k, v in _request("fe-lost").items()}
-            assert await client.xlen(resent.stream) == 2  # the kept one and the resent one
+            yield client
         finally:
             await client.aclose()
+
+
+def _held() -> tuple[Waiting, list[str], Failover]:
+    """What waits, the failover's events, and the failover (behind Sentinel: it holds)."""
+    waiting, events = Waiting(), list[str]()
+    return waiting, events, Failover(waiting, hold=True, on_event=events.append)
+
+
+async def test_after_a_failover_each_waiting_request_gets_its_entry_back_or_a_typed_refusal() -> (
+    None
+):
+    async with _redis() as client:
+        waiting, events, failover = _held()
+        kept = await _sent(client, waiting, "fe-kept", add=True, left_s=10)
+        lost = await _sent(client, waiting, "fe-lost", add=False, left_s=10)
+        late = await _sent(client, waiting, "fe-late", add=False, left_s=0.05)
+        answered = await _sent(client, waiting, "fe-answered", add=False, left_s=10)
+        # Its reply made it to the new primary (with its entry's deletion): delivered.
+        reply = encode_answer("fe-answered", 1, np.ones(4, dtype=np.float32))
+        await client.rpush("mb:replies:fe", reply)
+        failover.lost(ConnectionError("primary gone"))
+        assert len(waiting) == 4  # held, not failed
+        failover.reached()
+        await failover.recheck(client, "mb:replies:fe", waiting.deliver)
+        assert events == ["reconnect", "resent", "lost"]
+        assert not failover.recheck_due
+        assert answered.done() and answered.result() is not None
+        with pytest.raises(BrokerUnavailable, match="failed over and lost"):
+            late.result()
+        assert not kept.done() and not lost.done()
+        resent = waiting.entry("fe-lost")
+        assert resent is not None and resent.entry_id != b"1-1"
+        found: Any = await client.xrange(resent.stream, resent.entry_id, resent.entry_id)
+        assert found[0][1] == {k.encode(): v for k, v in _request("fe-lost").items()}
+        assert await client.xlen(resent.stream) == 2  # the kept one and the resent one
 
 
 async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_back() -> None:
@@ -124,20 +137,14 @@ async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_bac
             self.waiting.discard("fe-left")  # as _reply does when its caller goes
             return added
 
-    with RedisServer() as server:
-        client = aioredis.Redis.from_url(server.url)
-        try:
-            waiting = Waiting()
-            events: list[str] = []
-            failover = Failover(waiting, hold=True, on_event=events.append)
-            await _sent(client, waiting, "fe-left", add=False, left_s=10)
-            failover.lost(ConnectionError("primary gone"))
-            failover.reached()
-            await failover.recheck(Leaving(client, waiting), "mb:replies:fe", waiting.deliver)  # type: ignore[arg-type]
-            assert await client.xlen("mb:{q}:v:tag") == 0
-            assert events == ["reconnect"]
-        finally:
-            await client.aclose()
+    async with _redis() as client:
+        waiting, events, failover = _held()
+        await _sent(client, waiting, "fe-left", add=False, left_s=10)
+        failover.lost(ConnectionError("primary gone"))
+        failover.reached()
+        await failover.recheck(Leaving(client, waiting), "mb:replies:fe", waiting.deliver)  # type: ignore[arg-type]
+        assert await client.xlen("mb:{q}:v:tag") == 0
+        assert events == ["reconnect"]
 
 
 async def test_a_plain_redis_lost_fails_every_waiting_request_at_once() -> None:
@@ -169,15 +176,11 @@ async def test_behind_sentinel_requests_are_held_until_no_primary_came_back_in_t
 
 async def test_pins_a_failover_lost_are_written_again_past_the_number_they_had() -> None:
     keys = Keys("mb")
-    with RedisServer() as server:
-        client = aioredis.Redis.from_url(server.url)
-        try:
-            for _ in range(3):
-                asked = await set_pin(client, keys, "tiny", 2)
-            await client.delete(keys.pins, keys.pins_seq)  # what a failover may lose
-            await set_pin(client, keys, "other", 1)  # another front end's, after it
-            seq = await restore_pins(client, keys, {"tiny": 2}, asked)
-            assert seq >= asked
-            assert decode_pins(await client.hgetall(keys.pins)) == {"tiny": 2, "other": 1}
-        finally:
-            await client.aclose()
+    async with _redis() as client:
+        for _ in range(3):
+            asked = await set_pin(client, keys, "tiny", 2)
+        await client.delete(keys.pins, keys.pins_seq)  # what a failover may lose
+        await set_pin(client, keys, "other", 1)  # another front end's, after it
+        seq = await restore_pins(client, keys, {"tiny": 2}, asked)
+        assert seq >= asked
+        assert decode_pins(await client.hgetall(keys.pins)) == {"tiny": 2, "other": 1}
