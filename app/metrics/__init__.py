@@ -9,9 +9,9 @@ Two modes change where some figures come from:
   ``PROMETHEUS_MULTIPROC_DIR``: counters and histograms go to files there, and a scrape of
   any one process sums them all (prometheus-client's multiprocess mode). The live gauges
   come from the process that answers the scrape.
-* Broker mode (``remote_workers``): batches form in the model workers, so the batch sizes,
-  queue waits and model times they ran come from their heartbeats (``on_workers``), summed
-  over the workers alive, not from this process.
+* Broker mode (``remote_workers``): batches form and versions load in the model workers, so
+  the batch sizes, queue waits and model times they ran, and the loads they ended, come from
+  their heartbeats (``on_workers``), summed over the workers alive, not from this process.
 
 Request, batch and model-time figures carry ``model`` (the name) and ``version`` (its number)
 labels; ``labels`` turns a served id into them (the engine's registry knows).
@@ -53,6 +53,7 @@ from app.metrics.statistics import Statistics
 __all__ = [
     "BATCH_BUCKETS",
     "LATENCY_BUCKETS",
+    "LOAD_BUCKETS",
     "BatchRun",
     "LiveState",
     "Metrics",
@@ -129,6 +130,19 @@ class Metrics:
                 buckets=BATCH_BUCKETS,
                 registry=r,
             )
+            self.load_time = Histogram(
+                "microbatch_model_load_seconds",
+                "Loads of a model version that ended serving: from the call to the switch.",
+                ["model"],
+                buckets=LOAD_BUCKETS,
+                registry=r,
+            )
+            self.load_failures = Counter(
+                "microbatch_model_load_failures",
+                "Loads of a model version that failed (the version before serves on), by step.",
+                ["model", "step"],
+                registry=r,
+            )
         self.rejected = Counter(
             "microbatch_rejected", "Requests refused, by reason.", ["reason"], registry=r
         )
@@ -174,19 +188,6 @@ class Metrics:
             "microbatch_cache_errors",
             "Reads and writes the shared cache (MB_CACHE_REDIS) failed or timed out "
             "(served without it).",
-            registry=r,
-        )
-        self.load_time = Histogram(
-            "microbatch_model_load_seconds",
-            "Loads of a model version that ended serving: from the call to the switch.",
-            ["model"],
-            buckets=LOAD_BUCKETS,
-            registry=r,
-        )
-        self.load_failures = Counter(
-            "microbatch_model_load_failures",
-            "Loads of a model version that failed (the version before serves on), by step.",
-            ["model", "step"],
             registry=r,
         )
         # What each request and batch counts, by label values, looked up once each.
@@ -249,7 +250,8 @@ class Metrics:
         self.statistics.on_run(model, version, run.size, run.compute_s)
 
     def on_load(self, model: str, version: int, seconds: float, failed_step: str | None) -> None:
-        """A load of ``model``'s ``version`` ended (``app.services.models.LoadObserver``)."""
+        """A load of ``model``'s ``version`` ended (``app.workers.hands.LoadObserver``); in
+        broker mode the workers count their own (``app.metrics.reported``)."""
         if failed_step is None:
             self.load_time.labels(model).observe(seconds)
         else:

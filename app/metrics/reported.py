@@ -1,6 +1,7 @@
-"""Broker mode: the batches the model workers ran, from their heartbeats (each worker's
-``app.broker.worker.stats.ConsumerStats``), summed over the workers alive into the same
-histograms an in-process server keeps itself: batch sizes, queue waits and model times."""
+"""Broker mode: the batches the model workers ran and the loads they ended, from their
+heartbeats (each worker's ``app.broker.worker.stats.ConsumerStats``), summed over the workers
+alive into the same metrics an in-process server keeps itself: batch sizes, queue waits and
+model times; load times, and loads failed by step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.jobs import Task
-from app.metrics.labels import BATCH_BUCKETS, BATCH_LABELS, LATENCY_BUCKETS, Labels
+from app.metrics.labels import BATCH_BUCKETS, BATCH_LABELS, LATENCY_BUCKETS, LOAD_BUCKETS, Labels
 
 # served id -> task -> ...: what a broker worker's heartbeat reports per model it serves.
 ByModel = Mapping[str, Mapping[Task, Any]]
@@ -36,6 +37,10 @@ class WorkerReport(Protocol):
     def reconnects(self) -> int: ...
     @property
     def shared(self) -> int: ...
+    @property
+    def load_s(self) -> Mapping[str, Sequence[float]]: ...
+    @property
+    def load_failures(self) -> Mapping[str, Mapping[str, int]]: ...
 
 
 def _histogram_family(
@@ -107,23 +112,56 @@ class WorkerReported(Collector):
             "microbatch_model_seconds",
             "Worker time per batch (decode + model), by task and model version.",
         )
+        yield from _load_families(workers)
 
 
-def _added(reports: Sequence[Mapping[Any, Sequence[float]]]) -> dict[Any, list[float]]:
-    """Latency histograms (bucket counts, then the sum) added up by their key; one of
-    another length (a worker of another release) is left out."""
+def _load_families(
+    workers: Sequence[WorkerReport],
+) -> Iterator[HistogramMetricFamily | CounterMetricFamily]:
+    """The loads the workers ended: their times, by model name, and those that failed, by
+    name and step (what ``app.metrics.Metrics.on_load`` counts in-process)."""
+    times = HistogramMetricFamily(
+        "microbatch_model_load_seconds",
+        "Loads of a model version that ended serving: from the call to the switch.",
+        labels=["model"],
+    )
+    for name, counts in sorted(_added([w.load_s for w in workers], LOAD_BUCKETS).items()):
+        times.add_metric([name], _cumulative(counts, LOAD_BUCKETS), counts[-1])
+    yield times
+    failed: dict[tuple[str, str], int] = {}
+    for worker in workers:
+        for name, steps in worker.load_failures.items():
+            for step, count in steps.items():
+                failed[(name, step)] = failed.get((name, step), 0) + count
+    failures = CounterMetricFamily(
+        "microbatch_model_load_failures",
+        "Loads of a model version that failed (the version before serves on), by step.",
+        labels=["model", "step"],
+    )
+    for (name, step), count in sorted(failed.items()):
+        failures.add_metric([name, step], count)
+    yield failures
+
+
+def _added(
+    reports: Sequence[Mapping[Any, Sequence[float]]], buckets: Sequence[float] = LATENCY_BUCKETS
+) -> dict[Any, list[float]]:
+    """Histograms (bucket counts, then the sum) added up by their key; one of another length
+    (a worker of another release) is left out."""
     totals: dict[Any, list[float]] = {}
     for report in reports:
         for key, counts in report.items():
-            if len(counts) == len(LATENCY_BUCKETS) + 2:
+            if len(counts) == len(buckets) + 2:
                 total = totals.setdefault(key, [0.0] * len(counts))
                 totals[key] = [a + float(b) for a, b in zip(total, counts, strict=True)]
     return totals
 
 
-def _cumulative(counts: Sequence[float]) -> list[tuple[str, float]]:
+def _cumulative(
+    counts: Sequence[float], buckets: Sequence[float] = LATENCY_BUCKETS
+) -> list[tuple[str, float]]:
     """Bucket counts as Prometheus's cumulative buckets (the sum, last, left out)."""
-    bounds = [str(float(le)) for le in LATENCY_BUCKETS] + ["+Inf"]
+    bounds = [str(float(le)) for le in buckets] + ["+Inf"]
     running, cumulative = 0.0, []
     for bound, count in zip(bounds, counts[:-1], strict=True):
         running += count

@@ -51,14 +51,10 @@ pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "admin-secret"
 IMAGES = distinct_images(16, size=40)
-# A broker front end does not count its workers' model loads (only a pool's host hears of
-# each, app.workers.hosting): the load-failure counter never has a series there.
-# Nor, without a keys file, does it have a tenant's queue wait: its workers time each tenant's
-# in its lane, and without a keys file the callers of a level share one
+# Without a keys file, a broker front end has no tenant's queue wait: its workers time each
+# tenant's in its lane, and without a keys file the callers of a level share one
 # (tests/integration/test_broker_priorities.py reads it with one).
-IN_PROCESS_ONLY = frozenset(
-    {"microbatch_model_load_failures_total", "microbatch_tenant_queue_wait_seconds_bucket"}
-)
+IN_PROCESS_ONLY = frozenset({"microbatch_tenant_queue_wait_seconds_bucket"})
 
 
 def combinations(prometheus: PrometheusServer) -> list[dict[str, str]]:
@@ -299,12 +295,13 @@ async def test_every_panel_and_rule_answers_in_broker_mode_and_shows_the_backlog
     assert problems == []
     assert [(r["name"], r["lastError"]) for r in evaluated if r["health"] != "ok"] == []
     states = {rule["name"]: rule["state"] for rule in evaluated}
+    assert states["MicrobatchModelLoadFailed"] == "firing", states
     assert states["MicrobatchModelVersionFailed"] == "pending", states
     assert states["MicrobatchNoReadyWorker"] == "inactive", states
-    # The failed load shows as a failed version (MicrobatchModelVersionFailed), not in the
-    # counter, which a broker front end leaves alone (IN_PROCESS_ONLY: drop it from there
-    # once the front ends count their workers' loads).
+    # The failed load shows as a failed version, and in the counter its worker's heartbeat
+    # carries to the front end, as an in-process server counts it.
     assert {s["metric"]["state"] for s in versions} == {"ready", "failed"}
-    assert counted == []
+    failed = [(s["metric"]["step"], float(s["value"][1])) for s in counted]
+    assert failed == [("verify", 1.0)], counted
     # The backlog panel drew the requests that waited in Redis, whatever the variables.
     assert all(series and float(series[0]["value"][1]) > 0 for series in peaks.values()), peaks

@@ -37,8 +37,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from app.broker.front.monitor import MONITOR_S
-from app.broker.wire.keys import HEARTBEAT_S, Keys
+from app.broker.wire.keys import Keys
 from app.jobs import Task
 from app.manifest import split_served_id
 from tests.answers import metric
@@ -230,17 +229,15 @@ class Lifecycle(RuleBasedStateMachine):
         """``kill -HUP``: load what is new, as the repository chooses it."""
         target = self.expected.target()
         # A version that failed already shows its failed row before the retry starts: wait
-        # for the retry to end (its failure counted in-process; in broker mode, a heartbeat
-        # and a look later), or a check would read it loading.
+        # for the retry to end (its failure counted: in broker mode, by a worker's heartbeat
+        # a front end read), or a check would read it loading.
         again = target is not None and not self.expected.on_disk[target].good
         failures = self._load_failures() if again else 0
 
         def hang_up() -> None:
             self.deployment.sighup()
-            if again and self.config.mode == "inprocess":
+            if again:
                 until(lambda: self._load_failures() > failures, "the failed version retried")
-            elif again:  # its heartbeat saying so, twice over, and a front end's look
-                time.sleep(2 * (HEARTBEAT_S + MONITOR_S))
             self._settle(target, slow=True)
 
         self._step("SIGHUP", hang_up)
@@ -353,7 +350,7 @@ class Lifecycle(RuleBasedStateMachine):
         )
 
     def _load_failures(self) -> float:
-        """The server's count of failed loads (in-process: its own workers')."""
+        """The server's count of failed loads (in broker mode, its live workers')."""
         return metric(self.http.get("/metrics").text, "microbatch_model_load_failures_total")
 
     def _rows(self) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from app.batching import WorkerStatus
 from app.cache import ResponseCache
 from app.errors import BrokerUnavailable, ClientDisconnected, InvalidImage, QueueFull
 from app.jobs import Task
-from app.metrics import LATENCY_BUCKETS, BatchRun, LiveState, Metrics, VersionState
+from app.metrics import LATENCY_BUCKETS, LOAD_BUCKETS, BatchRun, LiveState, Metrics, VersionState
 from tests.prometheus import (
     RULES,
     RULES_TEST,
@@ -42,7 +42,8 @@ SEVERITIES = {"critical", "warning", "info"}
 
 
 class _Report:
-    """A broker worker's heartbeat (``app.metrics.WorkerReport``): one batch of 2 run."""
+    """A broker worker's heartbeat (``app.metrics.WorkerReport``): one batch of 2 run, one
+    load ended and one failed."""
 
     def __init__(self) -> None:
         self.sizes = {"tiny@1": {Task.TAG: {2: 1}}}
@@ -51,6 +52,8 @@ class _Report:
         self.wait_s = self.model_s
         self.tenant_wait_s = {"shop": self.model_s["tiny@1"][Task.TAG]}
         self.reclaimed, self.reconnects, self.shared = 1, 1, 1
+        self.load_s = {"tiny": [1.0] * (len(LOAD_BUCKETS) + 1) + [1.0]}
+        self.load_failures = {"tiny": {"verify": 1}}
 
 
 @functools.cache
@@ -76,12 +79,12 @@ def _exported(remote_workers: bool) -> dict[str, set[str]]:
     metrics.on_error(QueueFull, "shop")
     metrics.watch_cache(ResponseCache(1 << 20))
     metrics.on_cache("hit")
-    metrics.on_load("tiny", 2, 1.0, None)
-    metrics.on_load("tiny", 3, 1.0, "verify")
     if remote_workers:
         metrics.on_workers([_Report()])
         metrics.on_broker_event("reconnect")
     else:
+        metrics.on_load("tiny", 2, 1.0, None)
+        metrics.on_load("tiny", 3, 1.0, "verify")
         metrics.on_batch("tag", 2, [0.001, 0.002], "tiny", "1")
         metrics.on_tenant_waits([0.001, 0.002], ["shop", None])
         metrics.on_run(BatchRun(task="tag", size=2, compute_s=0.01, threads=1), "tiny", "1")

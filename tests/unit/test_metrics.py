@@ -132,6 +132,42 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
     assert 'microbatch_batch_size_sum{model="other",task="tag",version="9"} 5.0' in text
 
 
+def test_broker_mode_reports_the_loads_the_workers_ended() -> None:
+    """Versions load in the workers: their heartbeats' load times and failures (by step),
+    summed over the workers, are what an in-process server counts itself; a heartbeat of a
+    worker from before them carries neither, and the rest still counts."""
+    from app.broker.wire.heartbeat import WorkerInfo
+    from app.broker.worker.stats import ConsumerStats
+
+    first, second = ConsumerStats(), ConsumerStats()
+    first.on_load("tagger", 1, 0.7, None)
+    first.on_load("tagger", 2, 0.0, "verify")
+    second.on_load("tagger", 1, 12.0, None)
+    second.on_load("tagger", 2, 3.0, "self-test")
+    second.on_load("tagger", 2, 0.0, "verify")
+    second.on_load("other", 4, 2.0, None)
+    old = WorkerInfo.model_validate(
+        {"name": "old:0", "host": "h", "index": 0, "pid": 1, "device": "cpu", "threads": 1,
+         "batch_size": 8, "ready": True, "alive": True, "running": 0, "restarts": 0,
+         "batches": 0, "items": 0, "mixed_batches": 0, "expired": 0, "malformed": 0,
+         "reclaimed": 0, "given_up": 0}
+    )  # fmt: skip
+    heartbeats = [
+        WorkerInfo.model_validate({**old.model_dump(), **vars(s)}) for s in (first, second)
+    ]
+    metrics = Metrics(remote_workers=True)
+    metrics.on_workers([*heartbeats, old])
+    text = metrics.render().decode()
+    assert 'microbatch_model_load_failures_total{model="tagger",step="verify"} 2.0' in text
+    assert 'microbatch_model_load_failures_total{model="tagger",step="self-test"} 1.0' in text
+    assert text.count("microbatch_model_load_failures_total{") == 2
+    assert 'microbatch_model_load_seconds_count{model="tagger"} 2.0' in text
+    assert 'microbatch_model_load_seconds_bucket{le="1.0",model="tagger"} 1.0' in text
+    assert 'microbatch_model_load_seconds_bucket{le="30.0",model="tagger"} 2.0' in text
+    assert 'microbatch_model_load_seconds_sum{model="tagger"} 12.7' in text
+    assert 'microbatch_model_load_seconds_count{model="other"} 1.0' in text
+
+
 def test_broker_mode_reports_each_tenant_s_queue_wait_from_the_workers_lanes() -> None:
     """Each entry's wait under the tenant its lane names, summed over the workers; entries
     of no tenant (a task's stream, a level's lane) are not counted; a heartbeat carries at

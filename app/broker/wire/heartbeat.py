@@ -14,6 +14,10 @@ from app.jobs import Task
 from app.lifecycle import VersionState
 from app.settings_values import MODEL_NAME_PATTERN
 
+ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN)]
+Step = Annotated[str, Field(max_length=32)]
+Count = Annotated[int, Field(ge=0)]
+
 
 class AdvertisedTrial(BaseModel):
     """A runtime and precision a worker tried for a model (``app.batching.Trial``)."""
@@ -91,6 +95,9 @@ class WorkerInfo(BaseModel):
     model_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
     tenant_wait_s: dict[str, list[float]] = Field(default_factory=dict)  # by tenant (lanes)
+    # model name -> its loads' histogram; -> step -> loads failed (absent from workers before)
+    load_s: dict[ModelName, list[float]] = Field(default_factory=dict, max_length=256)
+    load_failures: dict[ModelName, dict[Step, Count]] = Field(default_factory=dict, max_length=256)
 
     def holds(self, served_id: str) -> bool:
         """Whether it reads ``served_id``'s streams: ready, or draining (it no longer takes

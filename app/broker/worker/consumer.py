@@ -122,7 +122,7 @@ class Consumer:
         self.versions = WorkerVersions(
             client, keys, name, worker, repository, host=host, load_timeout_s=load_timeout_s,
             min_workers=switch_min_workers, poll_s=poll_s, ensure_groups=self._ensure_groups,
-            on_error=self._trouble.error, load_delay_s=load_delay_s,
+            on_error=self._trouble.error, on_load=self.stats.on_load, load_delay_s=load_delay_s,
         )  # fmt: skip
         self._replier = Replier(client, keys, self._stop, self._trouble)
         self.claims = OrphanClaims(

@@ -7,18 +7,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.jobs import Task
-from app.metrics import LATENCY_BUCKETS
+from app.metrics.labels import LATENCY_BUCKETS, LOAD_BUCKETS
 
 MAX_TENANTS = 64  # tenants whose waits a heartbeat carries (its size is bounded: 64 KB)
 
 
-def _histogram() -> list[float]:
-    """Counts per ``LATENCY_BUCKETS`` bucket (not cumulative), then +Inf, then the sum."""
-    return [0.0] * (len(LATENCY_BUCKETS) + 2)
+def _histogram(buckets: Sequence[float] = LATENCY_BUCKETS) -> list[float]:
+    """Counts per bucket (not cumulative), then +Inf, then the sum."""
+    return [0.0] * (len(buckets) + 2)
 
 
-def _observe(histogram: list[float], value: float) -> None:
-    index = next((i for i, le in enumerate(LATENCY_BUCKETS) if value <= le), len(LATENCY_BUCKETS))
+def _observe(
+    histogram: list[float], value: float, buckets: Sequence[float] = LATENCY_BUCKETS
+) -> None:
+    index = next((i for i, le in enumerate(buckets) if value <= le), len(buckets))
     histogram[index] += 1
     histogram[-1] += value
 
@@ -43,6 +45,19 @@ class ConsumerStats:
     wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
     # By tenant (from its lane's name, app.broker.wire.lanes): the queue-wait histogram.
     tenant_wait_s: dict[str, list[float]] = field(default_factory=dict)
+    # By model name: the loads that went into service (``LOAD_BUCKETS`` histogram), and those
+    # that failed, by step; kept when a version is unloaded (counters of the worker's life).
+    load_s: dict[str, list[float]] = field(default_factory=dict)
+    load_failures: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def on_load(self, name: str, version: int, seconds: float, failed_step: str | None) -> None:
+        """A load of ``name``'s ``version`` ended (``app.workers.hands.LoadObserver``)."""
+        if failed_step is None:
+            load = self.load_s.setdefault(name, _histogram(LOAD_BUCKETS))
+            _observe(load, seconds, LOAD_BUCKETS)
+        else:
+            failures = self.load_failures.setdefault(name, {})
+            failures[failed_step] = failures.get(failed_step, 0) + 1
 
     def record(
         self,

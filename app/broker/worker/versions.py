@@ -51,6 +51,7 @@ from app.lifecycle import (
 from app.lifecycle.keeper import Effect, Keeper
 from app.repository import Repository, scrub
 from app.workers.choices import HostChoices, PrecisionChoice
+from app.workers.hands import LoadObserver
 from app.workers.loading import LoadSlot
 from app.workers.process import PreparedModel, PreparedWorker
 
@@ -88,6 +89,7 @@ class WorkerVersions:
         poll_s: float | None = None,
         ensure_groups: Callable[[Sequence[str]], None],
         on_error: Callable[[str], None] = log.error,
+        on_load: LoadObserver = lambda name, version, seconds, failed_step: None,
         load_delay_s: float = 0.0,
     ) -> None:
         self.client = client
@@ -100,10 +102,12 @@ class WorkerVersions:
         self.load_delay_s = load_delay_s  # testing only: loads after its first ones sleep
         self._ensure_groups = ensure_groups  # the consumer's: retried while Redis is away
         self._on_error = on_error
+        self._on_load = on_load  # each load's end, as a pool's host reports it
         self.keeper = Keeper(
             name, min_workers=min_workers, grace_s=SWITCH_GRACE_S,
             retire_s=worker.config.retire_s or RETIRE_S,
             on_error=on_error,
+            on_failed=lambda spec, step: on_load(spec.name, spec.version, 0.0, step),
         )  # fmt: skip
         self.pins = PinReader(client, keys)
         self.precision = PrecisionChoice(
@@ -263,6 +267,7 @@ class WorkerVersions:
         if ended.failure is not None:
             reason = scrub(self.repository, ended.failure.message)
             self.keeper.failed_load(spec, ended.failure.step, reason)
+            self._on_load(spec.name, spec.version, ended.seconds, ended.failure.step)
             log.error("worker %s: loading %s version %d failed: %s: %s; what it served before "
                       "serves on", self.name, spec.name, spec.version, ended.failure.step,
                       reason)  # fmt: skip
@@ -279,6 +284,7 @@ class WorkerVersions:
             return
         self.worker.hold(ended.model)
         self._do(self.keeper.loaded(spec, ended.model.spec))
+        self._on_load(spec.name, spec.version, ended.seconds, None)
         log.info(
             "worker %s: %s version %d (%s) loaded in %.1f s; front ends move to it once it is "
             "ready on enough workers",
