@@ -11,7 +11,8 @@ Two modes change where some figures come from:
   come from the process that answers the scrape.
 * Broker mode (``remote_workers``): batches form and versions load in the model workers, so
   the batch sizes, queue waits and model times they ran, and the loads they ended, come from
-  their heartbeats (``on_workers``), summed over the workers alive, not from this process.
+  their heartbeats (``on_workers``), summed over the workers (``app.metrics.reported``), not
+  from this process.
 
 Request, batch and model-time figures carry ``model`` (the name) and ``version`` (its number)
 labels; ``labels`` turns a served id into them (the engine's registry knows).
@@ -47,7 +48,7 @@ from app.metrics.labels import (
     Labels,
 )
 from app.metrics.live import CacheGauges, LiveGauges, LiveState, VersionState
-from app.metrics.reported import WorkerReport, WorkerReported
+from app.metrics.reported import Life, Reports, WorkerReport, WorkerReported
 from app.metrics.statistics import Statistics
 
 __all__ = [
@@ -73,7 +74,7 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir
         # CPU, memory and open files of the process that answers the scrape.
         self._live: list[Collector] = [ProcessCollector(registry=None), SpansDropped()]
-        self._workers: Sequence[WorkerReport] = ()
+        self._reports = Reports()  # broker mode: the workers', what they report
         self.labels: Labels = lambda served_id: (served_id, "")
         # The same events, per model version, in Triton's form (v2 statistics extension).
         self.statistics = Statistics()
@@ -92,7 +93,7 @@ class Metrics:
             registry=r,
         )
         if remote_workers:
-            self._live.append(WorkerReported(lambda: self._workers, lambda: self.labels))
+            self._live.append(WorkerReported(self._reports.all, lambda: self.labels))
             self.broker_events = Counter(
                 "microbatch_broker_events",
                 "Broker mode, front ends: Redis reached again after a failure (reconnect); "
@@ -225,9 +226,9 @@ class Metrics:
         """Broker mode: ``app.broker.front.failover``'s ``reconnect``, ``resent``, ``lost``."""
         self.broker_events.labels(event).inc()
 
-    def on_workers(self, workers: Sequence[WorkerReport]) -> None:
+    def on_workers(self, workers: Sequence[Life]) -> None:
         """Broker mode: the heartbeats of the workers alive, with what each has run."""
-        self._workers = workers
+        self._reports.update(workers)
 
     def on_batch(
         self, task: str, size: int, waits: Sequence[float], model: str = "", version: str = ""

@@ -1,11 +1,14 @@
 """Broker mode: the batches the model workers ran and the loads they ended, from their
-heartbeats (each worker's ``app.broker.worker.stats.ConsumerStats``), summed over the workers
-alive into the same metrics an in-process server keeps itself: batch sizes, queue waits and
-model times; load times, and loads failed by step."""
+heartbeats (each worker's ``app.broker.worker.stats.ConsumerStats``), summed into the same
+metrics an in-process server keeps itself: batch sizes, queue waits and model times; load
+times, and loads failed by step. The sums take each worker's last report, and keep it after
+the worker leaves (``Reports``): a counter never goes down because a worker stopped."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -16,6 +19,11 @@ from app.metrics.labels import BATCH_BUCKETS, BATCH_LABELS, LATENCY_BUCKETS, LOA
 
 # served id -> task -> ...: what a broker worker's heartbeat reports per model it serves.
 ByModel = Mapping[str, Mapping[Task, Any]]
+
+
+# How long a worker that stopped sending heartbeats keeps its own report (it may come back:
+# a paused process): after that, its figures join those of the workers gone before it.
+KEEP_S = 600.0
 
 
 class WorkerReport(Protocol):
@@ -43,6 +51,82 @@ class WorkerReport(Protocol):
     def load_failures(self) -> Mapping[str, Mapping[str, int]]: ...
 
 
+class Life(WorkerReport, Protocol):
+    """A worker's report, with what tells its lives apart (a restart keeps its name)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+
+
+@dataclass
+class Gone:
+    """The last reports of the workers gone, added up (a ``WorkerReport`` of its own)."""
+
+    sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
+    model_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    tenant_wait_s: dict[str, list[float]] = field(default_factory=dict)
+    reclaimed: int = 0
+    reconnects: int = 0
+    shared: int = 0
+    load_s: dict[str, list[float]] = field(default_factory=dict)
+    load_failures: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, report: WorkerReport) -> None:
+        self.reclaimed += report.reclaimed
+        self.reconnects += report.reconnects
+        self.shared += report.shared
+        for served_id, tasks in report.sizes.items():
+            for task, counts in tasks.items():
+                into = self.sizes.setdefault(served_id, {}).setdefault(task, {})
+                for size, n in counts.items():
+                    into[int(size)] = into.get(int(size), 0) + int(n)
+        for mine, theirs in ((self.model_s, report.model_s), (self.wait_s, report.wait_s)):
+            for served_id, histograms in theirs.items():
+                _add_histograms(mine.setdefault(served_id, {}), histograms, LATENCY_BUCKETS)
+        _add_histograms(self.tenant_wait_s, report.tenant_wait_s, LATENCY_BUCKETS)
+        _add_histograms(self.load_s, report.load_s, LOAD_BUCKETS)
+        for name, steps in report.load_failures.items():
+            into_steps = self.load_failures.setdefault(name, {})
+            for step, n in steps.items():
+                into_steps[step] = into_steps.get(step, 0) + int(n)
+
+
+def _add_histograms(
+    into: dict[Any, list[float]],
+    histograms: Mapping[Any, Sequence[float]],
+    buckets: Sequence[float],
+) -> None:
+    for key, counts in histograms.items():
+        if len(counts) == len(buckets) + 2:  # one of another release's buckets is left out
+            mine = into.setdefault(key, [0.0] * len(counts))
+            into[key] = [a + float(b) for a, b in zip(mine, counts, strict=True)]
+
+
+class Reports:
+    """Each worker life's last report (by name and pid), what the sums are taken over: a
+    worker that stops sending heartbeats keeps its figures in them (for ``KEEP_S`` as its
+    own, in case it comes back, then in ``Gone``), so they never go down."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, int], tuple[WorkerReport, float]] = {}
+        self._gone = Gone()
+
+    def update(self, workers: Sequence[Life]) -> None:
+        now = monotonic()
+        for worker in workers:
+            self._last[(worker.name, worker.pid)] = (worker, now)
+        for key, (report, seen) in list(self._last.items()):
+            if now - seen > KEEP_S:
+                self._gone.add(report)
+                del self._last[key]
+
+    def all(self) -> list[WorkerReport]:
+        return [*(report for report, _ in self._last.values()), self._gone]
+
+
 def _histogram_family(
     name: str,
     documentation: str,
@@ -57,7 +141,7 @@ def _histogram_family(
 
 class WorkerReported(Collector):
     """Broker mode: the batches the workers ran, from their heartbeats (see
-    ``app.broker.worker.stats.ConsumerStats``), summed over the workers alive."""
+    ``app.broker.worker.stats.ConsumerStats``), summed over the workers (``Reports``)."""
 
     def __init__(
         self, read: Callable[[], Sequence[WorkerReport]], labels: Callable[[], Labels]
@@ -146,14 +230,10 @@ def _load_families(
 def _added(
     reports: Sequence[Mapping[Any, Sequence[float]]], buckets: Sequence[float] = LATENCY_BUCKETS
 ) -> dict[Any, list[float]]:
-    """Histograms (bucket counts, then the sum) added up by their key; one of another length
-    (a worker of another release) is left out."""
+    """Histograms (bucket counts, then the sum) added up by their key."""
     totals: dict[Any, list[float]] = {}
     for report in reports:
-        for key, counts in report.items():
-            if len(counts) == len(buckets) + 2:
-                total = totals.setdefault(key, [0.0] * len(counts))
-                totals[key] = [a + float(b) for a, b in zip(total, counts, strict=True)]
+        _add_histograms(totals, report, buckets)
     return totals
 
 

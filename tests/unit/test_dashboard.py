@@ -52,6 +52,7 @@ class _Report:
         self.wait_s = self.model_s
         self.tenant_wait_s = {"shop": self.model_s["tiny@1"][Task.TAG]}
         self.reclaimed, self.reconnects, self.shared = 1, 1, 1
+        self.name, self.pid = "h:0", 1
         self.load_s = {"tiny": [1.0] * (len(LOAD_BUCKETS) + 1) + [1.0]}
         self.load_failures = {"tiny": {"verify": 1}}
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -14,6 +16,27 @@ from app.jobs import Task
 from app.metrics import Metrics
 from app.routers.errors import install_error_handlers
 from tests.answers import error_of
+
+if TYPE_CHECKING:
+    from app.broker.wire.heartbeat import WorkerInfo
+    from app.broker.worker.stats import ConsumerStats
+
+# What a worker's heartbeat says beside what it has run (app.broker.worker.consumer).
+WORKER = {
+    "host": "h", "index": 0, "device": "cpu", "threads": 1, "batch_size": 8, "ready": True,
+    "alive": True, "running": 0, "restarts": 0, "batches": 0, "items": 0, "mixed_batches": 0,
+    "expired": 0, "malformed": 0, "reclaimed": 0, "given_up": 0,
+}  # fmt: skip
+
+
+def heartbeat(stats: ConsumerStats | None, name: str = "h:0", pid: int = 1) -> WorkerInfo:
+    """The heartbeat of a worker that has run ``stats`` (None: one from before the figures
+    a heartbeat carries now), through its JSON, as a front end reads it."""
+    from app.broker.wire.heartbeat import decode_worker_info
+
+    figures = {} if stats is None else vars(stats)
+    return decode_worker_info(json.dumps({**WORKER, **figures, "name": name, "pid": pid}))
+
 
 REFUSALS = [
     (errors.QueueFull, "queue_full"),
@@ -119,7 +142,7 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
 
     metrics = Metrics(remote_workers=True)
     metrics.labels = {"tagger@1": ("tagger", "1"), "other@9": ("other", "9")}.__getitem__
-    metrics.on_workers([first, second])
+    metrics.on_workers([heartbeat(first, "h:0"), heartbeat(second, "h:1")])
     text = metrics.render().decode()
     tagger = 'model="tagger",task="tag",version="1"'
     assert f"microbatch_batch_size_count{{{tagger}}} 3.0" in text
@@ -135,9 +158,9 @@ def test_broker_mode_reports_the_batches_the_workers_ran() -> None:
 def test_broker_mode_reports_the_loads_the_workers_ended() -> None:
     """Versions load in the workers: their heartbeats' load times and failures (by step),
     summed over the workers, are what an in-process server counts itself; a heartbeat of a
-    worker from before them carries neither, and the rest still counts."""
-    from app.broker.wire.heartbeat import WorkerInfo
-    from app.broker.worker.stats import ConsumerStats
+    worker from before them carries neither, and the rest still counts. A heartbeat carries
+    the loads of MAX_LOADED names at most."""
+    from app.broker.worker.stats import MAX_LOADED, ConsumerStats
 
     first, second = ConsumerStats(), ConsumerStats()
     first.on_load("tagger", 1, 0.7, None)
@@ -146,17 +169,8 @@ def test_broker_mode_reports_the_loads_the_workers_ended() -> None:
     second.on_load("tagger", 2, 3.0, "self-test")
     second.on_load("tagger", 2, 0.0, "verify")
     second.on_load("other", 4, 2.0, None)
-    old = WorkerInfo.model_validate(
-        {"name": "old:0", "host": "h", "index": 0, "pid": 1, "device": "cpu", "threads": 1,
-         "batch_size": 8, "ready": True, "alive": True, "running": 0, "restarts": 0,
-         "batches": 0, "items": 0, "mixed_batches": 0, "expired": 0, "malformed": 0,
-         "reclaimed": 0, "given_up": 0}
-    )  # fmt: skip
-    heartbeats = [
-        WorkerInfo.model_validate({**old.model_dump(), **vars(s)}) for s in (first, second)
-    ]
     metrics = Metrics(remote_workers=True)
-    metrics.on_workers([*heartbeats, old])
+    metrics.on_workers([heartbeat(first, "h:0"), heartbeat(second, "h:1"), heartbeat(None, "h:2")])
     text = metrics.render().decode()
     assert 'microbatch_model_load_failures_total{model="tagger",step="verify"} 2.0' in text
     assert 'microbatch_model_load_failures_total{model="tagger",step="self-test"} 1.0' in text
@@ -166,6 +180,67 @@ def test_broker_mode_reports_the_loads_the_workers_ended() -> None:
     assert 'microbatch_model_load_seconds_bucket{le="30.0",model="tagger"} 2.0' in text
     assert 'microbatch_model_load_seconds_sum{model="tagger"} 12.7' in text
     assert 'microbatch_model_load_seconds_count{model="other"} 1.0' in text
+    many = ConsumerStats()
+    for number in range(MAX_LOADED + 5):
+        many.on_load(f"m{number}", 1, 1.0, None if number % 2 else "load")
+    assert len(many.load_s.keys() | many.load_failures.keys()) == MAX_LOADED
+    assert heartbeat(many).load_failures  # the heartbeat still checks
+
+
+def test_broker_mode_counters_do_not_go_down_when_a_worker_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that stops sending heartbeats (stopped, scaled down, crashed) keeps its
+    figures in the sums: as its own while it may come back, then added to those of the
+    workers gone; its next life (a restart under its name) counts from 0 beside them."""
+    from app.broker.worker.stats import ConsumerStats
+    from app.metrics import reported
+
+    def ran(batches: int, failures: int) -> ConsumerStats:
+        stats = ConsumerStats(reclaimed=batches)
+        for _ in range(batches):
+            stats.record("tagger@1", Task.TAG, 2, 1, 0.01, [0.001, 0.001])
+        for _ in range(failures):
+            stats.on_load("tagger", 2, 0.0, "verify")
+        return stats
+
+    now = [1000.0]
+    monkeypatch.setattr(reported, "monotonic", lambda: now[0])
+    metrics = Metrics(remote_workers=True)
+    metrics.labels = lambda served_id: ("tagger", "1")
+    tagger = 'model="tagger",task="tag",version="1"'
+
+    def counted() -> tuple[str, ...]:
+        text = metrics.render().decode()  # reclaimed, batches, waits, failed loads
+        return tuple(
+            line.rsplit(" ", 1)[1]
+            for line in text.splitlines()
+            if line.startswith(
+                (
+                    f"microbatch_batch_size_count{{{tagger}}}",
+                    f"microbatch_queue_wait_seconds_count{{{tagger}}}",
+                    "microbatch_worker_reclaimed_total",
+                    'microbatch_model_load_failures_total{model="tagger",step="verify"}',
+                )
+            )
+        )
+
+    metrics.on_workers([heartbeat(ran(3, 1), "h:0", 10), heartbeat(ran(2, 1), "h:1", 11)])
+    assert counted() == ("5.0", "5.0", "10.0", "2.0")
+    now[0] += 5
+    metrics.on_workers([heartbeat(ran(2, 1), "h:1", 11)])  # h:0 stopped
+    assert counted() == ("5.0", "5.0", "10.0", "2.0")
+    now[0] += 5
+    metrics.on_workers([heartbeat(ran(4, 1), "h:0", 10), heartbeat(ran(2, 1), "h:1", 11)])
+    assert counted() == ("6.0", "6.0", "12.0", "2.0")  # back, and counted once
+    now[0] += reported.KEEP_S + 1
+    metrics.on_workers([heartbeat(ran(1, 0), "h:0", 12), heartbeat(ran(2, 1), "h:1", 11)])
+    assert counted() == ("7.0", "7.0", "14.0", "2.0")  # its last life's figures stay
+    now[0] += reported.KEEP_S + 1
+    metrics.on_workers([])  # every one gone, long ago
+    now[0] += reported.KEEP_S + 1
+    metrics.on_workers([])
+    assert counted() == ("7.0", "7.0", "14.0", "2.0")
 
 
 def test_broker_mode_reports_each_tenant_s_queue_wait_from_the_workers_lanes() -> None:
@@ -182,7 +257,7 @@ def test_broker_mode_reports_each_tenant_s_queue_wait_from_the_workers_lanes() -
     second.record("tagger@1", Task.TAG, 1, 1, 0.02, [0.002], ["shop"])
     metrics = Metrics(remote_workers=True)
     metrics.labels = {"tagger@1": ("tagger", "1")}.__getitem__
-    metrics.on_workers([first, second])
+    metrics.on_workers([heartbeat(first, "h:0"), heartbeat(second, "h:1")])
     text = metrics.render().decode()
     assert 'microbatch_tenant_queue_wait_seconds_count{tenant="shop"} 2.0' in text
     assert 'microbatch_tenant_queue_wait_seconds_bucket{le="0.0025",tenant="shop"} 2.0' in text

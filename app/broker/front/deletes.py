@@ -45,6 +45,11 @@ class Deletes:
                         pipe.xdel(entry.stream, entry.entry_id)
                     await pipe.execute()
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the deletes under way (before the client closes)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=timeout_s)
+
     async def _withdraw(self, stream: str, admitting: asyncio.Future[Any]) -> None:
         with contextlib.suppress(RedisError, OSError):
             added = await admitting

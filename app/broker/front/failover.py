@@ -27,6 +27,7 @@ Every waiting request so gets one answer: its result, or a typed refusal, by its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from app.broker.front.waiting import Entry, Waiting
 from app.errors import BrokerUnavailable
@@ -152,7 +154,8 @@ class Failover:
                 continue
             added: Any = await client.xadd(entry.stream, entry.fields)  # type: ignore[arg-type]
             if request_id not in self.waiting:  # its caller left meanwhile: nobody to compute for
-                await client.xdel(entry.stream, added)
+                with contextlib.suppress(RedisError, OSError):
+                    await client.xdel(entry.stream, added)
                 continue
             self.waiting.sent(request_id, Entry(entry.stream, added, entry.fields, entry.deadline))
             resent += 1

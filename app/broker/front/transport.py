@@ -217,6 +217,7 @@ class BrokerTransport:
         self._waiting.fail(NotReady("server is shutting down"))
         if self.monitor.connected:  # their entries out first: no worker computes them
             await self._deletes.now(left, SOCKET_TIMEOUT_S)
+            await self._deletes.settle(SOCKET_TIMEOUT_S)  # and those their callers began
         if self.monitor.admin is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self.monitor.admin.aclose()

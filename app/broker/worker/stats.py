@@ -10,6 +10,7 @@ from app.jobs import Task
 from app.metrics.labels import LATENCY_BUCKETS, LOAD_BUCKETS
 
 MAX_TENANTS = 64  # tenants whose waits a heartbeat carries (its size is bounded: 64 KB)
+MAX_LOADED = 64  # model names whose loads it carries (the first a worker loaded)
 
 
 def _histogram(buckets: Sequence[float] = LATENCY_BUCKETS) -> list[float]:
@@ -52,6 +53,9 @@ class ConsumerStats:
 
     def on_load(self, name: str, version: int, seconds: float, failed_step: str | None) -> None:
         """A load of ``name``'s ``version`` ended (``app.workers.hands.LoadObserver``)."""
+        named = self.load_s.keys() | self.load_failures.keys()
+        if name not in named and len(named) >= MAX_LOADED:
+            return
         if failed_step is None:
             load = self.load_s.setdefault(name, _histogram(LOAD_BUCKETS))
             _observe(load, seconds, LOAD_BUCKETS)
