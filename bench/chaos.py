@@ -49,12 +49,12 @@ import redis
 
 from app.workers.lineage import stop_child
 from bench.loadgen import Connection, multipart_request
+from bench.rollout import judged, references
 
 HOST = "127.0.0.1"
 PREFIX = "chaos"
 DEADLINE_S = 10.0
 MARGIN_S = 5.0
-MIN_COSINE = 0.999
 RESTART_AFTER_S = 2.0
 STEADY_S = 5.0
 
@@ -265,11 +265,7 @@ async def drive(
             answer = Answer(sent, time.monotonic() - sent, response.status)
             if response.status == 200:
                 served = response.headers.get("x-model-id", "")
-                vector = np.frombuffer(response.body, dtype="<f4")
-                ref = refs.get(served)
-                answer.matched = ref is not None and (
-                    float(vector @ ref[image] / (np.linalg.norm(vector) or 1)) >= MIN_COSINE
-                )
+                answer.matched = judged(response.body, served, refs, image)[1]
             elif response.status == 503:
                 answer.retry_after = response.headers.get("retry-after", "").isdigit()
             load.answers.append(answer)
@@ -540,7 +536,6 @@ def build(root: Path) -> dict[str, Path]:
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from bench.rollout import references
     from bench.systems import bench_jpegs
 
     with tempfile.TemporaryDirectory(prefix="microbatch-chaos-") as name:

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -167,6 +168,20 @@ def served_ids(store: Path) -> frozenset[str]:
     return frozenset({*ids, f"{manifest.arch}@{manifest.digest[:12]}"})
 
 
+def judged(
+    body: bytes, served: str, refs: Mapping[str, npt.NDArray[np.float32]], image: int
+) -> tuple[float | None, bool]:
+    """An embedding answered under ``served`` (``X-Model-Id``): its cosine to image
+    ``image``'s reference under that version (None: a version without one), and whether it
+    is that image's: at least ``MIN_COSINE`` for the precision that computed it (bf16 rounds
+    more than fp32, and stays far from any other image's)."""
+    if served not in refs:
+        return None, False
+    vector = np.frombuffer(body, dtype="<f4")
+    cosine = float(vector @ refs[served][image] / (np.linalg.norm(vector) or 1))
+    return cosine, cosine >= MIN_COSINE[split_served_id(served)[1]]
+
+
 def references(stores: dict[str, Path], images: list[bytes]) -> dict[str, npt.NDArray[np.float32]]:
     """served id (either form: ``served_ids``) -> each image's embedding under that
     version, by TorchScript here."""
@@ -230,11 +245,9 @@ async def drive(
                     run.answers.append(Answer(sent, time.monotonic() - sent, 0, model, "", False))
                     continue
                 served = response.headers.get("x-model-id", "")
-                cosine = None
-                if response.status == 200 and served in refs:
-                    vector = np.frombuffer(response.body, dtype="<f4")
-                    cosine = float(vector @ refs[served][image] / np.linalg.norm(vector))
-                matched = cosine is not None and cosine >= MIN_COSINE[split_served_id(served)[1]]
+                cosine, matched = None, False
+                if response.status == 200:
+                    cosine, matched = judged(response.body, served, refs, image)
                 run.answers.append(
                     Answer(
                         sent,
