@@ -48,7 +48,7 @@ from app.metrics.labels import (
     Labels,
 )
 from app.metrics.live import CacheGauges, LiveGauges, LiveState, VersionState
-from app.metrics.reported import Life, Reports, WorkerReport, WorkerReported
+from app.metrics.reported import Life, Reports, WorkerReport, WorkerReported, ran_by_version
 from app.metrics.statistics import Statistics
 
 __all__ = [
@@ -94,6 +94,7 @@ class Metrics:
         )
         if remote_workers:
             self._live.append(WorkerReported(self._reports.all, lambda: self.labels))
+            self.statistics.ran = lambda: ran_by_version(self._reports.all(), self.labels)
             self.broker_events = Counter(
                 "microbatch_broker_events",
                 "Broker mode, front ends: Redis reached again after a failure (reconnect); "

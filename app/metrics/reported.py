@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from app.jobs import Task
 from app.metrics.labels import BATCH_BUCKETS, BATCH_LABELS, LATENCY_BUCKETS, LOAD_BUCKETS, Labels
+from app.metrics.statistics import Duration, Ran
 
 # served id -> task -> ...: what a broker worker's heartbeat reports per model it serves.
 ByModel = Mapping[str, Mapping[Task, Any]]
@@ -37,6 +38,8 @@ class WorkerReport(Protocol):
     def model_s(self) -> Mapping[str, Mapping[Task, Sequence[float]]]: ...
     @property
     def wait_s(self) -> Mapping[str, Mapping[Task, Sequence[float]]]: ...
+    @property
+    def size_s(self) -> Mapping[str, Mapping[Task, Mapping[int, float]]]: ...
     @property
     def tenant_wait_s(self) -> Mapping[str, Sequence[float]]: ...
     @property
@@ -67,6 +70,7 @@ class Gone:
     sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
     model_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    size_s: dict[str, dict[Task, dict[int, float]]] = field(default_factory=dict)
     tenant_wait_s: dict[str, list[float]] = field(default_factory=dict)
     reclaimed: int = 0
     reconnects: int = 0
@@ -78,11 +82,8 @@ class Gone:
         self.reclaimed += report.reclaimed
         self.reconnects += report.reconnects
         self.shared += report.shared
-        for served_id, tasks in report.sizes.items():
-            for task, counts in tasks.items():
-                into = self.sizes.setdefault(served_id, {}).setdefault(task, {})
-                for size, n in counts.items():
-                    into[int(size)] = into.get(int(size), 0) + int(n)
+        _add_by_size(self.sizes, report.sizes)
+        _add_by_size(self.size_s, report.size_s)
         for mine, theirs in ((self.model_s, report.model_s), (self.wait_s, report.wait_s)):
             for served_id, histograms in theirs.items():
                 _add_histograms(mine.setdefault(served_id, {}), histograms, LATENCY_BUCKETS)
@@ -92,6 +93,34 @@ class Gone:
             into_steps = self.load_failures.setdefault(name, {})
             for step, n in steps.items():
                 into_steps[step] = into_steps.get(step, 0) + int(n)
+
+
+def _versions(report: WorkerReport) -> set[str]:
+    """The served ids ``report`` has figures of."""
+    return {*report.sizes, *report.model_s, *report.wait_s, *report.size_s}
+
+
+def _of_versions(report: WorkerReport, served_ids: set[str]) -> Gone:
+    """What ``report`` says of ``served_ids`` alone."""
+    part = Gone()
+    tables: tuple[tuple[dict[str, Any], Mapping[str, Any]], ...] = (
+        (part.sizes, report.sizes), (part.model_s, report.model_s),
+        (part.wait_s, report.wait_s), (part.size_s, report.size_s),
+    )  # fmt: skip
+    for mine, theirs in tables:
+        mine.update({served_id: theirs[served_id] for served_id in served_ids & theirs.keys()})
+    return part
+
+
+def _add_by_size(
+    into: dict[str, dict[Task, dict[int, Any]]],
+    by_size: Mapping[str, Mapping[Task, Mapping[int, Any]]],
+) -> None:
+    for served_id, tasks in by_size.items():
+        for task, counts in tasks.items():
+            mine = into.setdefault(served_id, {}).setdefault(task, {})
+            for size, n in counts.items():
+                mine[int(size)] = mine.get(int(size), 0) + n
 
 
 def _add_histograms(
@@ -108,7 +137,8 @@ def _add_histograms(
 class Reports:
     """Each worker life's last report (by name and pid), what the sums are taken over: a
     worker that stops sending heartbeats keeps its figures in them (for ``KEEP_S`` as its
-    own, in case it comes back, then in ``Gone``), so they never go down."""
+    own, in case it comes back, then in ``Gone``), and so do the versions a worker unloaded
+    (its heartbeat drops their figures): the sums never go down."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, int], tuple[WorkerReport, float]] = {}
@@ -117,7 +147,12 @@ class Reports:
     def update(self, workers: Sequence[Life]) -> None:
         now = monotonic()
         for worker in workers:
-            self._last[(worker.name, worker.pid)] = (worker, now)
+            key = (worker.name, worker.pid)
+            if key in self._last:
+                before = self._last[key][0]
+                if forgotten := _versions(before) - _versions(worker):
+                    self._gone.add(_of_versions(before, forgotten))
+            self._last[key] = (worker, now)
         for key, (report, seen) in list(self._last.items()):
             if now - seen > KEEP_S:
                 self._gone.add(report)
@@ -125,6 +160,27 @@ class Reports:
 
     def all(self) -> list[WorkerReport]:
         return [*(report for report, _ in self._last.values()), self._gone]
+
+
+def ran_by_version(reports: Sequence[WorkerReport], labels: Labels) -> dict[tuple[str, str], Ran]:
+    """What the workers ran of each version (model, version), for Triton's statistics."""
+    ran: dict[tuple[str, str], Ran] = {}
+    for report in reports:
+        for served_id, tasks in report.sizes.items():
+            entry = ran.setdefault(labels(served_id), Ran())
+            for task, counts in tasks.items():
+                seconds = report.size_s.get(served_id, {}).get(task, {})
+                for size, n in counts.items():
+                    entry.images += size * n
+                    entry.executions += n
+                    entry.compute.add(size * seconds.get(size, 0.0), size * n)
+                    entry.batches.setdefault(size, Duration()).add(seconds.get(size, 0.0), n)
+        for served_id, waits in report.wait_s.items():
+            entry = ran.setdefault(labels(served_id), Ran())
+            for histogram in waits.values():
+                if len(histogram) == len(LATENCY_BUCKETS) + 2:
+                    entry.queue.add(histogram[-1], round(sum(histogram[:-1])))
+    return ran
 
 
 def _histogram_family(

@@ -10,9 +10,10 @@ events as the Prometheus metrics (``app.metrics.Metrics``).
 - ``batch_stats``: per batch size, the batches and their worker time;
 - ``inference_count``: images batched; ``execution_count``: model calls.
 
-In broker mode the batches run on worker hosts, so a front end's queue and compute figures
-and the images stay 0 (the workers' own figures are in the metrics); the requests are
-counted.
+In broker mode the batches run on worker hosts: a front end counts the requests it answered,
+and adds what the workers ran (images, model calls, queue waits, and worker time by batch
+size) from their heartbeats (``ran``: ``app.metrics.reported.ran_by_version``), the same
+from every front end.
 
 >>> stats = Statistics()
 >>> stats.on_request("tagger", "1", ok=True, seconds=0.01)
@@ -28,7 +29,7 @@ counted.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +46,38 @@ class Duration:
     def shown(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
 
+    def __add__(self, other: Duration) -> Duration:
+        return Duration(self.count + other.count, self.ns + other.ns)
+
 
 @dataclass
-class _Version:
-    last_inference_ms: int = 0
+class Ran:
+    """The batches of one version: images, model calls, queue waits, worker time (and by
+    batch size)."""
+
     images: int = 0
     executions: int = 0
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute: Duration = field(default_factory=Duration)
     batches: dict[int, Duration] = field(default_factory=dict)
+
+
+@dataclass
+class _Version(Ran):
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+
+    def plus(self, other: Ran) -> _Version:
+        """These figures with ``other``'s batches added."""
+        batches = dict(self.batches)
+        for size, run in other.batches.items():
+            batches[size] = batches.get(size, Duration()) + run
+        return _Version(
+            self.images + other.images, self.executions + other.executions,
+            self.queue + other.queue, self.compute + other.compute, batches,
+            self.last_inference_ms, self.success, self.fail,
+        )  # fmt: skip
 
 
 class Statistics:
@@ -63,6 +85,8 @@ class Statistics:
 
     def __init__(self) -> None:
         self._versions: dict[tuple[str, str], _Version] = {}
+        # Broker mode: what the workers ran, by (model, version).
+        self.ran: Callable[[], Mapping[tuple[str, str], Ran]] = dict
 
     def _of(self, model: str, version: str) -> _Version:
         return self._versions.setdefault((model, version), _Version())
@@ -90,9 +114,11 @@ class Statistics:
     def report(self, versions: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
         """Triton's ``model_stats`` entries of ``versions`` (model name, version), in order:
         zeros for one that has run nothing."""
-        shown = []
+        shown, ran = [], self.ran()
         for name, number in versions:
             entry = self._versions.get((name, number), _Version())
+            if (name, number) in ran:
+                entry = entry.plus(ran[(name, number)])
             zero = {"count": entry.compute.count, "ns": 0}
             shown.append(
                 {

@@ -10,6 +10,7 @@ import base64
 import importlib
 import inspect
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,51 @@ def test_config_and_statistics(triton: Triton) -> None:
     assert int(stats[0]["inference_count"]) >= 1 and int(stats[0]["execution_count"]) >= 1
     assert int(stats[0]["inference_stats"]["success"]["count"]) >= 1
     assert stats[0]["batch_stats"], "batch statistics by size"
+
+
+def test_statistics_in_broker_mode_count_what_the_workers_ran(tiny_store: Path) -> None:
+    """In broker mode the batches run in the workers: a front end's statistics add what their
+    heartbeats say they ran (images, model calls, queue waits, worker time by batch size) to
+    the requests it answered itself; the workers' part is the same from either front end."""
+    from tritonclient.http import InferenceServerClient
+
+    from tests.broker import RedisServer, Workers, broker_env
+
+    def stats(front: ServerProcess) -> dict[str, Any]:
+        client = InferenceServerClient(f"127.0.0.1:{front.port}")
+        try:
+            (entry,) = client.get_inference_statistics(MODEL)["model_stats"]
+            return dict(entry)
+        finally:
+            client.close()
+
+    images = distinct_images(4)
+    with RedisServer() as redis_server, Workers(redis_server, tiny_store, count=1):
+        env = broker_env(redis_server.url, tiny_store)
+        with ServerProcess(**env) as one, ServerProcess(**env) as two:
+            for data in images:
+                answer = httpx.post(
+                    f"{one.base_url}/predict/embedding", files={"image": ("x.png", data)}
+                )
+                assert answer.status_code == 200, answer.text
+            deadline = time.monotonic() + 20  # the heartbeat after the last batch, and a look
+            while time.monotonic() < deadline:
+                if all(int(stats(f)["inference_count"]) >= len(images) for f in (one, two)):
+                    break
+                time.sleep(0.2)
+            seen = {name: stats(front) for name, front in (("one", one), ("two", two))}
+    for name, entry in seen.items():
+        inference, batches = entry["inference_stats"], entry["batch_stats"]
+        assert int(entry["inference_count"]) == len(images), (name, entry)
+        assert 1 <= int(entry["execution_count"]) <= len(images), (name, entry)
+        assert int(inference["queue"]["count"]) == len(images), (name, entry)
+        assert int(inference["compute_infer"]["count"]) == len(images), (name, entry)
+        assert int(inference["compute_infer"]["ns"]) > 0, (name, entry)
+        counted = sum(int(b["compute_infer"]["count"]) for b in batches)
+        assert counted == int(entry["execution_count"]), (name, entry)
+        assert all(int(b["compute_infer"]["ns"]) > 0 for b in batches), (name, entry)
+    assert int(seen["one"]["inference_stats"]["success"]["count"]) == len(images)
+    assert int(seen["two"]["inference_stats"]["success"]["count"]) == 0
 
 
 def test_a_pinned_version(triton: Triton) -> None:

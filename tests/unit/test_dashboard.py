@@ -50,6 +50,7 @@ class _Report:
         # Each bucket's count (the +Inf one included), then the sum.
         self.model_s = {"tiny@1": {Task.TAG: [1.0] * (len(LATENCY_BUCKETS) + 1) + [0.01]}}
         self.wait_s = self.model_s
+        self.size_s = {"tiny@1": {Task.TAG: {2: 0.01}}}
         self.tenant_wait_s = {"shop": self.model_s["tiny@1"][Task.TAG]}
         self.reclaimed, self.reconnects, self.shared = 1, 1, 1
         self.name, self.pid = "h:0", 1

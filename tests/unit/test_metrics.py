@@ -243,6 +243,48 @@ def test_broker_mode_counters_do_not_go_down_when_a_worker_leaves(
     assert counted() == ("7.0", "7.0", "14.0", "2.0")
 
 
+def test_broker_mode_keeps_the_figures_of_a_version_a_worker_unloaded() -> None:
+    """A worker's heartbeat drops an unloaded version's figures (to stay bounded); the front
+    end keeps them, so that version's counters do not go down while its worker lives on."""
+    from app.broker.worker.stats import ConsumerStats
+
+    stats = ConsumerStats()
+    stats.record("tagger@1", Task.TAG, 4, 1, 0.02, [0.001] * 4)
+    stats.record("tagger@2", Task.TAG, 2, 1, 0.01, [0.001] * 2)
+    metrics = Metrics(remote_workers=True)
+    metrics.labels = lambda served_id: ("tagger", served_id[-1])
+    metrics.on_workers([heartbeat(stats)])
+    stats.forget("tagger@1")
+    stats.record("tagger@2", Task.TAG, 2, 1, 0.01, [0.001] * 2)
+    metrics.on_workers([heartbeat(stats)])
+    metrics.on_workers([heartbeat(stats)])  # forgotten once, counted once
+    text = metrics.render().decode()
+    assert 'microbatch_batch_size_sum{model="tagger",task="tag",version="1"} 4.0' in text
+    assert 'microbatch_batch_size_sum{model="tagger",task="tag",version="2"} 4.0' in text
+
+
+def test_broker_mode_statistics_add_what_the_workers_ran() -> None:
+    """Triton's statistics of a version in broker mode: the requests this front end answered,
+    and what every worker ran of it (images, model calls, waits, worker time by size)."""
+    from app.broker.worker.stats import ConsumerStats
+
+    first, second = ConsumerStats(), ConsumerStats()
+    first.record("tagger@1", Task.TAG, 4, 1, 0.02, [0.001] * 4)
+    first.record("tagger@1", Task.EMBEDDING, 1, 1, 0.005, [0.002])
+    second.record("tagger@1", Task.TAG, 4, 1, 0.04, [0.003] * 4)
+    metrics = Metrics(remote_workers=True)
+    metrics.labels = lambda served_id: ("tagger", "1")
+    metrics.on_workers([heartbeat(first, "h:0"), heartbeat(second, "h:1")])
+    metrics.on_request("/v2/models/{name}/infer", 200, 0.05, "tagger", "1", inference=True)
+    (entry,) = metrics.statistics.report([("tagger", "1")])
+    assert (entry["inference_count"], entry["execution_count"]) == (9, 3)
+    assert entry["inference_stats"]["success"]["count"] == 1
+    assert entry["inference_stats"]["queue"] == {"count": 9, "ns": 18_000_000}
+    assert entry["inference_stats"]["compute_infer"] == {"count": 9, "ns": 245_000_000}
+    by_size = {b["batch_size"]: b["compute_infer"] for b in entry["batch_stats"]}
+    assert by_size == {1: {"count": 1, "ns": 5_000_000}, 4: {"count": 2, "ns": 60_000_000}}
+
+
 def test_broker_mode_reports_each_tenant_s_queue_wait_from_the_workers_lanes() -> None:
     """Each entry's wait under the tenant its lane names, summed over the workers; entries
     of no tenant (a task's stream, a level's lane) are not counted; a heartbeat carries at

@@ -94,6 +94,7 @@ class WorkerInfo(BaseModel):
     sizes: dict[str, dict[Task, dict[int, int]]] = Field(default_factory=dict)
     model_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = Field(default_factory=dict)
+    size_s: dict[str, dict[Task, dict[int, float]]] = Field(default_factory=dict)  # by size
     tenant_wait_s: dict[str, list[float]] = Field(default_factory=dict)  # by tenant (lanes)
     # model name -> its loads' histogram; -> step -> loads failed (absent from workers before)
     load_s: dict[ModelName, list[float]] = Field(default_factory=dict, max_length=256)

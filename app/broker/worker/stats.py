@@ -44,6 +44,7 @@ class ConsumerStats:
     sizes: dict[str, dict[Task, dict[int, int]]] = field(default_factory=dict)
     model_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
     wait_s: dict[str, dict[Task, list[float]]] = field(default_factory=dict)
+    size_s: dict[str, dict[Task, dict[int, float]]] = field(default_factory=dict)  # by size
     # By tenant (from its lane's name, app.broker.wire.lanes): the queue-wait histogram.
     tenant_wait_s: dict[str, list[float]] = field(default_factory=dict)
     # By model name: the loads that went into service (``LOAD_BUCKETS`` histogram), and those
@@ -83,6 +84,8 @@ class ConsumerStats:
             sizes[size] = sizes.get(size, 0) + 1
             model = self.model_s.setdefault(served_id, {}).setdefault(task, _histogram())
             _observe(model, model_s)
+            by_size = self.size_s.setdefault(served_id, {}).setdefault(task, {})
+            by_size[size] = by_size.get(size, 0.0) + model_s
         histogram = self.wait_s.setdefault(served_id, {}).setdefault(task, _histogram())
         for wait in waits:
             _observe(histogram, wait)
@@ -94,5 +97,5 @@ class ConsumerStats:
 
     def forget(self, served_id: str) -> None:
         """Drop an unloaded version's figures, so the heartbeat stays bounded."""
-        for table in (self.sizes, self.model_s, self.wait_s):
+        for table in (self.sizes, self.model_s, self.wait_s, self.size_s):
             table.pop(served_id, None)
