@@ -75,6 +75,7 @@ class Metrics:
         # CPU, memory and open files of the process that answers the scrape.
         self._live: list[Collector] = [ProcessCollector(registry=None), SpansDropped()]
         self._reports = Reports()  # broker mode: the workers', what they report
+        self._labelled: dict[str, tuple[str, str]] = {}  # served id -> its labels, once known
         self.labels: Labels = lambda served_id: (served_id, "")
         # The same events, per model version, in Triton's form (v2 statistics extension).
         self.statistics = Statistics()
@@ -93,8 +94,8 @@ class Metrics:
             registry=r,
         )
         if remote_workers:
-            self._live.append(WorkerReported(self._reports.all, lambda: self.labels))
-            self.statistics.ran = lambda: ran_by_version(self._reports.all(), self.labels)
+            self._live.append(WorkerReported(self._reports.all, lambda: self._reported_labels))
+            self.statistics.ran = lambda: ran_by_version(self._reports.all(), self._reported_labels)
             self.broker_events = Counter(
                 "microbatch_broker_events",
                 "Broker mode, front ends: Redis reached again after a failure (reconnect); "
@@ -230,6 +231,15 @@ class Metrics:
     def on_workers(self, workers: Sequence[Life]) -> None:
         """Broker mode: the heartbeats of the workers alive, with what each has run."""
         self._reports.update(workers)
+
+    def _reported_labels(self, served_id: str) -> tuple[str, str]:
+        """Broker mode: a served id's labels, as they were once its name and version were
+        known (the workers' figures of a version stay after the registry forgets it: under
+        the labels they had, not ``("", "")``)."""
+        found = self.labels(served_id)
+        if found != ("", ""):
+            self._labelled[served_id] = found
+        return self._labelled.get(served_id, found)
 
     def on_batch(
         self, task: str, size: int, waits: Sequence[float], model: str = "", version: str = ""

@@ -245,20 +245,25 @@ def test_broker_mode_counters_do_not_go_down_when_a_worker_leaves(
 
 def test_broker_mode_keeps_the_figures_of_a_version_a_worker_unloaded() -> None:
     """A worker's heartbeat drops an unloaded version's figures (to stay bounded); the front
-    end keeps them, so that version's counters do not go down while its worker lives on."""
+    end keeps them, so that version's counters do not go down while its worker lives on,
+    under the labels they had once the registry forgets the version too."""
     from app.broker.worker.stats import ConsumerStats
 
     stats = ConsumerStats()
     stats.record("tagger@1", Task.TAG, 4, 1, 0.02, [0.001] * 4)
     stats.record("tagger@2", Task.TAG, 2, 1, 0.01, [0.001] * 2)
     metrics = Metrics(remote_workers=True)
-    metrics.labels = lambda served_id: ("tagger", served_id[-1])
+    known = {"tagger@1": ("tagger", "1"), "tagger@2": ("tagger", "2")}
+    metrics.labels = lambda served_id: known.get(served_id, ("", ""))
     metrics.on_workers([heartbeat(stats)])
+    assert "microbatch_batch_size_sum" in metrics.render().decode()  # version 1 seen by name
     stats.forget("tagger@1")
     stats.record("tagger@2", Task.TAG, 2, 1, 0.01, [0.001] * 2)
     metrics.on_workers([heartbeat(stats)])
     metrics.on_workers([heartbeat(stats)])  # forgotten once, counted once
+    del known["tagger@1"]  # and the registry forgot it: its figures keep their labels
     text = metrics.render().decode()
+    assert 'version=""' not in text
     assert 'microbatch_batch_size_sum{model="tagger",task="tag",version="1"} 4.0' in text
     assert 'microbatch_batch_size_sum{model="tagger",task="tag",version="2"} 4.0' in text
 
