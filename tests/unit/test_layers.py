@@ -30,7 +30,7 @@ LEAVES = {
     "plan", "settings", "settings_values", "settings_testing", "settings_broker", "errors",
     "jobs", "manifest",
     "repository",
-    "lifecycle", "images", "logs", "answers", "jsonbody",
+    "lifecycle", "images", "logs", "answers", "jsonbody", "background",
 }  # fmt: skip
 BELOW = {"batching", *LEAVES}  # what every layer above batching may import
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from app.background import Background
 from app.broker.front.waiting import Entry
 
 
@@ -21,16 +22,16 @@ class Deletes:
 
     def __init__(self, client: Callable[[], aioredis.Redis | None]) -> None:
         self._client = client
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     def later(self, stream: str, entry_id: bytes) -> None:
         """Delete one entry, in the background (its caller has gone)."""
-        self._in_background(self._delete(stream, entry_id))
+        self._background.start(self._delete(stream, entry_id))
 
     def once_added(self, stream: str, admitting: asyncio.Future[Any]) -> None:
         """Delete the entry an admission adds, once Redis answers it (its caller left while
         the admission script ran)."""
-        self._in_background(self._withdraw(stream, admitting))
+        self._background.start(self._withdraw(stream, admitting))
 
     async def now(self, entries: Sequence[Entry], timeout_s: float) -> None:
         """Delete ``entries`` in one round trip, waiting at most ``timeout_s`` (the requests
@@ -47,8 +48,7 @@ class Deletes:
 
     async def settle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the deletes under way (before the client closes)."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=timeout_s)
+        await self._background.settle(timeout_s)
 
     async def _withdraw(self, stream: str, admitting: asyncio.Future[Any]) -> None:
         with contextlib.suppress(RedisError, OSError):
@@ -62,8 +62,3 @@ class Deletes:
             return
         with contextlib.suppress(RedisError, OSError):
             await client.xdel(stream, entry_id)
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)

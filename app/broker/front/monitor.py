@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from app.background import Background
 from app.batching import ClusterView
 from app.broker.front.routes import decode_routes, encode_route
 from app.broker.wire.connect import drop_idle_async, follow_primary_async
@@ -84,7 +85,7 @@ class Monitor:
         # (MB_BROKER_ADMIN: a Redis user allowed to), else through ``client``.
         self.admin: aioredis.Redis | None = None
         self.clients: list[aioredis.Redis] = []  # every client of the front end's
-        self._dropping: set[asyncio.Task[None]] = set()
+        self._dropping = Background()
         self.connected = False
         self.workers: list[WorkerInfo] = []
         self.routes: dict[str, Route] = {}
@@ -149,9 +150,7 @@ class Monitor:
         if self.connected:
             log.error("broker: Redis unreachable (%s)", exc)
             for client in self.clients:
-                task = asyncio.get_running_loop().create_task(drop_idle_async(client))
-                self._dropping.add(task)
-                task.add_done_callback(self._dropping.discard)
+                self._dropping.start(drop_idle_async(client))
         self.connected = False
 
     # -- the admin routes' control -----------------------------------------------------------

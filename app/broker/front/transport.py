@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from app import tracing
+from app.background import Background
 from app.batching import (
     BatchItem,
     LevelPolicy,
@@ -124,7 +125,7 @@ class BrokerTransport:
         sentinel = BrokerAddress.parse(url).sentinel
         self._failover = Failover(self._waiting, hold=sentinel, on_event=on_event)
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Background()
         self._deletes = Deletes(lambda: self._redis)
 
     # -- the Transport's state ---------------------------------------------------------------
@@ -403,17 +404,12 @@ class BrokerTransport:
                 await asyncio.sleep(BACKOFF.compute(failures))
                 continue
             if failures:  # Redis is back: a look now, not at the next second's
-                self._in_background(self.monitor.look_again())
+                self._background.start(self.monitor.look_again())
             failures = 0
             self._failover.reached()
             if popped:
                 for raw in popped[1]:
                     self._waiting.deliver(raw)
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _unreachable(self, exc: BaseException) -> None:
         self.monitor.unreachable(exc)
