@@ -43,6 +43,8 @@ from app.metrics.labels import (
     BATCH_LABELS,
     LATENCY_BUCKETS,
     LOAD_BUCKETS,
+    LOAD_FAILURES_HELP,
+    LOAD_SECONDS_HELP,
     BatchRun,
     Children,
     Labels,
@@ -135,14 +137,14 @@ class Metrics:
             )
             self.load_time = Histogram(
                 "microbatch_model_load_seconds",
-                "Loads of a model version that ended serving: from the call to the switch.",
+                LOAD_SECONDS_HELP,
                 ["model"],
                 buckets=LOAD_BUCKETS,
                 registry=r,
             )
             self.load_failures = Counter(
                 "microbatch_model_load_failures",
-                "Loads of a model version that failed (the version before serves on), by step.",
+                LOAD_FAILURES_HELP,
                 ["model", "step"],
                 registry=r,
             )

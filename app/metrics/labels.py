@@ -16,6 +16,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BATCH_LABELS = ["task", "model", "version"]
+# The load metrics' help: the same whether a process counts its own loads or its workers'.
+LOAD_SECONDS_HELP = "Loads of a model version that ended serving: from the call to the switch."
+LOAD_FAILURES_HELP = "Loads of a model version that failed (the version before serves on), by step."
 
 
 @dataclass(frozen=True)

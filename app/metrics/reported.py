@@ -15,7 +15,15 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.jobs import Task
-from app.metrics.labels import BATCH_BUCKETS, BATCH_LABELS, LATENCY_BUCKETS, LOAD_BUCKETS, Labels
+from app.metrics.labels import (
+    BATCH_BUCKETS,
+    BATCH_LABELS,
+    LATENCY_BUCKETS,
+    LOAD_BUCKETS,
+    LOAD_FAILURES_HELP,
+    LOAD_SECONDS_HELP,
+    Labels,
+)
 from app.metrics.statistics import Duration, Ran
 
 # served id -> task -> ...: what a broker worker's heartbeat reports per model it serves.
@@ -90,9 +98,7 @@ class Gone:
         _add_histograms(self.tenant_wait_s, report.tenant_wait_s, LATENCY_BUCKETS)
         _add_histograms(self.load_s, report.load_s, LOAD_BUCKETS)
         for name, steps in report.load_failures.items():
-            into_steps = self.load_failures.setdefault(name, {})
-            for step, n in steps.items():
-                into_steps[step] = into_steps.get(step, 0) + int(n)
+            _add_counts(self.load_failures.setdefault(name, {}), steps)
 
 
 def _versions(report: WorkerReport) -> set[str]:
@@ -118,9 +124,13 @@ def _add_by_size(
 ) -> None:
     for served_id, tasks in by_size.items():
         for task, counts in tasks.items():
-            mine = into.setdefault(served_id, {}).setdefault(task, {})
-            for size, n in counts.items():
-                mine[int(size)] = mine.get(int(size), 0) + n
+            _add_counts(into.setdefault(served_id, {}).setdefault(task, {}), counts)
+
+
+def _add_counts(into: dict[Any, Any], counts: Mapping[Any, Any]) -> None:
+    """Add ``counts`` (key -> a count, or seconds) into ``into``, key by key."""
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
 
 
 def _add_histograms(
@@ -224,9 +234,7 @@ class WorkerReported(Collector):
         for worker in workers:
             for served_id, tasks in worker.sizes.items():
                 for task, counts in tasks.items():
-                    merged = sizes.setdefault((str(task), *labels(served_id)), {})
-                    for size, count in counts.items():
-                        merged[int(size)] = merged.get(int(size), 0) + int(count)
+                    _add_counts(sizes.setdefault((str(task), *labels(served_id)), {}), counts)
         buckets: dict[tuple[str, str, str], list[tuple[str, float]]] = {}
         sums: dict[tuple[str, str, str], float] = {}
         for key, counts in sizes.items():
@@ -262,7 +270,7 @@ def _load_families(
     name and step (what ``app.metrics.Metrics.on_load`` counts in-process)."""
     times = HistogramMetricFamily(
         "microbatch_model_load_seconds",
-        "Loads of a model version that ended serving: from the call to the switch.",
+        LOAD_SECONDS_HELP,
         labels=["model"],
     )
     for name, counts in sorted(_added([w.load_s for w in workers], LOAD_BUCKETS).items()):
@@ -271,11 +279,10 @@ def _load_families(
     failed: dict[tuple[str, str], int] = {}
     for worker in workers:
         for name, steps in worker.load_failures.items():
-            for step, count in steps.items():
-                failed[(name, step)] = failed.get((name, step), 0) + count
+            _add_counts(failed, {(name, step): count for step, count in steps.items()})
     failures = CounterMetricFamily(
         "microbatch_model_load_failures",
-        "Loads of a model version that failed (the version before serves on), by step.",
+        LOAD_FAILURES_HELP,
         labels=["model", "step"],
     )
     for (name, step), count in sorted(failed.items()):

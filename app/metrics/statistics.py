@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -73,10 +73,10 @@ class _Version(Ran):
         batches = dict(self.batches)
         for size, run in other.batches.items():
             batches[size] = batches.get(size, Duration()) + run
-        return _Version(
-            self.images + other.images, self.executions + other.executions,
-            self.queue + other.queue, self.compute + other.compute, batches,
-            self.last_inference_ms, self.success, self.fail,
+        return replace(
+            self, images=self.images + other.images,
+            executions=self.executions + other.executions, queue=self.queue + other.queue,
+            compute=self.compute + other.compute, batches=batches,
         )  # fmt: skip
 
 
