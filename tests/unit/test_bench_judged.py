@@ -5,6 +5,7 @@ bf16 rounded is its own image's, and another image's never is."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.rollout import MIN_COSINE, judged
 
@@ -20,7 +21,8 @@ def test_an_answer_is_judged_by_the_precision_that_computed_it() -> None:
     assert MIN_COSINE["bfloat16"] < cosine < MIN_COSINE["float32"]
     by_id = {"m@abc+bf16": refs, "m@abc": refs}
     body = rounded.astype("<f4").tobytes()
-    assert judged(body, "m@abc+bf16", by_id, 0) == (cosine, True)
+    judged_cosine, matched = judged(body, "m@abc+bf16", by_id, 0)
+    assert judged_cosine == pytest.approx(cosine, abs=1e-6) and matched
     assert judged(body, "m@abc", by_id, 0)[1] is False  # fp32 must agree closer
     assert judged(body, "m@abc+bf16", by_id, 1)[1] is False  # another image's
     assert judged(body, "other@1", by_id, 0) == (None, False)  # no reference for it
