@@ -17,6 +17,7 @@ from app import tracing
 from app.logs import configure_logging
 from app.workers.allocator import anonymous_bytes
 from app.workers.buffer import InputBuffer
+from app.workers.channel import post
 from app.workers.compute import run_message
 from app.workers.loading import LoadSlot
 from app.workers.messages import (
@@ -46,10 +47,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         worker = PreparedWorker(spec.config, spec.device, spec.threads)
         buffer = InputBuffer(spec.buffer_path, spec.buffer_size)
     except BaseException as exc:
-        conn.send(StartFailed(spec.index, start_failure(exc)))
+        post(conn, StartFailed(spec.index, start_failure(exc)))
         conn.close()
         return
-    conn.send(Ready(spec.index, spec.device, spec.threads, os.getpid()))
+    post(conn, Ready(spec.index, spec.device, spec.threads, os.getpid()))
     try:
         WorkerLoop(worker, buffer, conn).run()
     finally:
@@ -95,7 +96,7 @@ class WorkerLoop:
             self._start_load(message)
         elif isinstance(message, UnloadModel):
             self.worker.unload(message.served_id)
-            self.conn.send(ModelUnloaded(message.batch_id, message.served_id, anonymous_bytes()))
+            post(self.conn, ModelUnloaded(message.batch_id, message.served_id, anonymous_bytes()))
         else:
             assert isinstance(message, RunBatch)
             self._run(message)
@@ -107,16 +108,17 @@ class WorkerLoop:
         except Exception as exc:
             log.error("batch %d failed:\n%s", message.batch_id, traceback.format_exc())
             reply = BatchFailed(message.batch_id, message.ids, f"{type(exc).__name__}: {exc}")
-        self.conn.send(reply)
+        post(self.conn, reply)
         self.worker.memory.after_batch()
 
     def _start_load(self, message: LoadModel) -> None:
         held = self.worker.models.get(message.spec.served_id)
         if held is not None:
-            self.conn.send(LoadDone(message.batch_id, held.report))
+            post(self.conn, LoadDone(message.batch_id, held.report))
         elif self._slot.busy:  # the pool loads one at a time: a bug if it did not
-            self.conn.send(
-                LoadFailed(message.batch_id, message.spec.served_id, "load", "already loading")
+            post(
+                self.conn,
+                LoadFailed(message.batch_id, message.spec.served_id, "load", "already loading"),
             )
         else:
             self._asked = message
@@ -133,10 +135,11 @@ class WorkerLoop:
         if ended.failure is not None:
             failure = ended.failure
             log.error("loading %s failed", failure.describe())
-            self.conn.send(
-                LoadFailed(message.batch_id, message.spec.served_id, failure.step, failure.message)
+            post(
+                self.conn,
+                LoadFailed(message.batch_id, message.spec.served_id, failure.step, failure.message),
             )
             return
         assert ended.model is not None
         self.worker.hold(ended.model)
-        self.conn.send(LoadDone(message.batch_id, ended.model.report))
+        post(self.conn, LoadDone(message.batch_id, ended.model.report))

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pickle
-from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 
+from app.workers.channel import dumps
 from app.workers.messages import BatchDone
 
 
 def _round_trip(reply: BatchDone) -> BatchDone:
-    back = pickle.loads(bytes(ForkingPickler.dumps(reply)))
+    back = pickle.loads(dumps(reply))  # as the pool's channel reads what the worker posts
     assert isinstance(back, BatchDone)
     return back
 
