@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,3 +17,11 @@ async def wait_for(condition: Any, timeout_s: float = 20, what: str = "condition
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.1)
+
+
+async def soon(predicate: Callable[[], bool], timeout_s: float = 5) -> None:
+    """Poll, on the loop itself every millisecond, a condition the test caused in this
+    process (bounded, so that a bug fails instead of hanging)."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.001)

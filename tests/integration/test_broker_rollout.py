@@ -8,9 +8,8 @@ import asyncio
 import os
 import shutil
 import signal
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -27,6 +26,7 @@ from tests.conftest import distinct_images, expected_for
 from tests.integration.test_repository import add_version
 from tests.models import export_embedding_only, export_scaled, export_tiny
 from tests.server import ServerProcess
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -89,13 +89,6 @@ async def load(base_url: str, checked: Checked, clients: int = 8) -> AsyncIterat
         await asyncio.gather(*tasks)
 
 
-async def until(check: Callable[[], bool], what: str, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
-
-
 def holds(workers: Workers, *ids: str) -> bool:
     """Whether this host's live worker holds exactly ``ids``, ready (and only them)."""
     beats = list(workers.own().values())
@@ -139,26 +132,36 @@ async def test_a_version_rolls_out_host_by_host_under_load(tmp_path: Path) -> No
         ) as front,
     ):
         async with load(front.base_url, checked):
-            await until(lambda: checked.ids[served_id(v1)] > 20, "answers from version 1")
+            await wait_for(lambda: checked.ids[served_id(v1)] > 20, 90, "answers from version 1")
             # By SIGHUP: each host loads version 2 beside 1; the name moves once both have it.
             v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
             scales[served_id(v2)] = 2.0
             os.kill(a.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
-            await until(lambda: holds(a, served_id(v1), served_id(v2)), "host a holding both")
+            await wait_for(
+                lambda: holds(a, served_id(v1), served_id(v2)), 90, "host a holding both"
+            )
             before = checked.ids[served_id(v2)]
             await asyncio.sleep(2)  # ready on one worker of two: the name stays on version 1
             assert checked.ids[served_id(v2)] == before == 0
             os.kill(b.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
-            await until(lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), "v1 unloaded")
+            await wait_for(
+                lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), 90, "v1 unloaded"
+            )
             assert checked.ids[served_id(v2)] > 0
-            await until(lambda: not streams_of(redis_server, served_id(v1)), "v1's streams gone")
+            await wait_for(
+                lambda: not streams_of(redis_server, served_id(v1)), 90, "v1's streams gone"
+            )
             # A worker that dies now comes back with version 2, chosen at its restart (not
             # version 1, what its supervisor found at its own start).
             (worker,) = [p for p in psutil.Process(a.process.pid).children()  # type: ignore[union-attr]
                          if "spawn_main" in " ".join(p.cmdline())]  # fmt: skip
             worker.kill()
-            await until(lambda: worker_pid(a) not in (None, worker.pid), "host a's worker back")
-            await until(partial(holds, a, served_id(v2)), "the restarted worker on version 2")
+            await wait_for(
+                lambda: worker_pid(a) not in (None, worker.pid), 90, "host a's worker back"
+            )
+            await wait_for(
+                partial(holds, a, served_id(v2)), 90, "the restarted worker on version 2"
+            )
             # By restarting one host at a time with version 3 on disk.
             v3 = add_version(repository, "tiny", lambda out: export_scaled(out, 3.0))
             v3_id = served_id(v3)  # before its folder goes
@@ -168,24 +171,30 @@ async def test_a_version_rolls_out_host_by_host_under_load(tmp_path: Path) -> No
                 await asyncio.to_thread(workers.start)
                 # Back with version 3, and with version 2 too while the other host serves
                 # it (it serves at once); version 2 goes once every host has version 3.
-                await until(partial(ready_on, workers, v3_id), "the host back on v3")
-            await until(lambda: holds(a, v3_id) and holds(b, v3_id), "v3 everywhere")
+                await wait_for(partial(ready_on, workers, v3_id), 90, "the host back on v3")
+            await wait_for(lambda: holds(a, v3_id) and holds(b, v3_id), 90, "v3 everywhere")
             at_v3 = checked.ids[v3_id]
-            await until(lambda: checked.ids[v3_id] > at_v3 + 20, "answers from version 3")
+            await wait_for(lambda: checked.ids[v3_id] > at_v3 + 20, 90, "answers from version 3")
             # Version 3 removed from disk: a SIGHUP rolls every host back to version 2.
             shutil.rmtree(v3)
             for workers in (a, b):
                 os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
-            await until(lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), "v3 gone")
+            await wait_for(
+                lambda: holds(a, served_id(v2)) and holds(b, served_id(v2)), 90, "v3 gone"
+            )
             at_v2 = checked.ids[served_id(v2)]
-            await until(lambda: checked.ids[served_id(v2)] > at_v2 + 20, "answers from version 2")
+            await wait_for(
+                lambda: checked.ids[served_id(v2)] > at_v2 + 20, 90, "answers from version 2"
+            )
 
             def index() -> list[tuple[str, str]]:
                 rows = httpx.get(f"{front.base_url}/v2/repository/index").json()
                 return [(r["version"], r["state"]) for r in rows if r["state"] != "unavailable"]
 
             # The front end sees the workers' heartbeats at its next look (a second at most).
-            await until(lambda: index() == [("2", "ready")], "the index showing version 2 only")
+            await wait_for(
+                lambda: index() == [("2", "ready")], 90, "the index showing version 2 only"
+            )
     print(f"\nbroker rollout: statuses {dict(checked.statuses)}, answers by id {dict(checked.ids)}")
     assert checked.statuses.keys() == {200}, checked.refused
     assert checked.mismatched == 0

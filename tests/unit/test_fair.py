@@ -14,7 +14,8 @@ import pytest
 from app.batching import LevelPolicy, Streamer, Ticket
 from app.batching.fair import FairQueue
 from app.errors import QueueFull, Shed
-from tests.unit.test_streamer import FakeModel, wait_until
+from tests.unit.test_streamer import FakeModel
+from tests.waiting import soon
 
 
 @dataclass(eq=False)
@@ -132,7 +133,7 @@ def test_batches_are_fair_across_tenants_in_the_streamer() -> None:
                 for i in range(8)
             ] + [asyncio.create_task(streamer.submit(f"shop{i}", ticket=ticket("shop")))
                  for i in range(2)]  # fmt: skip
-            await wait_until(lambda: streamer.queue_depth == 10)
+            await soon(lambda: streamer.queue_depth == 10)
             model.release.set()
             await asyncio.gather(blocker, *tasks)
             return model.batches
@@ -154,7 +155,7 @@ def test_a_lower_levels_bound_refuses_it_with_429_and_the_top_levels_with_503() 
                 asyncio.create_task(streamer.submit(n, ticket=ticket("t", level)))
                 for n, level in (("low", 1), ("top0", 0), ("top1", 0))
             ]
-            await wait_until(lambda: streamer.queue_depth == 3)
+            await soon(lambda: streamer.queue_depth == 3)
             with pytest.raises(Shed) as low:
                 await streamer.submit("low2", ticket=ticket("t", 1))
             with pytest.raises(QueueFull) as top:
@@ -181,9 +182,9 @@ def test_a_full_queue_refuses_its_newest_low_priority_item_to_take_a_high_one() 
                 asyncio.create_task(streamer.submit(f"low{i}", ticket=ticket("bulk", 1)))
                 for i in range(2)
             ]
-            await wait_until(lambda: streamer.queue_depth == 2)
+            await soon(lambda: streamer.queue_depth == 2)
             high = asyncio.create_task(streamer.submit("high", ticket=ticket("shop", 0)))
-            await wait_until(lambda: lows[1].done())
+            await soon(lambda: lows[1].done())
             with pytest.raises(Shed):  # and a low one cannot push in now
                 await streamer.submit("low2", ticket=ticket("bulk", 1))
             model.release.set()
@@ -209,7 +210,7 @@ def test_a_levels_queue_timeout_refuses_or_delays(action: str) -> None:
             low = asyncio.create_task(streamer.submit("low", ticket=ticket("bulk", 1)))
             await asyncio.sleep(1.0)  # past its level's queue timeout (later-low: well within)
             later = asyncio.create_task(streamer.submit("later-low", ticket=ticket("bulk", 1)))
-            await wait_until(lambda: streamer.queue_depth == (2 if action == "delay" else 1))
+            await soon(lambda: streamer.queue_depth == (2 if action == "delay" else 1))
             model.release.set()
             results = await asyncio.gather(blocker, low, later, return_exceptions=True)
             return list(results), model
@@ -256,11 +257,11 @@ def test_a_noisy_tenant_at_a_full_level_cannot_keep_a_quiet_one_out() -> None:
                 asyncio.create_task(streamer.submit(f"bulk{i}", ticket=ticket("bulk")))
                 for i in range(3)
             ]
-            await wait_until(lambda: streamer.queue_depth == 3)
+            await soon(lambda: streamer.queue_depth == 3)
             with pytest.raises(QueueFull):  # one tenant alone: the server is full
                 await streamer.submit("bulk3", ticket=ticket("bulk"))
             quiet = asyncio.create_task(streamer.submit("shop0", ticket=ticket("shop")))
-            await wait_until(lambda: noisy[2].done())
+            await soon(lambda: noisy[2].done())
             with pytest.raises(Shed, match="its tenant holds the most"):  # bulk's excess now
                 await streamer.submit("bulk4", ticket=ticket("bulk"))
             model.release.set()

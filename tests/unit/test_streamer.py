@@ -6,7 +6,7 @@ import asyncio
 import gc
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from app.errors import (
     QueueFull,
     WorkerDied,
 )
+from tests.waiting import soon
 
 Echo = tuple[Hashable, object]  # what FakeModel answers for each item: (key, payload)
 
@@ -48,13 +49,6 @@ class FakeModel:
         return [len(payloads) for _, payloads in self.batches]
 
 
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Poll a condition the test caused (bounded, so a bug fails instead of hanging)."""
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0.001)
-
-
 async def as_one_batch(batch_fn: Any, payloads: list[Any]) -> tuple[list[Any], list[int]]:
     """Submit ``payloads`` while the only worker is busy, so they wait and then reach
     ``batch_fn`` together as one batch; returns each result or exception, and the sizes of
@@ -74,7 +68,7 @@ async def as_one_batch(batch_fn: Any, payloads: list[Any]) -> tuple[list[Any], l
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         tasks = [asyncio.create_task(streamer.submit(p)) for p in payloads]
-        await wait_until(lambda: streamer.queue_depth == len(payloads))
+        await soon(lambda: streamer.queue_depth == len(payloads))
         model.release.set()
         await blocker
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -87,7 +81,7 @@ async def test_concurrent_items_are_batched_and_each_caller_gets_its_own_result(
         first = asyncio.create_task(streamer.submit(-1))
         await model.started.wait()  # the only worker is now busy with item -1
         rest = [asyncio.create_task(streamer.submit(i)) for i in range(20)]
-        await wait_until(lambda: streamer.queue_depth == 20)
+        await soon(lambda: streamer.queue_depth == 20)
         model.release.set()
         results = await asyncio.gather(first, *rest)
     assert results == [("default", i) for i in range(-1, 20)]
@@ -103,7 +97,7 @@ async def test_128_waiting_requests_form_one_batch_of_128() -> None:
         blocker = asyncio.create_task(s.submit("block"))
         await model.started.wait()
         waiting = [asyncio.create_task(s.submit(i)) for i in range(128)]
-        await wait_until(lambda: s.queue_depth == 128)
+        await soon(lambda: s.queue_depth == 128)
         model.release.set()
         await asyncio.gather(blocker, *waiting)
     assert model.sizes == [1, 128]
@@ -134,7 +128,7 @@ async def test_free_worker_waits_at_most_max_latency_while_another_batch_runs() 
         model, max_batch_size=8, max_latency_s=0.2, max_concurrent_batches=2
     ) as s:
         slow = asyncio.create_task(s.submit("slow"))
-        await wait_until(lambda: s.in_flight == 1)
+        await soon(lambda: s.in_flight == 1)
         submitted = time.monotonic()
         assert await s.submit("late") == "late"
         waited = calls[1][1] - submitted
@@ -155,7 +149,7 @@ async def test_full_batch_leaves_without_waiting_for_max_latency() -> None:
         model, max_batch_size=4, max_latency_s=30, max_concurrent_batches=2
     ) as s:
         blocker = asyncio.create_task(s.submit(-1))
-        await wait_until(lambda: s.in_flight == 1)
+        await soon(lambda: s.in_flight == 1)
         started = time.monotonic()
         assert await asyncio.gather(*(s.submit(i) for i in range(4))) == [0, 1, 2, 3]
         assert time.monotonic() - started < 5.0
@@ -172,7 +166,7 @@ async def test_items_with_different_keys_never_share_a_batch() -> None:
             asyncio.create_task(streamer.submit(i, key="tag" if i % 2 else "embedding"))
             for i in range(1, 11)
         ]
-        await wait_until(lambda: streamer.queue_depth == 10)
+        await soon(lambda: streamer.queue_depth == 10)
         model.release.set()
         results = await asyncio.gather(blocker, *tasks)
     for key, payloads in model.batches:
@@ -202,7 +196,7 @@ async def test_each_key_batches_up_to_its_own_size() -> None:
             asyncio.create_task(streamer.submit(i, key="small" if i % 2 else "big"))
             for i in range(1, 21)
         ]
-        await wait_until(lambda: streamer.queue_depth == 20)
+        await soon(lambda: streamer.queue_depth == 20)
         model.release.set()
         await asyncio.gather(blocker, *tasks)
     by_key = sorted((str(key), len(payloads)) for key, payloads in model.batches)
@@ -226,7 +220,7 @@ async def test_full_queue_rejects_at_once_with_retry_after() -> None:
         blocker = asyncio.create_task(streamer.submit("b"))
         await model.started.wait()
         queued = [asyncio.create_task(streamer.submit(i)) for i in range(3)]
-        await wait_until(lambda: streamer.queue_depth == 3)
+        await soon(lambda: streamer.queue_depth == 3)
         started = time.monotonic()
         with pytest.raises(QueueFull) as info:
             await streamer.submit("one too many")
@@ -257,7 +251,7 @@ async def test_cancelled_caller_leaves_the_queue() -> None:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         gone = asyncio.create_task(streamer.submit("gone"))
-        await wait_until(lambda: streamer.queue_depth == 1)
+        await soon(lambda: streamer.queue_depth == 1)
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
         assert streamer.queue_depth == 0
@@ -341,7 +335,7 @@ async def test_check_admission_refuses_before_any_work() -> None:
         blocker = asyncio.create_task(streamer.submit(0))
         await model.started.wait()
         queued = asyncio.create_task(streamer.submit(1))
-        await wait_until(lambda: streamer.queue_depth == 1)
+        await soon(lambda: streamer.queue_depth == 1)
         with pytest.raises(QueueFull):
             streamer.check_admission()
         model.release.set()
@@ -378,7 +372,7 @@ async def test_close_drains_admitted_work_then_answers_leftovers_not_ready() -> 
     blocker = asyncio.create_task(streamer.submit(0))
     await model.started.wait()
     queued = asyncio.create_task(streamer.submit(1))
-    await wait_until(lambda: streamer.queue_depth == 1)
+    await soon(lambda: streamer.queue_depth == 1)
     asyncio.get_running_loop().call_later(0.05, model.release.set)
     await streamer.aclose(drain_timeout_s=5)
     assert await blocker == ("default", 0)
@@ -434,7 +428,7 @@ async def test_a_batch_whose_callers_all_left_is_cancelled() -> None:
         await model.started.wait()
         caller.cancel()
         await asyncio.wait_for(cancelled.wait(), 5)
-        await wait_until(lambda: streamer.in_flight == 0)
+        await soon(lambda: streamer.in_flight == 0)
         model.release.set()
         assert await streamer.submit("next") == ("default", "next")  # the slot is free again
 
@@ -445,7 +439,7 @@ async def test_a_batch_keeps_running_while_one_of_its_callers_waits() -> None:
         blocker = asyncio.create_task(streamer.submit("blocker"))
         await model.started.wait()
         leaving, staying = (asyncio.create_task(streamer.submit(p)) for p in ("a", "b"))
-        await wait_until(lambda: streamer.queue_depth == 2)
+        await soon(lambda: streamer.queue_depth == 2)
         model.release.set()
         await blocker
         leaving.cancel()

@@ -5,7 +5,7 @@ each prediction route, and the refusals are counted under the tenant."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from app.testing import FakeTransport
 from tests.conftest import distinct_images
 from tests.models import export_tiny
 from tests.unit.test_tenancy import BULK, KEYS_YAML, OPS, SHOP, bearer, write
+from tests.waiting import soon
 
 IMAGE = distinct_images(1)[0]
 
@@ -199,20 +200,14 @@ def test_a_higher_priority_is_batched_first_and_a_key_cannot_raise_itself(
 
                 streamer = app.state.engine.streamer
                 first = asyncio.create_task(send(SHOP, "2", IMAGE))
-                await wait_until(lambda: len(seen) == 1)
+                await soon(lambda: len(seen) == 1)
                 queued = [asyncio.create_task(send(BULK, "1", bulk_image)) for _ in range(2)]
-                await wait_until(lambda: streamer.queue_depth == 2)
+                await soon(lambda: streamer.queue_depth == 2)
                 urgent = asyncio.create_task(send(SHOP, "1", urgent_image))
-                await wait_until(lambda: streamer.queue_depth == 3)
+                await soon(lambda: streamer.queue_depth == 3)
                 release.set()
                 for response in await asyncio.gather(first, *queued, urgent):
                     assert response.status_code == 200, response.text
 
     asyncio.run(run())
     assert seen[1] == [urgent_image, bulk_image, bulk_image]
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0.001)
