@@ -245,9 +245,19 @@ class Workers(ChildProcess):
     @contextmanager
     def paused(self, worker: Mapping[str, Any]) -> Iterator[None]:
         """``worker`` (a ``live()`` value) stopped (SIGSTOP) as if busy with a long batch,
-        resumed (SIGCONT) on leaving. Its heartbeat is kept fresh meanwhile, as a busy
-        worker's own heartbeat thread keeps it: the front ends count it live however long the
-        test takes on a busy host, not for STALE_S only."""
+        resumed (SIGCONT) on leaving; its heartbeat kept fresh meanwhile (``beating``)."""
+        os.kill(worker["pid"], signal.SIGSTOP)
+        try:
+            with self.beating(worker):
+                yield
+        finally:
+            os.kill(worker["pid"], signal.SIGCONT)
+
+    @contextmanager
+    def beating(self, worker: Mapping[str, Any]) -> Iterator[None]:
+        """``worker``'s heartbeat kept fresh by the test, as a busy worker's own heartbeat
+        thread keeps it: the front ends count it live however long the test takes on a busy
+        host, whatever keeps the worker from beating itself."""
         done = threading.Event()
 
         def beat() -> None:
@@ -255,7 +265,6 @@ class Workers(ChildProcess):
             while not done.wait(HEARTBEAT_S / 2):
                 client.zadd(f"{PREFIX}:{{w}}:workers", {worker["name"]: self.now_ms()})
 
-        os.kill(worker["pid"], signal.SIGSTOP)
         beating = threading.Thread(target=beat, daemon=True)
         beating.start()
         try:
@@ -263,7 +272,6 @@ class Workers(ChildProcess):
         finally:
             done.set()
             beating.join()
-            os.kill(worker["pid"], signal.SIGCONT)
 
     def beat_since(self, since_ms: int) -> bool:
         """Whether each of the ``count`` workers has sent a heartbeat stamped after

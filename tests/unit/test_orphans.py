@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import redis
@@ -63,3 +64,49 @@ def test_a_worker_takes_back_its_last_life_s_entries_not_this_life_s(client: red
     own.retake_own()  # after a failover: this life's too
     own.recover(own=True)
     assert ran == [b"last life", b"read ahead"]
+
+
+def test_after_a_lost_read_a_worker_takes_back_what_came_before_its_next_read(
+    client: redis.Redis,
+) -> None:
+    """A read whose answer was lost (a socket timeout in a Redis stall) made an entry the
+    worker's in Redis that it never saw: once a read goes through, the entries delivered
+    before that read are taken back, not what that read took (being computed)."""
+    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    ran: list[bytes] = []
+    own = claims(client, ran)
+    own.recover(own=True)  # its start: nothing of a last life
+    read_as_w1(client, b"lost")  # delivered; its answer never reached the worker
+    own.recover(own=True)
+    assert ran == []  # asked once only: nothing to take back without a lost read
+    time.sleep(0.05)
+    cut = time.monotonic()
+    time.sleep(0.05)
+    read_as_w1(client, b"next read")  # went through: the main loop computes it
+    own.retake_own(delivered_before=cut)
+    own.recover(own=True)
+    assert ran == [b"lost"]
+    own.recover(own=True)
+    assert ran == [b"lost"]  # once per ask
+
+
+def test_a_take_back_that_could_not_reach_redis_is_asked_again(client: redis.Redis) -> None:
+    """Redis away at the round that should take its entries back: the next round does."""
+    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    read_as_w1(client, b"last life")
+    time.sleep(0.05)
+    ran: list[bytes] = []
+    own = claims(client, ran)
+    real = client.xpending_range
+    failures = [redis.exceptions.ConnectionError("Redis is away")]
+
+    def away_once(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    client.xpending_range = away_once  # type: ignore[method-assign]
+    own.recover(own=True)
+    assert ran == []
+    own.recover(own=True)
+    assert ran == [b"last life"]

@@ -55,6 +55,9 @@ from app.workers.process import PreparedModel, PreparedWorker
 
 log = logging.getLogger("app.worker")
 
+# After a lost read, its entries are taken back if delivered this long before the next read
+# began (at least the 50 ms pause after a failure: app.broker.worker.health.TroubleLog).
+JUST_BEFORE_S = 0.02
 RECLAIM_S = 1.0  # how often a worker looks for entries a dead or hung worker left pending
 
 
@@ -118,6 +121,7 @@ class Consumer:
         self._stop_fetching = threading.Event()
         self._done = threading.Event()  # heartbeats go on until the last answer is out
         self._running = 0  # items in the batch being run now (for /info)
+        self._lost_read = False  # a read failed: its answer, and entries with it, may be lost
         self.draining_since: float | None = None
         self.versions = WorkerVersions(
             client, keys, name, worker, repository, host=host, load_timeout_s=load_timeout_s,
@@ -233,7 +237,7 @@ class Consumer:
                 time.sleep(0.1)
                 continue
             lanes = self.versions.reading()
-            started = time.perf_counter()
+            started, began = time.perf_counter(), time.monotonic()
             try:
                 if lanes:  # levels or tenants: a batch in their order (app.broker.worker.lanes)
                     read = self.versions.lanes.read(self.versions.streams, self._batch_sizes())
@@ -249,9 +253,12 @@ class Consumer:
                     time.sleep(RETRY_S)
                 continue
             except (RedisError, OSError) as exc:
+                self._lost_read = True
                 self._trouble.unreachable(exc)
                 self._trouble.pause()
                 continue
+            if self._lost_read:
+                self._retake_lost(began)
             if read:
                 fetched = [(text(stream), fields_of(entries)) for stream, entries in read]
                 if any(is_doorbell(fields) for _, entries in fetched for _, fields in entries):
@@ -266,9 +273,22 @@ class Consumer:
             self.versions.lanes.refresh(list(self.worker.models))
             taken = self.versions.lanes.take(self.versions.streams, self._batch_sizes()) or []
         except (RedisError, OSError) as exc:
+            self._lost_read = True
             self._trouble.unreachable(exc)
+            self._trouble.pause()
             return []
         return [(text(stream), fields_of(entries)) for stream, entries in taken]
+
+    def _retake_lost(self, began: float) -> None:
+        """A read failed on the way (a socket timeout in a Redis stall, a dropped
+        connection): Redis may have made entries this worker's that it never saw, which
+        would wait out twice ``MB_BATCH_TIMEOUT`` for the orphan claim. Now that a read
+        went through, the main loop takes back, at its next round, its own entries still
+        pending that were delivered before this read ``began`` (by ``JUST_BEFORE_S``: Redis
+        times a delivery to the millisecond): the main loop has run and answered what it
+        read before by then, and what this read took is newer."""
+        self._lost_read = False
+        self.claims.retake_own(delivered_before=began - JUST_BEFORE_S)
 
     def _batch_sizes(self) -> dict[str, int]:
         """Each version held (served id) and its model's batch size."""

@@ -5,6 +5,7 @@ run and answer an entry and which streams it holds."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -67,7 +68,11 @@ class OrphanClaims:
         self.replier = replier
         self.process = process
         self.held_streams = held_streams
-        self.own_recovered = False  # its last life's entries taken back (once)
+        # Asks to take its own entries back (its last life's at start; after a lost read or
+        # a failover: from the fetcher's thread or the main one, so numbered by a counter)
+        # and the last ask done: an ask made during a recovery is not lost.
+        self._asks = itertools.count(1)
+        self._own_asked, self._own_done = next(self._asks), 0
         self.redis_now_ms = redis_now_ms
         self.trouble = trouble
         self.max_image_bytes = max_image_bytes
@@ -80,11 +85,15 @@ class OrphanClaims:
         # life's), not the ones its fetcher read since; None: any (after a Redis failover).
         self._own_before: float | None = time.monotonic()
 
-    def retake_own(self) -> None:
-        """Another Redis answers: take back every entry pending here, this life's too (their
-        acknowledgements may be lost; an answer computed again reaches nobody twice)."""
-        self.own_recovered = False
-        self._own_before = None
+    def retake_own(self, delivered_before: float | None = None) -> None:
+        """Take back, at the next ``recover(own=True)``, the entries pending here that were
+        delivered before ``delivered_before`` (``time.monotonic()``): after a read whose
+        answer was lost, which made entries this worker's in Redis that it never saw (the
+        consumer asks once it has run what it read before). ``None``: every one, this
+        life's too (another Redis answers: their acknowledgements may be lost). An answer
+        computed again reaches nobody twice: a front end takes one reply per request."""
+        self._own_before = delivered_before
+        self._own_asked = next(self._asks)
 
     def recover(self, *, own: bool) -> None:
         """Claim and run, one at a time, the entries left pending by this worker's last life
@@ -92,16 +101,19 @@ class OrphanClaims:
         that stopped sending heartbeats, or stuck here (an answer Redis refused) for twice
         ``MB_BATCH_TIMEOUT``. A live worker's entries are never taken: a hung worker ends
         its own life (``app.broker.worker.consumer``) and stops its heartbeats."""
-        if own:
-            if self.own_recovered:
-                return
-            self.own_recovered = True
+        asked = self._own_asked
+        if own and self._own_done == asked:
+            return
         try:
             self._recover_once(own=own)
         except ResponseError as exc:
             self.trouble.error(f"could not look for orphaned entries: {exc}")
+            return
         except (RedisError, OSError) as exc:
             self.trouble.unreachable(exc)
+            return  # asked again at the next round
+        if own:
+            self._own_done = asked
 
     def _recover_once(self, *, own: bool) -> None:
         stop = self.stop
