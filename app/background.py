@@ -1,11 +1,14 @@
 """Tasks started and not awaited: asyncio keeps only weak references to them, so they are
-held here until they end, and can be waited for (bounded) before what they use closes."""
+held here until they end, and can be waited for (bounded) or cancelled before what they use
+closes."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Background:
@@ -19,10 +22,21 @@ class Background:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def start(self, work: Coroutine[Any, Any, Any]) -> None:
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def cancel(self) -> None:
+        """Cancel the tasks running now, and wait for them to end."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def settle(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` for the tasks running now."""

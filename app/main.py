@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app import tracing
+from app.background import Background
 from app.batching import Transport
 from app.engine import Engine, repository_of
 from app.errors import SettingsError, StartupError
@@ -84,14 +85,12 @@ def _reload_on_hangup(engine: Engine, tenancy: Tenancy) -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
-    reloads: set[asyncio.Task[Any]] = set()
+    reloads = Background()
 
     def on_hangup() -> None:
         tenancy.reload()
         log.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
-        task = loop.create_task(models.reload())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        reloads.start(models.reload())
 
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
 

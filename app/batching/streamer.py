@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from app.background import Background
 from app.batching.contract import answer, deliver, fail
 from app.batching.fair import FairQueue, LevelPolicy, Ticket
 from app.batching.observe import BatchObserver, Trace
@@ -113,7 +114,7 @@ class Streamer(Generic[T, R]):
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background()  # the batches running
         self._dispatcher: asyncio.Task[None] | None = None
         self._closing = False
         self._item_time_s: float | None = None  # EWMA of batch seconds per item, for Retry-After
@@ -139,9 +140,7 @@ class Streamer(Generic[T, R]):
         for item in list(self._queue):
             self._queue.remove(item)
             fail(item, NotReady("server is shutting down"))
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
 
     async def __aenter__(self) -> Streamer[T, R]:
         await self.start()
@@ -356,12 +355,9 @@ class Streamer(Generic[T, R]):
         if self._on_batch is not None:
             self._on_batch(batch[0].key, len(batch), waits, [item.tenant for item in batch])
         self._in_flight += 1
-        task = asyncio.create_task(self._execute(batch))
-        run = _Run(task, len(batch))
+        run = _Run(self._tasks.start(self._execute(batch)), len(batch))
         for item in batch:
             item.run = run
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
         started = self._clock()

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from app.background import Background
 from app.batching import ClusterView, VersionControl, WorkerStatus
 from app.errors import (
     DeadlineExceeded,
@@ -64,15 +65,13 @@ class Drains:
     def __init__(self, registry: ModelRegistry, timeout_s: float) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background()
 
     def later(self, version: ModelVersion | None) -> None:
         """Forget ``version`` once drained, in the background."""
         if version is None:
             return
-        task = asyncio.get_running_loop().create_task(self._finish(version))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(self._finish(version))
 
     async def _finish(self, version: ModelVersion) -> None:
         try:
@@ -88,9 +87,7 @@ class Drains:
             self.registry.gone(version)
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
 
 
 class Models:

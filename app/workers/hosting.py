@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from app.background import Background
 from app.batching import ClusterView
 from app.errors import ModelLoadFailed, ServerError, WorkerDied, WorkerStartError
 from app.lifecycle import (
@@ -85,7 +86,7 @@ class PoolHost:
         # not the repository read afresh (a version published since waits for its reload).
         self._aimed: dict[str, int | None] | None = None
         self._loads: dict[int, asyncio.Task[None]] = {}  # slot -> its running load
-        self._unloads: set[asyncio.Task[None]] = set()
+        self._unloads = Background()
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
         self._starting = False
@@ -284,11 +285,7 @@ class PoolHost:
             empty = lambda sid: not self._in_use(sid)  # noqa: E731
             for effect in keeper.settle(views, now, empty, crashed):
                 if effect.kind == "unload":
-                    task = asyncio.get_running_loop().create_task(
-                        self._unload(worker, effect.served_id)
-                    )
-                    self._unloads.add(task)
-                    task.add_done_callback(self._unloads.discard)
+                    self._unloads.start(self._unload(worker, effect.served_id))
         views = self._views()  # as the keepers left them: a version given up drains first
         self._routes = routes(views, self.min_workers, sticky=self._routes)
         self._served.update(self._routes)
@@ -392,10 +389,10 @@ class PoolHost:
             raise WorkerStartError("no model worker is running to load the models")
 
     async def aclose(self) -> None:
-        tasks = [t for t in (self._driver, *self._loads.values(), *self._unloads) if t]
+        tasks = [t for t in (self._driver, *self._loads.values()) if t]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, self._unloads.cancel(), return_exceptions=True)
         self._driver = None
 
     def _scrub(self, message: str) -> str:

@@ -4,7 +4,8 @@ routers -> (v2, the Open Inference Protocol both edges share) -> services -> bat
 broker (they fill its Transport); app.main starts v2's gRPC edge
 plan, settings, errors, jobs, manifest, repository, lifecycle, images, logs, answers, jsonbody:
 leaves
-that any layer may import (batching only the vocabulary of lifecycle, for the seam's types)
+that any layer may import (batching only the vocabulary of lifecycle, for the seam's types, and
+background, which holds its running batches)
 tracing: the spans workers, broker, v2 and routers make (batching carries a trace unopened)
 tenancy and cache: what services ask before the Streamer (keys and quotas; kept answers),
 each with its Redis side on the broker's wire
@@ -65,7 +66,7 @@ def layer_imports(layer: str) -> set[str]:
 @pytest.mark.parametrize(
     ("layer", "allowed"),
     [
-        ("batching", {"errors", "lifecycle"}),
+        ("batching", {"errors", "lifecycle", "background"}),
         ("lifecycle", {"errors"}),
         ("settings", {"errors", "settings_values", "settings_testing", "settings_broker"}),
         ("settings_testing", set()),
