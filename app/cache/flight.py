@@ -4,13 +4,14 @@ shared Redis, else computed once however many identical requests are in flight."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from app.answers import BytesLRU, SharedAnswer, frozen
-from app.errors import IMAGE_ERROR_TYPES, ServerError
+from app.errors import IMAGE_ERROR_TYPES, DeadlineExceeded, ServerError
 
 if TYPE_CHECKING:  # redis is imported only where a shared cache is asked for
     from app.cache.shared import SharedCache
@@ -75,6 +76,15 @@ class CacheUse:
 
 
 @dataclass(frozen=True)
+class _Flight:
+    """A computation in flight for a key: what it leaves its followers, and the priority
+    level it queues at (0 is the most urgent)."""
+
+    landed: asyncio.Future[_Landed]
+    level: int
+
+
+@dataclass(frozen=True)
 class _Landed:
     """What a computation left its followers: its answer, or the error to share (the
     image's own: the same bytes fail the same way), or neither (it timed out, was refused
@@ -91,6 +101,10 @@ class ResponseCache:
     ``compute()``'s, kept in both. Errors are never kept. ``on_outcome`` hears each image's
     ``Outcome``, ``on_evict`` each answer this process's share let go.
 
+    A request waits on an identical one in flight until its own ``deadline`` at most (then
+    ``DeadlineExceeded``, as it would queued), and never behind one less urgent than itself
+    (a lower priority ``level``, which may wait long in the queue): it computes alone.
+
     >>> # cache = ResponseCache(64 << 20, shared=None)
     >>> # vector = await cache.answer(cache_key(...), lambda: streamer.submit(...), CacheUse())
     """
@@ -105,26 +119,34 @@ class ResponseCache:
         self.memory = BytesLRU(max_bytes, on_evict) if max_bytes > 0 else None
         self.shared = shared
         self._on_outcome = on_outcome
-        self._flights: dict[bytes, asyncio.Future[_Landed]] = {}
+        self._flights: dict[bytes, _Flight] = {}
 
     async def answer(
-        self, key: bytes, compute: Callable[[], Awaitable[object]], use: CacheUse | None
+        self,
+        key: bytes,
+        compute: Callable[[], Awaitable[object]],
+        use: CacheUse | None,
+        *,
+        deadline: float | None = None,
+        level: int = 0,
     ) -> object:
+        """``key``'s answer (see the class); ``deadline``: ``time.monotonic()``'s, if any;
+        ``level``: the priority ``compute`` queues at."""
         fresh = use is not None and use.fresh
         while not fresh:
             kept = self.memory.get(key) if self.memory is not None else None
             if kept is not None:
                 return self._told(use, Outcome.HIT, kept)
             flight = self._flights.get(key)
-            if flight is None:
+            if flight is None or level < flight.level:  # none, or one less urgent: alone
                 break
-            landed = await asyncio.shield(flight)
+            landed = await _waited(flight, deadline)
             if landed.error is not None:
                 raise type(landed.error)(landed.error.message)  # each caller its own
             if landed.answer is not None:
                 return self._told(use, Outcome.COALESCED, landed.answer)
             # It came to nothing (a timeout, a cancel): look again, maybe compute.
-        return await self._lead(key, compute, use, fresh)
+        return await self._lead(key, compute, use, fresh, level)
 
     async def _lead(
         self,
@@ -132,12 +154,14 @@ class ResponseCache:
         compute: Callable[[], Awaitable[object]],
         use: CacheUse | None,
         fresh: bool,
+        level: int = 0,
     ) -> object:
         """Compute ``key``'s answer (first asking the shared tier, unless ``fresh``), with
         every identical request that comes meanwhile waiting on it."""
-        flight: asyncio.Future[_Landed] | None = None
-        if key not in self._flights:  # a fresh request beside a flight computes alone
-            flight = self._flights[key] = asyncio.get_running_loop().create_future()
+        flight: _Flight | None = None
+        if key not in self._flights:  # a fresh or more urgent request beside one: alone
+            landing = asyncio.get_running_loop().create_future()
+            flight = self._flights[key] = _Flight(landing, level)
         landed = _Landed()
         try:
             if not fresh and self.shared is not None:
@@ -166,7 +190,7 @@ class ResponseCache:
         finally:
             if flight is not None:
                 del self._flights[key]
-                flight.set_result(landed)
+                flight.landed.set_result(landed)
 
     def _told(self, use: CacheUse | None, outcome: Outcome, answer: object) -> object:
         if use is not None:
@@ -182,3 +206,18 @@ class ResponseCache:
     async def aclose(self) -> None:
         if self.shared is not None:
             await self.shared.aclose()
+
+
+async def _waited(flight: _Flight, deadline: float | None) -> _Landed:
+    """What ``flight`` leaves, waited for until ``deadline`` at most (the computation goes
+    on for the others: shielded)."""
+    if deadline is None:
+        return await asyncio.shield(flight.landed)
+    try:
+        return await asyncio.wait_for(
+            asyncio.shield(flight.landed), max(0.0, deadline - time.monotonic())
+        )
+    except TimeoutError:
+        raise DeadlineExceeded(
+            "no result by the request's deadline: an identical request was still computing it"
+        ) from None

@@ -18,7 +18,6 @@ from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 
-from app.broker.wire.parsing import MalformedMessage
 from app.broker.wire.reply import decode_reply, encode_answer
 
 log = logging.getLogger("app.cache")
@@ -156,7 +155,7 @@ class SharedCache:
             return None
         try:
             answer = decode_reply(raw).result
-        except MalformedMessage:
+        except Exception:  # forged or foreign, however it fails to parse: a miss, never a 500
             answer = None
         if answer is None or isinstance(answer, BaseException):  # never written so: ignored
             log.warning("cache: entry %s is not an answer; ignored", key.hex()[:16])

@@ -138,6 +138,8 @@ class Predictor:
             cache_key(self.model_id, ask.task, ask.top_k, ask.data),
             lambda: self._compute(ask, shared=use is None or not use.fresh),
             use,
+            deadline=ask.deadline,
+            level=0 if ask.ticket is None else ask.ticket.level,
         )
 
     async def _compute(self, ask: _Ask, shared: bool = False) -> object:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from app.answers import BytesLRU, SharedAnswer, frozen, size_of
+from app.broker.wire.reply import REPLY_MAGIC
 from app.cache import CacheUse, Outcome, ResponseCache, cache_key
 from app.cache.shared import COOL_OFF_S, SharedCache
 from app.errors import DeadlineExceeded, InvalidImage, QueueFull, Shed
@@ -149,6 +152,46 @@ async def test_errors_are_never_kept_and_a_client_error_is_shared_with_those_wai
     assert calls == [1, 1]  # computed again: nothing was kept
 
 
+async def test_a_request_waits_on_an_identical_one_until_its_own_deadline_only() -> None:
+    """A follower's deadline is its own, as it would be queued: 504 when it passes, while
+    the computation goes on for the others; one with a later deadline still gets it."""
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    calls, compute = counting(gate=gate)
+    leader = asyncio.ensure_future(cache.answer(b"k", compute, CacheUse()))
+    await asyncio.sleep(0.01)
+    began = time.monotonic()
+    hurried = asyncio.ensure_future(cache.answer(b"k", compute, CacheUse(), deadline=began + 0.1))
+    patient = asyncio.ensure_future(cache.answer(b"k", compute, CacheUse(), deadline=began + 30))
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(hurried, 5)
+    assert 0.09 < time.monotonic() - began < 2
+    assert not leader.done() and not patient.done()
+    gate.set()
+    assert await leader is await patient
+    assert calls == [1]
+
+
+async def test_a_more_urgent_request_does_not_wait_behind_a_less_urgent_identical_one() -> None:
+    """Priority 1 beside an identical priority 2 in flight (which may wait long in the
+    queue): it computes alone, at once; one as urgent as the flight waits on it."""
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    low_calls, low = counting(gate=gate)
+    leader = asyncio.ensure_future(cache.answer(b"k", low, CacheUse(), level=1))
+    await asyncio.sleep(0.01)
+    same_calls, same = counting()
+    alike = asyncio.ensure_future(cache.answer(b"k", same, CacheUse(), level=1))
+    high_calls, high = counting()
+    use = CacheUse()
+    await asyncio.wait_for(cache.answer(b"k", high, use, level=0), 5)
+    assert high_calls == [1] and use.header == "miss"
+    assert not leader.done()
+    gate.set()
+    await asyncio.gather(leader, alike)
+    assert low_calls == [1] and same_calls == []
+
+
 @pytest.mark.parametrize("how", ["timeout", "overload", "shed", "cancel"])
 async def test_when_the_computation_comes_to_nothing_each_waiting_request_tries_itself(
     how: str,
@@ -236,10 +279,26 @@ async def test_the_shared_tier_hands_one_front_end_s_answer_to_another_bit_for_b
             await cache.aclose()
 
 
-async def test_a_shared_entry_that_is_not_an_answer_is_a_miss(redis_url: str) -> None:
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"id": "cache", "batch": 1, "arrays": [[["x"], "<f4", [0]]]},  # a list as a name
+        {"id": "cache", "batch": 1, "error": [["x"], "m"]},
+        None,
+    ],
+)
+async def test_a_shared_entry_that_is_not_an_answer_is_a_miss(
+    redis_url: str, forged: dict[str, Any] | None
+) -> None:
+    """However a forged entry fails to parse (before: a list where a name goes raised
+    TypeError, a 500), it is a miss."""
+    raw = b"forged"
+    if forged is not None:
+        header = json.dumps(forged).encode()
+        raw = REPLY_MAGIC + struct.pack(">I", len(header)) + header
     shared = SharedCache.connect(redis_url, "t", 60, lambda: None)
     try:
-        await shared._client.set(shared._name(b"k"), b"forged")
+        await shared._client.set(shared._name(b"k"), raw)
         assert await shared.get(b"k") is None
     finally:
         await shared.aclose()

@@ -154,6 +154,29 @@ async def test_thirty_two_identical_requests_at_once_run_one_image(tmp_path: Pat
         )
 
 
+async def test_a_request_waiting_on_an_identical_one_answers_504_at_its_own_deadline(
+    tmp_path: Path,
+) -> None:
+    """``X-Request-Timeout`` holds while an identical request computes (before: it got the
+    other's answer whenever that came, 3 s and more past its own 0.5 s)."""
+    gate = asyncio.Event()
+
+    async def held(task: Task, jobs: Sequence[ImageJob]) -> list[object]:
+        await gate.wait()
+        return answer(task, jobs)
+
+    async with serving(tmp_path, FakeTransport(held), mb_request_timeout=10) as (_, client):
+        leader = asyncio.ensure_future(embed(client))
+        await asyncio.sleep(0.2)
+        began = asyncio.get_running_loop().time()
+        hurried = await asyncio.wait_for(embed(client, headers={"X-Request-Timeout": "0.5"}), 5)
+        waited = asyncio.get_running_loop().time() - began
+        assert hurried.status_code == 504 and 0.4 < waited < 2.5
+        assert not leader.done()
+        gate.set()
+        assert (await leader).status_code == 200
+
+
 async def test_a_hit_is_answered_while_the_queue_is_full(tmp_path: Path) -> None:
     gate = asyncio.Event()
 
