@@ -178,6 +178,7 @@ class WorkerHandle:
             buffer.unlink()
             buffer.close()
             parent.close()
+            child.close()
             raise
         child.close()  # so the parent sees EOF the moment the worker dies
         return cls(spec, process, parent, buffer)

@@ -133,7 +133,11 @@ class Supervision:
                 delay = self.backoff.next_delay(index)
                 log.warning("restarting worker %d on %s in %.1f s", index, dead.device, delay)
                 await asyncio.sleep(delay)
-                pool.replace(index)
+                try:  # the OS may refuse a process or its buffer now (EAGAIN, ENOMEM, EMFILE)
+                    pool.replace(index)
+                except Exception as exc:
+                    log.error("worker %d could not be started again: %r", index, exc)
+                    continue  # later, as after a failed start: never a slot given up
                 try:
                     worker = await asyncio.wait_for(self.wait_ready(index), pool.start_timeout_s)
                 except (WorkerStartError, TimeoutError) as exc:

@@ -233,6 +233,43 @@ async def test_only_worker_dying_gives_fast_503s_and_readiness_503_until_restart
     print(f"\nsingle worker recovered in {recovery:.2f} s")
 
 
+async def test_a_worker_whose_restart_the_os_refuses_once_is_restarted_later(
+    tiny_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OS refuses the new process once (EAGAIN at fork, as when memory or process slots
+    run short: often why the worker died). The restart tries again after its backoff, as
+    after a failed start; before, the restart's task died with the error and the slot
+    stayed dead: every request 503 until the server was restarted."""
+    from app.workers.handle import WorkerHandle
+
+    async with running_app(
+        model_store=tiny_store, cuda_devices="cpu", mb_worker_num=1, mb_worker_threads=1
+    ) as (app, client):
+        pool = app.state.engine.transport
+        spawn = WorkerHandle.spawn.__func__  # type: ignore[attr-defined]
+        refused: list[int] = []
+
+        def refuse_once(cls: type[WorkerHandle], *args: Any, **kwargs: Any) -> WorkerHandle:
+            if not refused:
+                refused.append(1)
+                raise OSError(11, "Resource temporarily unavailable")
+            return spawn(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(WorkerHandle, "spawn", classmethod(refuse_once))
+        dead = pool.workers[0].process.pid
+        os.kill(dead, signal.SIGKILL)
+        async with asyncio.timeout(30):  # back, and holding its model again
+            while pool.workers[0].process.pid == dead or (
+                (await client.get("/readyz")).status_code != 200
+            ):
+                await asyncio.sleep(0.05)
+        assert refused == [1]
+        response = await client.post(
+            "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
+        )
+        assert response.status_code == 200
+
+
 async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -> None:
     # SLOW_STORE_S (0.25 s) a batch, five times the batch timeout of 0.05 s: every batch
     # "hangs".
