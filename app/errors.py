@@ -218,8 +218,9 @@ class DeadlineExceeded(ServerError):
 
 
 class ModelLoadFailed(ServerError):
-    """Loading a version failed at ``step`` (verify, load, self-test, warm-up, budget, or a
-    worker crash); whatever served before serves on."""
+    """Loading a version failed at ``step`` (verify, load, self-test, warm-up, budget, a
+    worker crash, or ``interrupted``: its worker killed for something else, which loads it
+    again once restarted); whatever served before serves on."""
 
     code = "model_load_failed"
 

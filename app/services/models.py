@@ -233,7 +233,7 @@ class Models:
             try:
                 return await self._until_served(name, chosen, item.manifest.model_id, asked)
             except ModelLoadFailed as exc:
-                if exc.step != "timeout":  # the workers gave it up: nothing of it is coming
+                if exc.step not in ("timeout", "interrupted"):  # given up: nothing is coming
                     self.registry.gave_up(name)  # after an unload: 404 again, not 503
                 raise
 

@@ -144,6 +144,7 @@ class WorkerHandle:
         self.alive = True
         self.models: dict[str, ModelLoaded] = {}  # by served id, once it is ready
         self.loading: ModelSpec | None = None  # what it is loading now
+        self.killed_for: str | None = None  # why the pool killed it (it dies any moment)
         self.batches = 0
         self.items = 0
         self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
@@ -385,7 +386,12 @@ class WorkerHandle:
             with contextlib.suppress(OSError, ValueError, AssertionError, RuntimeError):
                 self.conn.send(STOP)
 
-    def kill(self) -> None:
+    def kill(self, why: str | None = None) -> None:
+        """End the process (SIGKILL); ``why``: the pool's own reason (a batch past
+        ``MB_BATCH_TIMEOUT``), so that its death is not blamed on a load beside it, and it
+        takes no batch meanwhile."""
+        if why is not None:
+            self.killed_for = why
         self.process.kill()
 
     async def stop(self, timeout_s: float, reason: str) -> None:

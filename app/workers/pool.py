@@ -222,14 +222,20 @@ class WorkerPool:
         that dies meanwhile fails it, and one that neither answers nor gives up by the load
         deadline (and ``STUCK_S`` more) is killed (it restarts)."""
         what = "loading" if isinstance(message, LoadModel) else "unloading"
-        if not worker.alive:
+        if not worker.alive or worker.killed_for:  # the load never ran: not its fault
             raise ModelLoadFailed(
-                f"worker {worker.index} died before {what} the model", "worker crash"
+                f"worker {worker.index} died before {what} the model", "interrupted"
             )
         future = worker.send(message)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.start_timeout_s + STUCK_S)
         except WorkerDied:
+            if worker.killed_for:  # the pool ended it for something else: its restart loads
+                raise ModelLoadFailed(
+                    f"worker {worker.index} was killed while {what} the model "
+                    f"({worker.killed_for})",
+                    "interrupted",
+                ) from None
             raise ModelLoadFailed(
                 f"worker {worker.index} died while {what} the model", "worker crash"
             ) from None
@@ -382,7 +388,7 @@ class WorkerPool:
             self.batch_timeout_s,
             size,
         )
-        worker.kill()
+        worker.kill(f"a batch past MB_BATCH_TIMEOUT={self.batch_timeout_s:g} s")
 
     async def _acquire(self, served_id: str) -> WorkerHandle:
         while True:
@@ -395,6 +401,8 @@ class WorkerPool:
                 return idle
 
     def _on_idle(self, worker: WorkerHandle) -> None:
+        if worker.killed_for:  # its answer came as it was killed: it takes no more
+            return
         if worker.batches:  # it has answered a batch: it works, reset its restart backoff
             self.supervision.backoff.reset(worker.index)
         self._idle.put(worker)

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import time
 from collections import Counter
@@ -268,6 +269,40 @@ async def test_a_worker_whose_restart_the_os_refuses_once_is_restarted_later(
             "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
         )
         assert response.status_code == 200
+
+
+async def test_a_worker_killed_for_a_hung_batch_while_loading_loads_that_version_back(
+    slow_store: Path, tiny_store: Path, tmp_path: Path
+) -> None:
+    """A reload loads version 2 on the only worker while a batch of version 1 runs past
+    MB_BATCH_TIMEOUT: the pool kills the worker for the batch. The load is not to blame:
+    the restarted worker loads version 2 (before, it was marked a load that crashed its
+    worker and given up until an explicit retry: the rollout silently never happened)."""
+    root = tmp_path / "models"
+    shutil.copytree(slow_store, root / "tiny" / "1")  # SLOW_STORE_S (0.25 s) a batch
+    async with running_app(
+        model_repository=root, cuda_devices="cpu", mb_worker_num=1, mb_worker_threads=1,
+        mb_batch_timeout=0.1, mb_test_load_delay_s="2",
+    ) as (app, client):  # fmt: skip
+        pool = app.state.engine.transport
+        shutil.copytree(tiny_store, root / "tiny" / "2")
+        await app.state.engine.models.reload(automatic=True)  # as the repository poll does
+        async with asyncio.timeout(10):
+            while pool.workers[0].loading is None:
+                await asyncio.sleep(0.02)
+        dead = pool.workers[0].process.pid
+        during = await client.post(
+            "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
+        )
+        assert during.status_code == 503 and error_of(during)["type"] == "worker_died"
+        async with asyncio.timeout(60):  # restarted, then version 2 loaded (2 s a load)
+            while pool.workers[0].process.pid == dead or not any(
+                life.version == 2
+                for keeper in pool.host.keepers.values()  # a new one for the new worker
+                for life in keeper.lives.values()
+            ):
+                await asyncio.sleep(0.1)
+        assert not pool.host._crashed
 
 
 async def test_hung_worker_is_killed_after_the_batch_timeout(slow_store: Path) -> None:
