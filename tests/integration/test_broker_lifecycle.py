@@ -20,10 +20,11 @@ import pytest
 
 from tests.answers import error_of
 from tests.broker import RedisServer, Workers, broker_env
-from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id, until
+from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id
 from tests.integration.test_repository import add_version
 from tests.models import export_scaled, export_tiny
 from tests.server import ServerProcess
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -83,19 +84,20 @@ async def test_a_rollout_whose_loads_take_longer_than_any_grace_period_switches(
         front_of(redis_server, repository, v1) as front,
     ):
         async with load(front.base_url, checked):
-            await until(lambda: checked.ids[served_id(v1)] > 20, "answers from version 1")
+            await wait_for(lambda: checked.ids[served_id(v1)] > 20, 90, "answers from version 1")
             v2 = add_version(repository, "tiny", lambda out: export_scaled(out, 2.0))
             scales[served_id(v2)] = 2.0
             asked = time.monotonic()
             os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
-            await until(lambda: checked.ids[served_id(v2)] > 20, "answers from version 2", 120)
+            await wait_for(lambda: checked.ids[served_id(v2)] > 20, 120, "answers from version 2")
             switched_s = time.monotonic() - asked
             beats = workers.own().values()
-            await until(
+            await wait_for(
                 lambda: (
                     [(r["state"], r["serving"]) for r in index(front).values()]
                     == [("unavailable", False), ("ready", True)]
                 ),
+                90,
                 "version 1 unloaded from both workers",
             )
     print(f"\nslow rollout: switched after {switched_s:.1f} s; answers {dict(checked.ids)}")
@@ -206,10 +208,11 @@ async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
     ):
         add_version(repository, "slow", lambda out: export_scaled(out, 2.0))
         os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
-        await until(
+        await wait_for(
             lambda: any(
                 m["state"] == "loading" for beat in workers.own().values() for m in beat["models"]
             ),
+            90,
             "the worker loading version 2",
         )
         answers: list[tuple[float, float, int, str]] = []  # sent, seconds, status, type

@@ -20,10 +20,11 @@ from app.manifest import read_manifest
 from tests.answers import error_of
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.conftest import expected_for
-from tests.integration.test_broker_rollout import IMAGES, holds, until
+from tests.integration.test_broker_rollout import IMAGES, holds
 from tests.integration.test_repository import add_version
 from tests.models import export_scaled, export_tiny
 from tests.server import ServerProcess
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +117,9 @@ async def test_a_fleet_of_mixed_cpus_serves_a_version_in_two_precisions_knowingl
             fleet = redis_server.client().hget(PRECISIONS, v2_id)
             assert fleet in (b"float32", b"bfloat16")
             a_id = v2_id + ("+bf16" if fleet == b"bfloat16" else "")
-            await until(lambda: holds(a, a_id), "host a on version 2 in the fleet's precision")
+            await wait_for(
+                lambda: holds(a, a_id), 90, "host a on version 2 in the fleet's precision"
+            )
             answered = {check(answer(front, i % 16), v2, i % 16, 2.0) for i in range(8)}
             assert answered <= {v2_id, f"{v2_id}+bf16"} and len(answered) == 1
 
