@@ -22,6 +22,7 @@ from tests.answers import error_of
 from tests.broker import RedisServer, Workers, broker_env
 from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id
 from tests.integration.test_repository import add_version
+from tests.lifecycle import until
 from tests.models import export_scaled, export_tiny
 from tests.server import ServerProcess
 from tests.waiting import wait_for
@@ -188,6 +189,37 @@ def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Pat
     for beat in beats:
         ready = [m["served_id"] for m in beat["models"] if m["state"] == "ready"]
         assert ready == [served_id(v1)]
+
+
+def verify_failures(workers: Workers) -> list[int]:
+    """Each worker's count of loads of ``tiny`` that failed to verify (its heartbeat's)."""
+    return sorted(
+        beat.get("load_failures", {}).get("tiny", {}).get("verify", 0)
+        for beat in workers.own().values()
+    )
+
+
+def test_a_sighup_tries_a_failed_version_again_on_every_worker(tmp_path: Path) -> None:
+    """The model unloaded, a corrupted version 2 loaded by the route (422: it failed on
+    both workers), then ``kill -HUP`` of the workers' host: each tries it again. Before, a
+    reload kept the number of the request before it, so each worker read the other's
+    failure as this attempt's and gave the version up untried (found by the lifecycle
+    model: broker-2-int8, unload, a corrupt copy, load by the route, SIGHUP)."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    with cluster(repository, v1) as (workers, _, client):
+        unloaded = client.post("/v2/repository/models/tiny/unload", headers=ADMIN)
+        assert unloaded.status_code == 200, unloaded.text
+        v2 = repository / "tiny" / "2"
+        shutil.copytree(v1, v2)
+        with (v2 / "embedding.pt").open("r+b") as damaged:
+            damaged.seek(100)
+            damaged.write(b"\0" * 64)
+        failed = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
+        assert failed.status_code == 422, failed.text
+        until(lambda: verify_failures(workers) == [1, 1], "both workers' failure", 30)
+        os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        until(lambda: verify_failures(workers) == [2, 2], "each worker's retry", 30)
 
 
 async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(
