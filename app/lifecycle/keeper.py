@@ -105,6 +105,9 @@ class Keeper:
         self.queue: list[ModelSpec] = []
         self.loading: ModelSpec | None = None
         self.aimed = 0  # the number of the request it was last aimed by (a pin, a reload)
+        # Asked again (an explicit aim), not tried since: tried whatever the other workers
+        # said of them before (a SIGHUP of one host does not move the fleet's request number).
+        self._asked_again: set[tuple[str, int]] = set()
         self._stopped: dict[str, float] = {}  # served id -> when its reads stopped (draining)
         self._read: Reader = _unread
 
@@ -187,6 +190,8 @@ class Keeper:
                     if number == target:
                         self.targets[name] = UNKNOWN
         self.queue = queue
+        queued = {(spec.name, spec.version) for spec in queue}
+        self._asked_again = queued if explicit else self._asked_again & queued
         self._place_held()
 
     def _place_held(self) -> None:
@@ -235,11 +240,11 @@ class Keeper:
         self, workers: Sequence[WorkerView] = (), also: Iterable[tuple[str, int]] = ()
     ) -> ModelSpec | None:
         """The load to start next, if any: not a version the workers gave up (it would only
-        be given up again; the next explicit aim tries again), nor one of ``also`` (given up
-        besides: a load that killed a worker)."""
+        be given up again; the next explicit aim tries again, once, whatever the others said
+        before), nor one of ``also`` (given up besides: a load that killed a worker)."""
         if self.loading is not None:
             return None
-        gave_up = {*self._given_up(workers), *also}
+        gave_up = {*(self._given_up(workers).keys() - self._asked_again), *also}
         self._place_held()
         while self.queue:
             spec = self.queue[0]
@@ -257,6 +262,7 @@ class Keeper:
         if spec in self.queue:
             self.queue.remove(spec)
         key = (spec.name, spec.version)
+        self._asked_again.discard(key)
         life = VersionLife(spec.name, spec.version, spec.served_id)
         life.move(VersionState.LOADING)
         self.lives[key], self.specs[key], self.loading = life, spec, spec

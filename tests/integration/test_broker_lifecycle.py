@@ -204,7 +204,9 @@ def test_a_sighup_tries_a_failed_version_again_on_every_worker(tmp_path: Path) -
     both workers), then ``kill -HUP`` of the workers' host: each tries it again. Before, a
     reload kept the number of the request before it, so each worker read the other's
     failure as this attempt's and gave the version up untried (found by the lifecycle
-    model: broker-2-int8, unload, a corrupt copy, load by the route, SIGHUP)."""
+    model: broker-2-int8, unload, a corrupt copy, load by the route, SIGHUP). The SIGHUP is
+    this host's alone: it does not move the fleet's request number (another host would
+    then load what is new on its disk too: test_broker_rollout's host-by-host rollout)."""
     repository = tmp_path / "models"
     v1 = export_tiny(repository / "tiny" / "1")
     with cluster(repository, v1) as (workers, _, client):

@@ -135,6 +135,25 @@ def test_a_version_the_others_gave_up_is_not_loaded_again() -> None:
     assert also.next_load(also=[("tagger", 2)]) is None  # given up besides (a crash)
 
 
+def test_an_explicit_aim_of_the_same_number_tries_once_what_the_others_failed() -> None:
+    """A SIGHUP of one host in broker mode aims its workers again under the same request
+    number as the last attempt: the other worker's failure from that attempt does not stop
+    this one from trying once (before, each read the other's failure as the version given
+    up, and none tried it again); a poll (not explicit) does not try it."""
+    other = failed_on("w1", 2, aimed=1)
+    keeper = Keeper("w0")
+    keeper.aim({"tagger": 2}, Disk(), explicit=False, asked=1)
+    assert keeper.next_load([other]) is None
+    keeper.aim({"tagger": 2}, Disk(), explicit=False, asked=1)  # a poll
+    assert keeper.next_load([other]) is None
+    keeper.aim({"tagger": 2}, Disk(), explicit=True, asked=1)  # SIGHUP
+    assert keeper.next_load([other]) == spec(2)
+    keeper.begin(spec(2))
+    keeper.failed_load(spec(2), "verify", "bad sha256")
+    keeper.aim({"tagger": 2}, Disk(), explicit=False, asked=1)
+    assert keeper.next_load([other]) is None  # once: then given up again
+
+
 def test_a_retry_is_not_answered_by_the_failures_of_the_attempt_before() -> None:
     """Asked again (request 2) after a failure (request 1): another worker's failure from
     request 1 does not stop this load, nor drain what it loaded; one from request 2 does."""

@@ -107,16 +107,6 @@ async def bump(client: aioredis.Redis, keys: Keys) -> int:
     return int(await client.hincrby(keys.pins_seq, SEQ, 1))
 
 
-# A reload asked of a worker (SIGHUP on its host): the sequence moves on, unless another worker
-# moved it since this one last read it (its host's other workers got the same signal): one
-# number per reload, however many workers were told (ARGV[1]: the number last read).
-RELOAD = """
-local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
-if seq == tonumber(ARGV[1]) then seq = redis.call('HINCRBY', KEYS[1], 'seq', 1) end
-return seq
-"""
-
-
 class PinReader:
     """A worker's reader of the pins: ``changed()`` (one round trip) says whether they
     moved since the last ``read()``.
@@ -143,14 +133,6 @@ class PinReader:
         """Whether an admin call changed the pins since the last read. Raises
         ``RedisError`` or ``OSError``."""
         return self._seq() != self._seen
-
-    def reload(self) -> None:
-        """A reload asked here (``SIGHUP``) becomes a request of the fleet's with its own
-        number (``RELOAD``), as an admin call is: what the workers say of a version from
-        then on is this attempt's outcome, not the last one's (before, two workers whose
-        load had failed each read the other's failure as the version given up, and
-        neither tried it again). Raises ``RedisError`` or ``OSError``."""
-        self.client.eval(RELOAD, 1, self.keys.pins_seq, self.seen)
 
     def read(self) -> dict[str, AdminPin]:
         """The pins now (and the sequence they are at). Raises ``RedisError`` or

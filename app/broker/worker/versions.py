@@ -184,11 +184,9 @@ class WorkerVersions:
             explicit = self._reload.is_set()
             due = self.poll_s is not None and now >= self._next_poll
             try:
-                if explicit:
-                    self.pins.reload()
                 asked = explicit or self.pins.changed()
             except (RedisError, OSError):
-                asked = False  # the reload stays asked: next round
+                asked = False
             if asked or due:
                 self._reload.clear()
                 if due:

@@ -34,6 +34,7 @@ class FakeHandle:
         self.models = {m.served_id: ModelLoaded(m.served_id, 8, "torchscript", 0) for m in models}
         self.ready, self.alive, self.batches, self.process = False, True, 0, FakeProcess()
         self.step_s = step_s
+        self.killed_for: str | None = None
         self._pending: asyncio.Future[Any] | None = None
         self._on_idle: Any = None
         self._on_exit: Any = None
