@@ -165,6 +165,15 @@ def test_the_admin_routes_roll_versions_through_redis_and_answer_once_switched(
     assert any(m.get("runtime") == "openvino" for m in held)
 
 
+def publish_corrupt_copy(store: Path, folder: Path) -> None:
+    """``store`` published in ``folder`` with its embedding damaged: its manifest's sha256
+    no longer matches (it fails to verify)."""
+    shutil.copytree(store, folder)
+    with (folder / "embedding.pt").open("r+b") as damaged:
+        damaged.seek(100)
+        damaged.write(b"\0" * 64)
+
+
 def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Path) -> None:
     """A corrupted copy of version 1 published as version 2 (its manifest claims version
     1's id): the load answers 422 with the reason, the index shows version 2 failed with
@@ -172,11 +181,7 @@ def test_a_failed_version_is_its_own_row_and_what_served_serves_on(tmp_path: Pat
     repository = tmp_path / "models"
     v1 = export_tiny(repository / "tiny" / "1")
     with cluster(repository, v1) as (workers, front, client):
-        v2 = repository / "tiny" / "2"
-        shutil.copytree(v1, v2)
-        with (v2 / "embedding.pt").open("r+b") as damaged:
-            damaged.seek(100)
-            damaged.write(b"\0" * 64)
+        publish_corrupt_copy(v1, repository / "tiny" / "2")
         failed = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         rows = index(front)
         beats = list(workers.own().values())
@@ -212,11 +217,7 @@ def test_a_sighup_tries_a_failed_version_again_on_every_worker(tmp_path: Path) -
     with cluster(repository, v1) as (workers, _, client):
         unloaded = client.post("/v2/repository/models/tiny/unload", headers=ADMIN)
         assert unloaded.status_code == 200, unloaded.text
-        v2 = repository / "tiny" / "2"
-        shutil.copytree(v1, v2)
-        with (v2 / "embedding.pt").open("r+b") as damaged:
-            damaged.seek(100)
-            damaged.write(b"\0" * 64)
+        publish_corrupt_copy(v1, repository / "tiny" / "2")
         failed = client.post("/v2/repository/models/tiny/load", headers=ADMIN)
         assert failed.status_code == 422, failed.text
         until(lambda: verify_failures(workers) == [1, 1], "both workers' failure", 30)
