@@ -20,7 +20,9 @@ enough that the log still shows, minute by minute, that it goes on."""
 
 _STANDARD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _OURS = ("app", "uvicorn")  # at LOG_LEVEL; every other library at warnings and up
-_NEVER_LIMITED = frozenset({"app.request"})  # one line per request, each its own
+# One line per request, and per operator's signal (a second SIGHUP within the interval was
+# held back: no line said it had been heard), each its own.
+_NEVER_LIMITED = frozenset({"app.request", "app.signals"})
 # A library's repeat differs in its numbers: the OTLP exporter's "retrying in 1.17s", an
 # object's address in urllib3's errors.
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")

@@ -42,6 +42,7 @@ from app.settings import Settings, get_settings
 from app.tenancy import LocalBuckets, RedisBuckets, Scope, Tenancy
 
 log = logging.getLogger("app")
+signals = logging.getLogger("app.signals")  # an operator's signal: each one logged (app.logs)
 
 
 def _flag_closing_on_signals(app: FastAPI) -> Callable[[], None]:
@@ -89,7 +90,7 @@ def _reload_on_hangup(engine: Engine, tenancy: Tenancy) -> Callable[[], None]:
 
     def on_hangup() -> None:
         tenancy.reload()
-        log.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
+        signals.info("SIGHUP: loading what is new in %s", engine.plan.repository.root)
         reloads.start(models.reload())
 
     loop.add_signal_handler(signal.SIGHUP, on_hangup)

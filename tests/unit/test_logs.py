@@ -177,6 +177,8 @@ def test_different_messages_and_request_lines_are_never_held_back() -> None:
 
     for _ in range(3):
         log("app.request", logging.INFO, "POST /predict/tag 200")  # the same line, each its own
+    for _ in range(2):
+        log("app.signals", logging.INFO, "SIGHUP: loading what is new")  # each one heard
     log(EXPORTER, logging.ERROR, "Failed to export: %s", "connection refused")
     log(EXPORTER, logging.ERROR, "Failed to export: %s", "name not known")
     log(EXPORTER, logging.WARNING, "Failed to export: %s", "name not known")  # another level
@@ -191,6 +193,8 @@ def test_different_messages_and_request_lines_are_never_held_back() -> None:
         ("app.request", "POST /predict/tag 200"),
         ("app.request", "POST /predict/tag 200"),
         ("app.request", "POST /predict/tag 200"),
+        ("app.signals", "SIGHUP: loading what is new"),
+        ("app.signals", "SIGHUP: loading what is new"),
         (EXPORTER, "Failed to export: connection refused"),
         (EXPORTER, "Failed to export: name not known"),
         (EXPORTER, "Failed to export: name not known"),

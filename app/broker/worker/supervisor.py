@@ -28,6 +28,7 @@ from app.workers import allocator
 from app.workers.backoff import RestartBackoff
 
 log = logging.getLogger("app.worker")
+signals = logging.getLogger("app.signals")  # each SIGHUP logged, however often (app.logs)
 
 STABLE_S = 60.0  # a worker that ran this long before it died restarts without delay growth
 STOP_TIMEOUT_S = 60.0  # a worker finishing its batch after SIGTERM gets this long
@@ -71,7 +72,7 @@ class Supervisor:
 
     def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
         """``kill -HUP``: every worker looks at the repository and loads what is new."""
-        log.info("SIGHUP: the workers load what is new in the repository")
+        signals.info("SIGHUP: the workers load what is new in the repository")
         for process in self.processes.values():
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGHUP)
