@@ -22,9 +22,6 @@ class Background:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def __len__(self) -> int:
-        return len(self._tasks)
-
     def start(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)

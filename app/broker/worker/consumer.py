@@ -237,7 +237,7 @@ class Consumer:
                 time.sleep(0.1)
                 continue
             lanes = self.versions.reading()
-            started, began = time.perf_counter(), time.monotonic()
+            began = time.monotonic()
             try:
                 if lanes:  # levels or tenants: a batch in their order (app.broker.worker.lanes)
                     read = self.versions.lanes.read(self.versions.streams, self._batch_sizes())
@@ -263,7 +263,7 @@ class Consumer:
                 fetched = [(text(stream), fields_of(entries)) for stream, entries in read]
                 if any(is_doorbell(fields) for _, entries in fetched for _, fields in entries):
                     fetched += self._read_new_lanes()
-                self._ahead.put(fetched, time.perf_counter() - started)
+                self._ahead.put(fetched, time.monotonic() - began)
 
     def _read_new_lanes(self) -> Fetched:
         """A doorbell came: learn the new lanes, and take what waits now, the new lanes'
