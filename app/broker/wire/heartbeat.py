@@ -106,6 +106,11 @@ class WorkerInfo(BaseModel):
         reading = (VersionState.READY, VersionState.DRAINING)
         return any(m.served_id == served_id and m.state in reading for m in self.models)
 
+    @property
+    def loading(self) -> bool:
+        """Whether it is loading a version (it holds its host's load slot meanwhile)."""
+        return any(m.state is VersionState.LOADING for m in self.models)
+
 
 def decode_worker_info(raw: bytes | str | None) -> WorkerInfo:
     """A heartbeat's description, or ``MalformedMessage``."""

@@ -179,6 +179,7 @@ class WorkerVersions:
         """One round (see the module's docstring); ``view``: the live workers now (None:
         Redis could not say)."""
         now = time.monotonic()
+        self._lock.settle()  # a release Redis could not take
         self._take_in(now)
         if not stopping:
             explicit = self._reload.is_set()
@@ -241,21 +242,19 @@ class WorkerVersions:
             return  # a load of it given up at its deadline still runs: not twice at once
         try:
             spec = self.precision.decided(spec)  # the fleet may have decided meanwhile
-            live = view.names if view is not None else self._live_names()
-            if not self._lock.take(live):
+            view = view or LiveWorkers(self.keys).read(self.client)  # one that starts has none
+            idle = [w.name for w in view.workers if not w.loading]
+            if not self._lock.take(view.names, idle):
                 return  # another worker of this host is loading: next round
         except (RedisError, OSError) as exc:
             self._on_error(f"could not take the host's load lock: {exc}")
             return
         self.keeper.begin(spec)
+        self._advertise()  # loading, as its next heartbeat says: its slot is not taken over
         delay = self.load_delay_s if self.started.is_set() else 0.0
         self._slot.start(self.worker, spec, delay_s=delay)
         log.info("worker %s: loading %s version %d beside what it serves", self.name,
                  spec.name, spec.version)  # fmt: skip
-
-    def _live_names(self) -> frozenset[str]:
-        """The live workers' names, asked now (a worker that starts has no view yet)."""
-        return LiveWorkers(self.keys).read(self.client).names
 
     def _take_in(self, now: float) -> None:
         """The load that ended goes into service, or fails (one past its deadline too)."""
