@@ -70,15 +70,49 @@ class NameTaken(Exception):
         )
 
 
+class RedisClock:
+    """Redis's clock, read on this host's monotonic clock plus an offset: deadlines are
+    judged on Redis's clock with no round trip per batch, and never against this host's wall
+    clock. Each reading of Redis's time (``heard``: it answered ``redis_ms`` between
+    ``before_s`` and ``after_s``) bounds the offset by the round trip; the bounds of
+    successive readings are intersected (widened by ``DRIFT`` of the time between them), and
+    the offset is the middle of what is left. So a slow round trip (the process paused or
+    throttled, a busy host) never moves it by more than the fastest one allows; bounds that
+    do not meet (another Redis after a failover, its clock stepped) start it afresh.
+
+    >>> clock = RedisClock()
+    >>> clock.heard(5_000, before_s=1.0, after_s=1.002)  # a 2 ms round trip
+    >>> clock.heard(6_000, before_s=2.0, after_s=3.0)  # answered at once, read 1 s later
+    >>> clock.now_ms(3.0)  # Redis says 7000 then; the second reading alone says 6500
+    6999
+    """
+
+    DRIFT = 0.0005  # how far two clocks may slew apart per second (NTP's most: 500 ppm)
+
+    def __init__(self) -> None:
+        self._low = self._high = 0.0  # the offset's bounds, ms
+        self._at: float | None = None  # when they were last narrowed (monotonic s)
+
+    def heard(self, redis_ms: float, *, before_s: float, after_s: float) -> None:
+        low, high = redis_ms - 1000 * after_s, redis_ms + 1 - 1000 * before_s  # ms: truncated
+        if self._at is not None:
+            slack = 1000 * self.DRIFT * max(0.0, after_s - self._at)
+            low_, high_ = max(low, self._low - slack), min(high, self._high + slack)
+            if low_ <= high_:
+                low, high = low_, high_
+        self._low, self._high, self._at = low, high, after_s
+
+    def now_ms(self, monotonic_s: float | None = None) -> int:
+        at = time.monotonic() if monotonic_s is None else monotonic_s
+        return int(1000 * at + (self._low + self._high) / 2)
+
+
 class Heartbeat:
     """One worker's heartbeat: its name on Redis's clock in a sorted set, its description in
-    a hash, in one script call, which also returns Redis's time. The name is this process's
-    alone: ``incarnation`` (new at each start) marks its heartbeats, and a heartbeat refused
-    because another live incarnation holds the name raises ``NameTaken``.
-
-    Redis's clock = this host's monotonic clock + an offset renewed by every heartbeat:
-    deadlines are judged on Redis's clock with no round trip per batch, and never against
-    this host's wall clock.
+    a hash, in one script call, which also returns Redis's time (``clock``, a
+    ``RedisClock``). The name is this process's alone: ``incarnation`` (new at each start)
+    marks its heartbeats, and a heartbeat refused because another live incarnation holds the
+    name raises ``NameTaken``.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, name: str, incarnation: str) -> None:
@@ -88,7 +122,7 @@ class Heartbeat:
         self.incarnation = incarnation
         self._script = client.register_script(HEARTBEAT)
         self._leave = client.register_script(LEAVE)
-        self._offset_ms = 0.0
+        self.clock = RedisClock()
 
     def send(self, info: dict[str, Any]) -> None:
         """Raises ``NameTaken``, or ``RedisError`` or ``OSError`` when Redis cannot be
@@ -106,7 +140,7 @@ class Heartbeat:
         if isinstance(answer, list):
             pid, host, age_ms = answer
             raise NameTaken(self.name, text(pid), text(host), int(age_ms))
-        self._offset_ms = float(answer) - 500 * (before + time.monotonic())
+        self.clock.heard(float(answer), before_s=before, after_s=time.monotonic())
 
     def leave(self) -> None:
         """Take this worker's heartbeat out now (a clean exit), unless a successor holds it."""
@@ -115,7 +149,7 @@ class Heartbeat:
         )
 
     def redis_now_ms(self) -> int:
-        return int(1000 * time.monotonic() + self._offset_ms)
+        return self.clock.now_ms()
 
 
 class Presence:
