@@ -524,6 +524,7 @@ async def test_a_request_past_its_deadline_is_never_run(tiny_store: Path) -> Non
                 fields = encode_request("x-1", "nobody", Task.EMBEDDING, 0, 1, images[1])
                 stream = stream_key(tiny_store, "embedding")
                 redis_server.client().xadd(stream, fields)  # type: ignore[arg-type]
+                await asyncio.sleep(0.05)  # well past its deadline when the worker wakes
             # The paused worker may have had the late entry delivered while it blocked on
             # its read; by Redis's clock both are past their deadline when it wakes.
             await wait_for(lambda: total(workers, "expired") >= 1, what="the late entry dropped")
