@@ -25,9 +25,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.background import Background
 from app.batching import ClusterView
+from app.broker.front.pins import KnownPins
 from app.broker.front.routes import decode_routes, encode_route
 from app.broker.wire.connect import drop_idle_async, follow_primary_async
-from app.broker.wire.control import SEQ, bump, decode_pins, restore_pins, set_pin
+from app.broker.wire.control import SEQ, bump, decode_pins, later, restore_pins, set_pin
 from app.broker.wire.heartbeat import WorkerInfo
 from app.broker.wire.keys import Keys
 from app.broker.wire.live import LiveWorkers
@@ -90,11 +91,9 @@ class Monitor:
         self.workers: list[WorkerInfo] = []
         self.routes: dict[str, Route] = {}
         self.pins: dict[str, AdminPin] = {}
-        # What this front end's admin routes wrote, and the pins' sequence number then:
-        # written again where a failover (or a restart) lost them.
-        self._written: dict[str, AdminPin | None] = {}
-        self._written_seq = 0
-        self._restore_due = False
+        # The pins as last seen and written: written again where a failover (or a restart)
+        # lost them.
+        self._known = KnownPins()
         self.queue_depth = 0  # entries in the routed versions' streams at the last look
         # The lanes (``app.broker.wire.lanes``) of each routed version at the last look.
         self.lanes: dict[str, tuple[str, ...]] = {}
@@ -173,11 +172,10 @@ class Monitor:
         if self.client is None:
             raise cannot_reach()
         try:
-            asked = await set_pin(self.admin or self.client, self.keys, name, pin)
+            asked, raw = await set_pin(self.admin or self.client, self.keys, name, pin)
         except (RedisError, OSError) as exc:
             raise self._admin_failed(exc) from exc
-        self._written[name] = pin
-        self._written_seq = max(self._written_seq, asked)
+        self._known.wrote(name, raw, asked)
         self.pins = (
             {**self.pins, name: pin}
             if pin is not None
@@ -192,9 +190,11 @@ class Monitor:
         if not explicit or self.client is None:
             return 0
         try:
-            return await bump(self.admin or self.client, self.keys)
+            asked = await bump(self.admin or self.client, self.keys)
         except (RedisError, OSError) as exc:
             raise self._admin_failed(exc) from exc
+        self._known.asked(asked)
+        return asked
 
     def _admin_failed(self, exc: BaseException) -> BrokerUnavailable:
         """What an admin write that failed says: Redis refused it (its user may not write
@@ -281,11 +281,12 @@ class Monitor:
         if not self.connected:
             log.info("broker: connected to Redis")
         self.connected = True
+        if other:
+            self._known.lost()
+        self._known.seen(answers[1], int(answers[2] or 0))
         self.pins = decode_pins(answers[1])
-        if other and int(answers[2] or 0) < self._written_seq:
-            self._restore_due = True
-        if self._restore_due:
-            await self._restore_pins()
+        if self._known.restoring:
+            await self._restore_pins(answers[1])
         self.queue_depth = sum(answers[3 : 3 + len(counted)])
         lanes = answers[3 + len(counted) : 3 + len(counted) + len(routed)]
         self.lanes = {
@@ -311,25 +312,24 @@ class Monitor:
         if self._on_view is not None:
             self._on_view(self.view)
 
-    async def _restore_pins(self) -> None:
-        """Another Redis answers, and the pins this front end wrote are not all there (a
-        failover lost the last writes): write them again (``restore_pins``), so a rollout
-        asked before it completes after it."""
+    async def _restore_pins(self, there: Mapping[Any, Any]) -> None:
+        """Another Redis answers, whose pins are ``there``: those it lacks, or has older
+        than this front end knew them, are written again (``KnownPins``), so a rollout asked
+        before it completes after it."""
         assert self.client is not None
-        kept = {n: p for n, p in self._written.items() if p is not None}
+        fields = self._known.fields()
         try:
-            seq = await restore_pins(self.admin or self.client, self.keys, kept, self._written_seq)
+            seq, wrote = await restore_pins(
+                self.admin or self.client, self.keys, fields, self._known.seq
+            )
         except (RedisError, OSError) as exc:  # tried again at the next look
             log.error("broker: could not write the lost pins again: %s", exc)
             return
-        log.warning("broker: Redis lost the pins this front end wrote; written again (%s)",
-                    ", ".join(kept) or "none")  # fmt: skip
-        for name, pin in self._written.items():
-            if pin is None:
-                self.pins.pop(name, None)
-            else:
-                self.pins[name] = pin
-        self._written_seq, self._restore_due = seq, False
+        if wrote:
+            log.warning("broker: Redis lost pins the fleet had; written again (%d of %s)",
+                        wrote, ", ".join(fields) or "none")  # fmt: skip
+        self._known.restored(seq)
+        self.pins = decode_pins(later({text(n): text(raw) for n, raw in there.items()}, fields))
 
     def _route(self) -> None:
         """Which version each name serves now, by the heartbeats; a name the admin route

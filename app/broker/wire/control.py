@@ -2,13 +2,20 @@
 the version a load by the admin route pinned, or that it unloaded the name:
 ``app.lifecycle.AdminPin``), and the precision each export is served in (``Precisions``).
 
-A front end's admin call writes the pin and bumps a sequence number in one transaction;
+A front end's admin call writes the pin and bumps a sequence number in one script (``SET``);
 every worker reads the number each round (one ``HGET``), and when it moved, reads the pins
 and loads (or drains) what they choose, as on ``SIGHUP`` (a failed version is tried again).
 A worker that starts later reads them before it loads anything: the operator's choice holds
 for every worker, a restarted one too, until the admin route says otherwise.
 
-    <prefix>:{w}:pins       hash: name -> {"version": N} or {"unloaded": true}
+Each pin carries the time Redis wrote it (``at``, ms on Redis's clock, and ``seq``, the
+sequence number then), and a cleared pin stays as a tombstone with them: after a failover
+that lost the last writes (or a restart that lost them all), front ends write back what
+they knew (``restore_pins``), and for each name the later write wins, whoever made it, on
+whichever primary.
+
+    <prefix>:{w}:pins       hash: name -> {"version": N, "at": ms, "seq": S},
+                            {"unloaded": true, ...} or {"cleared": true, ...}
     <prefix>:{w}:pins-seq   hash: "seq" -> a number bumped by every change
     <prefix>:{w}:precisions hash: export (model id) -> the dtype the fleet serves it in
 """
@@ -32,20 +39,24 @@ SEQ = "seq"
 DTYPE_NAMES = frozenset(PRECISION_TAGS)
 
 
-def encode_pin(pin: AdminPin) -> str:
-    """One field of the pins hash.
+def encode_pin(pin: AdminPin | None) -> str:
+    """One field of the pins hash, before Redis stamps it (``SET`` adds ``at``); None: the
+    pin cleared.
 
-    >>> encode_pin(3), encode_pin("unloaded")
-    ('{"version": 3}', '{"unloaded": true}')
+    >>> encode_pin(3), encode_pin("unloaded"), encode_pin(None)
+    ('{"version": 3}', '{"unloaded": true}', '{"cleared": true}')
     """
+    if pin is None:
+        return json.dumps({"cleared": True})
     return json.dumps({"unloaded": True} if pin == UNLOADED else {"version": int(pin)})
 
 
 def decode_pins(raw: Mapping[Any, Any]) -> dict[str, AdminPin]:
-    """The pins hash as pins; a field that does not parse (or names no valid model) is
-    left out: anyone who can write to Redis can write anything.
+    """The pins hash as pins; a cleared pin is none, and a field that does not parse (or
+    names no valid model) is left out: anyone who can write to Redis can write anything.
 
-    >>> decode_pins({b"tagger": b'{"version": 2}', b"old": b'{"unloaded": true}', b"x": b"{"})
+    >>> decode_pins({b"tagger": b'{"version": 2, "at": 5}', b"old": b'{"unloaded": true}',
+    ...              b"x": b"{", b"gone": b'{"cleared": true, "at": 7}'})
     {'tagger': 2, 'old': 'unloaded'}
     """
     pins: dict[str, AdminPin] = {}
@@ -62,42 +73,109 @@ def decode_pins(raw: Mapping[Any, Any]) -> dict[str, AdminPin]:
     return pins
 
 
-async def set_pin(client: aioredis.Redis, keys: Keys, name: str, pin: AdminPin | None) -> int:
-    """Set (or with None clear) ``name``'s pin and bump the sequence, in one transaction;
-    returns the new sequence number. Raises ``RedisError`` or ``OSError``."""
-    async with client.pipeline(transaction=True) as pipe:
-        if pin is None:
-            pipe.hdel(keys.pins, check_name(name))
-        else:
-            pipe.hset(keys.pins, check_name(name), encode_pin(pin))
-        pipe.hincrby(keys.pins_seq, SEQ, 1)
-        answers = await pipe.execute()
-    return int(answers[-1])
+def written_at(raw: str | bytes | None) -> tuple[int, int]:
+    """When Redis wrote a pin: the time (ms on its clock) and the sequence number then (one
+    Redis's writes within a millisecond, in order); (-1, 0) for none, (0, 0) for one
+    without them.
+
+    >>> written_at('{"version": 2, "at": 1700000000123, "seq": 7}'), written_at(None)
+    ((1700000000123, 7), (-1, 0))
+    """
+    if raw is None:
+        return (-1, 0)
+    try:
+        fields = json.loads(raw)
+        at, seq = fields.get("at"), fields.get("seq", 0)
+    except Exception:
+        return (0, 0)
+    if not isinstance(at, int) or not isinstance(seq, int) or at <= 0:
+        return (0, 0)
+    return (at, seq)
 
 
-# Pins written again after a failover lost them (ARGV: name, pin, name, pin...; ARGV[#ARGV]:
-# the sequence number they had): the sequence moves past it, so every worker acts on them
-# and an admin call waiting for that number sees it reached.
-RESTORE = """
-for i = 1, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+def later(*hashes: Mapping[str, str]) -> dict[str, str]:
+    """The pins' fields of several readings, each name's latest (``written_at``).
+
+    >>> later({"a": '{"version": 1, "at": 5, "seq": 2}'}, {"a": '{"cleared": true, "at": 5}'})
+    {'a': '{"version": 1, "at": 5, "seq": 2}'}
+    """
+    fields: dict[str, str] = {}
+    for each in hashes:
+        for name, raw in each.items():
+            if written_at(raw) >= written_at(fields.get(name)):
+                fields[name] = raw
+    return fields
+
+
+# A pin stamped with Redis's time and the sequence bumped (KEYS: pins, pins-seq; ARGV: the
+# name, its field without the time, ending in "}"): the new sequence and the field written.
+SET = """
+local t = redis.call('TIME')
+local at = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 local seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
-local floor = tonumber(ARGV[#ARGV])
-if seq < floor then
-  redis.call('HSET', KEYS[2], 'seq', floor)
-  seq = floor
+local raw = string.sub(ARGV[2], 1, -2) .. ', "at": ' .. at .. ', "seq": ' .. seq .. '}'
+redis.call('HSET', KEYS[1], ARGV[1], raw)
+return {seq, raw}
+"""
+
+
+async def set_pin(
+    client: aioredis.Redis, keys: Keys, name: str, pin: AdminPin | None
+) -> tuple[int, str]:
+    """Set (or with None clear) ``name``'s pin and bump the sequence, in one script; the new
+    sequence number and the field as written (``restore_pins`` may write it again). Raises
+    ``RedisError`` or ``OSError``."""
+    args = (check_name(name), encode_pin(pin))
+    seq, raw = await client.eval(SET, 2, keys.pins, keys.pins_seq, *args)
+    return int(seq), text(raw)
+
+
+# Pins written again after a failover lost some (ARGV: name, field, name, field...;
+# ARGV[#ARGV]: the sequence number the writer knew): each field whose time is later than
+# the one Redis has for its name (or that it lacks) is written; the sequence moves if any
+# was, and never stays below the number known, so every worker reads the pins again and an
+# admin call waiting for that number sees it reached.
+RESTORE = """
+local function at(raw)
+  if not raw then return -1, 0 end
+  local ok, fields = pcall(cjson.decode, raw)
+  if ok and type(fields) == 'table' and tonumber(fields['at']) then
+    return tonumber(fields['at']), tonumber(fields['seq']) or 0
+  end
+  return 0, 0
 end
-return seq
+local function older(raw, than)
+  local at1, seq1 = at(raw)
+  local at2, seq2 = at(than)
+  return at1 < at2 or (at1 == at2 and seq1 < seq2)
+end
+local wrote = 0
+for i = 1, #ARGV - 1, 2 do
+  if older(redis.call('HGET', KEYS[1], ARGV[i]), ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    wrote = wrote + 1
+  end
+end
+local seq = tonumber(redis.call('HGET', KEYS[2], 'seq') or '0')
+local floor = tonumber(ARGV[#ARGV])
+if wrote > 0 or seq < floor then
+  seq = math.max(seq + 1, floor)
+  redis.call('HSET', KEYS[2], 'seq', seq)
+end
+return {seq, wrote}
 """
 
 
 async def restore_pins(
-    client: aioredis.Redis, keys: Keys, pins: Mapping[str, AdminPin], seq: int
-) -> int:
-    """Write ``pins`` again, with the sequence at least ``seq`` (``RESTORE``); the new
-    sequence number. Raises ``RedisError`` or ``OSError``."""
-    args: list[Any] = [a for n, p in pins.items() for a in (check_name(n), encode_pin(p))]
-    answer = await client.eval(RESTORE, 2, keys.pins, keys.pins_seq, *args, seq)
-    return int(answer)
+    client: aioredis.Redis, keys: Keys, fields: Mapping[str, str], seq: int
+) -> tuple[int, int]:
+    """Write the pins ``fields`` (as ``set_pin`` returned them, or a look read them) again
+    where Redis has none later (``RESTORE``), with the sequence at least ``seq``: the
+    sequence number after, and how many were written. Raises ``RedisError`` or
+    ``OSError``."""
+    args: list[Any] = [a for name, raw in fields.items() for a in (check_name(name), raw)]
+    answer, wrote = await client.eval(RESTORE, 2, keys.pins, keys.pins_seq, *args, seq)
+    return int(answer), int(wrote)
 
 
 async def bump(client: aioredis.Redis, keys: Keys) -> int:
