@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.broker.wire.keys import Keys
 from tests.answers import error_of
-from tests.broker import RedisServer, Workers, broker_env
+from tests.broker import PREFIX, RedisServer, Workers, broker_env
 from tests.integration.test_broker_rollout import IMAGES, Checked, load, served_id
 from tests.integration.test_repository import add_version
 from tests.lifecycle import until
@@ -223,6 +224,36 @@ def test_a_sighup_tries_a_failed_version_again_on_every_worker(tmp_path: Path) -
         until(lambda: verify_failures(workers) == [1, 1], "both workers' failure", 30)
         os.kill(workers.process.pid, signal.SIGHUP)  # type: ignore[union-attr]
         until(lambda: verify_failures(workers) == [2, 2], "each worker's retry", 30)
+
+
+def test_a_worker_that_cannot_read_the_pins_serves_on_the_version_pinned(tmp_path: Path) -> None:
+    """Version 1 pinned by the route while version 2 is the newest on disk, then the pins
+    unreadable (every read of them fails, as when Redis goes away between two commands)
+    while the repository poll has the workers look again twice a second: they serve
+    version 1 on. Before, a worker that could not read the pins aimed as if none were set,
+    and loaded version 2 against the operator's pin (found reading the code after a review
+    of what a failover loses)."""
+    repository = tmp_path / "models"
+    v1 = export_tiny(repository / "tiny" / "1")
+    v2 = add_version(repository, "tiny", lambda o: export_scaled(o, 2.0))
+    with cluster(repository, v1, MB_REPOSITORY_POLL_S="0.5") as (workers, _, client):
+        body = {"parameters": {"version": "1"}}
+        pinned = client.post("/v2/repository/models/tiny/load", json=body, headers=ADMIN)
+        assert pinned.status_code == 200, pinned.text
+
+        def held() -> set[str]:
+            beats = workers.own().values()
+            return {model["served_id"] for beat in beats for model in beat["models"]}
+
+        until(lambda: held() == {served_id(v1)}, "version 2 unloaded", 30)
+        keys, redis = Keys(PREFIX), workers.redis.client()
+        redis.delete(keys.pins)
+        redis.set(keys.pins, "not a hash")  # every read of the pins fails (WRONGTYPE)
+        redis.hincrby(keys.pins_seq, "seq", 1)  # and every worker reads them again
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert served_id(v2) not in held(), "a worker loaded version 2 against the pin"
+            time.sleep(0.2)
 
 
 async def test_requests_of_a_worker_that_dies_mid_load_get_503_within_seconds(

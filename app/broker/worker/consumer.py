@@ -198,10 +198,12 @@ class Consumer:
         held and had not passed on is lost. Its answers' acknowledgements may be among it:
         this worker takes back its own pending entries at once (an answer computed again
         reaches nobody twice: a front end takes one reply per request); and the fleet's
-        precisions are written again. Its heartbeat, next second, says the rest."""
+        precisions are written again, and the pins read again. Its heartbeat, next second,
+        says the rest."""
         log.warning("worker %s: another Redis answers (a failover?); taking back its own "
                     "pending entries", self.name)  # fmt: skip
         self.claims.retake_own()
+        self.versions.after_failover()
         try:
             self.versions.precision.restore()
         except (RedisError, OSError) as exc:

@@ -125,6 +125,7 @@ class WorkerVersions:
         self.advertised: list[dict[str, Any]] = []  # the heartbeat's "models"
         self.aims: dict[str, int] = {}  # the heartbeat's "targets": each name's, last aimed at
         self.read_batch_size = 1
+        self._aimed = False  # aimed once, with the pins read
         self._advertise()
 
     # -- asked from outside ------------------------------------------------------------------
@@ -192,7 +193,8 @@ class WorkerVersions:
                 self._reload.clear()
                 if due:
                     self._next_poll = now + (self.poll_s or 0)
-                self._aim(explicit=asked)
+                if not self._aim(explicit=asked) and explicit:
+                    self._reload.set()  # the pins could not be read: next round
             self._start_next(view)
         if view is not None:
             try:
@@ -206,15 +208,25 @@ class WorkerVersions:
                 self._on_error(f"could not look at the streams: {exc}")
         self._advertise()
 
-    def _aim(self, *, explicit: bool, others: Sequence[Any] = (), follow: bool = False) -> None:
+    def after_failover(self) -> None:
+        """Another Redis answers: the pins are read again, whatever their number (another
+        front end's write on the new primary may have taken the number this worker saw,
+        over other pins)."""
+        self._aim(explicit=False)
+
+    def _aim(self, *, explicit: bool, others: Sequence[Any] = (), follow: bool = False) -> bool:
         """Read which version each name should serve (with what the admin route chose) and
         aim the keeper at it; ``others``: the live workers, for one that starts (``follow``:
-        aimed at what they were aimed at)."""
+        aimed at what they were aimed at). Pins that cannot be read keep the last aim (at
+        the start, it aims without them): False."""
         try:
             pins = self.pins.read()
         except (RedisError, OSError) as exc:
             self._on_error(f"could not read the admin route's pins: {exc}")
+            if self._aimed:  # aimed as before: without the pins, a pin would be undone
+                return False
             pins = {}
+        self._aimed = True
         targets = self.repository.targets(pins, self._on_error)
         if follow and others:  # restarted beside them: what they were aimed at
             decided = {*pins, *self.repository.pins}
@@ -224,6 +236,7 @@ class WorkerVersions:
             serving=routes(others, self.min_workers) if others else None,
             gave_up=given_up(others, self.min_workers) if others else (),
         )  # fmt: skip
+        return True
 
     def _read(self, name: str, number: int, verify: bool) -> ModelSpec:
         spec = self.repository.spec(name, number, self.worker.config.dtype, verify=verify)
