@@ -19,11 +19,14 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from app.broker.front.failover import HOLD_S, Failover
-from app.broker.front.waiting import Entry, Waiting
+from app.broker.front.waiting import Entry, LaneNote, Waiting
 from app.broker.wire.control import decode_pins, restore_pins, set_pin
 from app.broker.wire.keys import Keys
+from app.broker.wire.lanes import Lane, encode_lane
 from app.broker.wire.reply import encode_answer
+from app.broker.wire.request import encode_request
 from app.errors import BrokerUnavailable
+from app.jobs import Task
 from app.settings import Settings
 from app.settings_values import BrokerAddress
 from tests.broker import RedisServer
@@ -124,7 +127,7 @@ async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_bac
     the new entry leaves the stream, so no worker computes it for nobody."""
 
     class Leaving:
-        """The client, where the caller leaves while the resend's XADD is under way."""
+        """The client, where the caller leaves while the resend's script is under way."""
 
         def __init__(self, client: aioredis.Redis, waiting: Waiting) -> None:
             self.client, self.waiting = client, waiting
@@ -132,8 +135,8 @@ async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_bac
         def __getattr__(self, name: str) -> Any:
             return getattr(self.client, name)
 
-        async def xadd(self, *args: Any) -> Any:
-            added = await self.client.xadd(*args)
+        async def eval(self, *args: Any) -> Any:
+            added = await self.client.eval(*args)
             self.waiting.discard("fe-left")  # as _reply does when its caller goes
             return added
 
@@ -145,6 +148,33 @@ async def test_an_entry_sent_again_for_a_caller_that_left_meanwhile_is_taken_bac
         await failover.recheck(Leaving(client, waiting), "mb:replies:fe", waiting.deliver)  # type: ignore[arg-type]
         assert await client.xlen("mb:{q}:v:tag") == 0
         assert events == ["reconnect"]
+
+
+async def test_a_request_lost_with_its_lane_is_sent_again_with_the_lane_and_its_time_left() -> None:
+    """A tenant's (or a priority level's) first request for a version made its lane: lost in
+    the failover, the lane's description and doorbell went with it. Sent again, the workers
+    learn of the lane again (before, the entry waited in a lane no worker read, and its
+    caller got 503 at its deadline), and its deadline counts from the first sending."""
+    keys = Keys("mb")
+    lane = Lane(Task.TAG, level=1)
+    stream = keys.lane("tiny@v", Task.TAG, 1, "acme")
+    async with _redis() as client:
+        waiting, events, failover = _held()
+        waiting.add("fe-lane", "tiny@v")
+        fields = encode_request("fe-lane", "fe", Task.TAG, 5, 9_000, b"img")
+        note = LaneNote(keys.lanes("tiny@v"), keys.stream("tiny@v", Task.TAG), encode_lane(lane))
+        waiting.sent("fe-lane", Entry(stream, b"1-1", fields, time.monotonic() + 2, note))
+        failover.lost(ConnectionError("primary gone"))
+        failover.reached()
+        await failover.recheck(client, "mb:replies:fe", waiting.deliver)
+        assert events == ["reconnect", "resent"]
+        assert await client.hget(note.lanes, stream) == encode_lane(lane)
+        doorbell: Any = await client.xrange(note.doorbell)
+        assert [entry[1] for entry in doorbell] == [{b"lane": stream.encode()}]
+        entries: Any = await client.xrange(stream)
+        (resent,) = entries
+        header = json.loads(resent[1][b"h"])
+        assert 1_000 < header["ttl_ms"] <= 2_000, header
 
 
 async def test_a_plain_redis_lost_fails_every_waiting_request_at_once() -> None:

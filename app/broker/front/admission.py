@@ -17,6 +17,7 @@ from typing import Any
 
 from app.batching import LevelPolicy, Ticket
 from app.broker.front.monitor import Monitor
+from app.broker.front.waiting import LaneNote
 from app.broker.wire.keys import Keys
 from app.broker.wire.lanes import Lane, encode_lane
 from app.broker.wire.parsing import text
@@ -113,6 +114,14 @@ class Admission:
         if doorbell not in counted:
             counted.append(doorbell)
         return [*counted, self.keys.lanes(served_id)], [*args, counted.index(doorbell) + 1]
+
+    def note(self, served_id: str, task: Task, lane: Lane | None) -> LaneNote | None:
+        """How the workers learn of ``lane`` (None: a task's stream), should its request be
+        sent again after a failover lost it with the lane's description."""
+        if lane is None:
+            return None
+        return LaneNote(self.keys.lanes(served_id), self.keys.stream(served_id, task),
+                        encode_lane(lane))  # fmt: skip
 
     def refusal(self, refused: Any, lane: Lane | None) -> ServerError:
         """What the caller of a request the admission script refused hears: 503 for the

@@ -14,8 +14,10 @@ entry is looked for (``recheck``):
 - there, and its own: a worker computes it (one that had answered it before computes it
   again; the front end takes one reply per request, and drops the second);
 - gone, with its reply in the list: delivered;
-- gone, no reply: lost in the failover; sent again (the same request id and fields) if its
-  deadline leaves ``RESEND_MIN_S``, else failed with 503 ``broker_unavailable`` saying so.
+- gone, no reply: lost in the failover; sent again (the same request id and fields, the time
+  left before its deadline, and its lane described again with its doorbell: a lane new to
+  the workers was lost with it) if its deadline leaves ``RESEND_MIN_S``, else failed with
+  503 ``broker_unavailable`` saying so.
 
 And again every second for ``SETTLE_S``: a connection to the last primary, in use while it
 hung and answered once it resumed (a primary of its own until Sentinel demotes it), may have
@@ -37,7 +39,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from app.broker.front.waiting import Entry, Waiting
+from app.broker.front.waiting import Entry, LaneNote, Waiting
+from app.broker.wire.request import with_ttl
 from app.errors import BrokerUnavailable
 
 log = logging.getLogger("app.broker.transport")
@@ -152,12 +155,17 @@ class Failover:
                                       "its deadline leaves no time to send it again"),
                 )  # fmt: skip
                 continue
-            added: Any = await client.xadd(entry.stream, entry.fields)  # type: ignore[arg-type]
+            fields = entry.fields
+            if entry.deadline is not None:
+                fields = with_ttl(fields, int(1000 * (entry.deadline - now)))
+            added = await resend(client, entry.stream, fields, entry.lane)
             if request_id not in self.waiting:  # its caller left meanwhile: nobody to compute for
                 with contextlib.suppress(RedisError, OSError):
                     await client.xdel(entry.stream, added)
                 continue
-            self.waiting.sent(request_id, Entry(entry.stream, added, entry.fields, entry.deadline))
+            self.waiting.sent(
+                request_id, Entry(entry.stream, added, fields, entry.deadline, entry.lane)
+            )
             resent += 1
             self.on_event("resent")
         self.recheck_due = False
@@ -167,6 +175,30 @@ class Failover:
             log.warning("broker: after a failover, of %d waiting request(s) %d were lost and "
                         "sent again, %d were lost too late to", len(doubtful), resent,
                         lost)  # fmt: skip
+
+
+# A lost request added again, as the admission script added it (it was admitted: no bound):
+# KEYS[1] its stream; for a lane, KEYS[2] its version's lanes hash and KEYS[3] its task's
+# stream, where a doorbell tells the workers of a lane new to them. ARGV: the fields h and
+# img, the lane's description.
+RESEND = """
+local id = redis.call('XADD', KEYS[1], '*', 'h', ARGV[1], 'img', ARGV[2])
+if #KEYS == 3 and redis.call('HSET', KEYS[2], KEYS[1], ARGV[3]) == 1 then
+  redis.call('XADD', KEYS[3], '*', 'lane', KEYS[1])
+end
+return id
+"""
+
+
+async def resend(
+    client: aioredis.Redis, stream: str, fields: dict[str, bytes], lane: LaneNote | None
+) -> bytes:
+    """Add a lost request's entry again (``RESEND``); the new entry's id. Raises
+    ``RedisError`` or ``OSError``."""
+    if lane is None:
+        return await client.eval(RESEND, 1, stream, fields["h"], fields["img"])  # type: ignore[no-any-return]
+    keys = (stream, lane.lanes, lane.doorbell)
+    return await client.eval(RESEND, 3, *keys, fields["h"], fields["img"], lane.description)  # type: ignore[no-any-return]
 
 
 def _holds(there: Any, entry: Entry) -> bool:

@@ -327,7 +327,8 @@ class BrokerTransport:
             if not isinstance(added, bytes):  # not added (an entry id is bytes): no reply comes
                 self._waiting.discard(request_id)
         if isinstance(added, bytes):
-            self._waiting.sent(request_id, Entry(stream, added, fields, item.deadline))
+            note = self.admission.note(served_id, task, lane)
+            self._waiting.sent(request_id, Entry(stream, added, fields, item.deadline, note))
         if not isinstance(added, bytes):  # not added: refused
             return self.admission.refusal(added, lane)
         return await self._reply(item, request_id, future, stream, added)

@@ -23,12 +23,24 @@ ORPHANED_S = 2.0  # a waiting request whose version no live worker holds fails a
 @dataclass
 class Entry:
     """Where a waiting request's entry is, and what it holds (to be sent again, should a
-    failover lose it): the stream, the entry's id, its fields, the request's deadline."""
+    failover lose it): the stream, the entry's id, its fields, the request's deadline, and
+    for a lane, how a worker learns of it."""
 
     stream: str
     entry_id: bytes
     fields: dict[str, bytes]
     deadline: float | None  # time.monotonic(); None: none
+    lane: LaneNote | None = None
+
+
+@dataclass(frozen=True)
+class LaneNote:
+    """A lane's description in its version's lanes hash, and the stream (its task's) where a
+    doorbell tells the workers to read a lane new to them (``app.broker.wire.lanes``)."""
+
+    lanes: str
+    doorbell: str
+    description: bytes
 
 
 class Waiting:

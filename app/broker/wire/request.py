@@ -82,6 +82,20 @@ def encode_request(
     return {"h": json.dumps(header, separators=(",", ":")).encode(), "img": image}
 
 
+def with_ttl(fields: Mapping[str, bytes], ttl_ms: int) -> dict[str, bytes]:
+    """The fields of a request sent again, with ``ttl_ms`` left before its deadline (a
+    worker counts it from the new entry's time).
+
+    >>> with_ttl({"h": b'{"v":1,"id":"fe-1","ttl_ms":9000}', "img": b"x"}, 250)["h"]
+    b'{"v":1,"id":"fe-1","ttl_ms":250}'
+    """
+    header = json.loads(fields["h"])
+    if not isinstance(header, dict) or "ttl_ms" not in header:
+        return dict(fields)
+    header["ttl_ms"] = max(1, ttl_ms)
+    return {**fields, "h": json.dumps(header, separators=(",", ":")).encode()}
+
+
 def decode_request(fields: Mapping[bytes, bytes], max_image_bytes: int) -> Request:
     """A stream entry's fields as a ``Request``; ``MalformedMessage`` says what is wrong."""
     if set(fields) != {b"h", b"img"}:
