@@ -190,13 +190,29 @@ class PrecisionChoice:
         self.host = host
         self.computes = computes
         self.known: dict[str, str] = {}  # export -> the fleet's precision, as read or written
+        self.unrecorded: dict[str, str] = {}  # export -> the precision a load chose, unsaid
 
     def restore(self) -> None:
         """Write again the fleet's precisions this worker knows, where the record lost them
         (a Redis failover loses what did not reach a replica); never over another. Raises
         what the fleet's record raises."""
+        self.settle()
         for model_id, dtype in list(self.known.items()):
             self.fleet.record(model_id, dtype)
+
+    def settle(self) -> None:
+        """Record the choices the fleet's record could not take when they were made (Redis
+        away): before, the next worker to load the export measured again, and might serve
+        it under another id. Raises what the fleet's record raises."""
+        for model_id, dtype in list(self.unrecorded.items()):
+            fleet = self.fleet.record(model_id, dtype)
+            del self.unrecorded[model_id]
+            if self.computes(fleet):
+                self.known[model_id] = fleet
+            if fleet != dtype:
+                log.warning("%s: another worker recorded %s for the fleet while this one "
+                            "could not record %s; this one serves its own until the next "
+                            "load", model_id, fleet, dtype)  # fmt: skip
 
     def decided(self, spec: ModelSpec) -> ModelSpec:
         """``spec`` as a worker loads it. Raises what the fleet's record raises (Redis)."""
@@ -224,7 +240,12 @@ class PrecisionChoice:
         if requested.dtype != "auto":
             return None
         model_id = split_served_id(loaded.served_id)[0]
-        fleet = self.fleet.record(model_id, loaded.dtype)
+        try:
+            fleet = self.fleet.record(model_id, loaded.dtype)
+        except Exception:  # recorded later (settle); this worker serves what it loaded
+            self.unrecorded[model_id] = loaded.dtype
+            self.host.record(model_id, loaded.dtype)
+            raise
         if self.computes(fleet):
             self.known[model_id] = fleet
         if fleet == loaded.dtype or not self.computes(fleet):

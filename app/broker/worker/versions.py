@@ -23,6 +23,7 @@ other workers serve first, then each target), and ``started`` is set once they e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -181,6 +182,9 @@ class WorkerVersions:
         Redis could not say)."""
         now = time.monotonic()
         self._lock.settle()  # a release Redis could not take
+        if self.precision.unrecorded:  # a precision Redis could not take
+            with contextlib.suppress(RedisError, OSError):
+                self.precision.settle()
         self._take_in(now)
         if not stopping:
             explicit = self._reload.is_set()
