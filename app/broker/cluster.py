@@ -8,8 +8,10 @@ Starts a throwaway ``redis-server`` on 127.0.0.1 (unless ``MB_BROKER`` names one
 workers (``python -m app.broker.worker``, ``--workers`` processes) and the front ends (gunicorn with
 ``app.gunicorn_worker.Worker``, ``--front-ends`` processes on ``HOST``:``PORT``, sharing one
 ``/metrics`` through a fresh ``PROMETHEUS_MULTIPROC_DIR``). Every other setting comes from
-the environment, as usual (``MODEL_REPOSITORY`` for several models). ``kill -HUP`` makes the
-workers load what is new in the repository (the front ends switch once every worker has it).
+the environment, as usual (``MODEL_REPOSITORY`` for several models). ``kill -HUP`` has the
+front ends read the keys file again (``MB_KEYS_FILE``) and every worker of the fleet load
+what is new in the repository, as a ``kill -HUP`` of a front end does (the front ends switch
+once every worker has it).
 Ctrl-C or SIGTERM stops the front ends, then the workers (each finishes its batch), then
 Redis; if any of them dies, the rest are stopped too; if it is killed (even with ``-9``),
 each of them gets SIGTERM (``app.workers.lineage``).
@@ -76,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
-    workers: list[subprocess.Popen[bytes]] = []
+    front_ends: list[subprocess.Popen[bytes]] = []
 
     def reload(signum: int, frame: FrameType | None) -> None:
-        for process in workers:  # the supervisor tells each of its workers
+        for process in front_ends:  # gunicorn's master tells each front end (app.gunicorn_worker)
             if process.poll() is None:
                 process.send_signal(signal.SIGHUP)
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             env["MB_BROKER"] = f"redis://127.0.0.1:{args.redis_port}/0"
         env["MB_WORKER_NUM"] = str(args.workers)
-        workers.append(
+        started.append(
             subprocess.Popen(
                 [sys.executable, "-m", "app.broker.worker"],
                 env=env,
@@ -113,11 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 preexec_fn=preexec(),
             )
         )
-        started.append(workers[0])
         metrics = scratch / "metrics"
         metrics.mkdir()
         front_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
-        started.append(
+        front_ends.append(
             subprocess.Popen(
                 [sys.executable, "-m", "gunicorn", "-k", "app.gunicorn_worker.Worker",
                  "-w", str(args.front_ends), "-b", f"{settings.host}:{settings.port}",
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 preexec_fn=preexec(),
             )
         )  # fmt: skip
+        started.append(front_ends[0])
         while not stopping and all(process.poll() is None for process in started):
             time.sleep(0.2)
         return 0 if stopping else 1

@@ -5,7 +5,10 @@ Triton's own client."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +22,10 @@ from tritonclient.utils import InferenceServerException
 
 from app.tenancy import LocalBuckets, RedisBuckets, Tenant, key_hash
 from tests.broker import PREFIX, RedisServer, Workers, broker_env
+from tests.children import group_guard, start
 from tests.conftest import distinct_images
-from tests.server import ServerProcess, free_port
+from tests.lifecycle import until
+from tests.server import REPO, ServerProcess, free_port
 from tests.unit.test_tenancy import BULK, KEYS_YAML, OPS, SHOP, bearer
 
 pytestmark = pytest.mark.slow
@@ -162,6 +167,49 @@ def test_grpc_answers_permission_denied_and_resource_exhausted(server: ServerPro
     assert "over its quota" in refused.message()
     # statistics need the metrics scope, which this file gives a call without a key
     assert client.get_inference_statistics("tiny-test")
+
+
+def test_sighup_to_a_gunicorn_master_reloads_each_front_end_in_place(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    """As the chart and the compose file run it, the front end is a gunicorn master (PID 1
+    of its pod), and ``kill -HUP`` reaches it. Each front-end process reads the keys file
+    again in place: a revoked key stops working, and a file with an error keeps the keys in
+    force. Before, gunicorn's own HUP started new processes, which refused the bad file and
+    exited, and stopped the old ones: the front end served nothing (found by a review)."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(KEYS_YAML)
+    port = free_port()
+    env = {**os.environ, "MODEL_STORE": str(tiny_store), "MB_WORKER_NUM": "1",
+           "MB_KEYS_FILE": str(path), "MB_PRIORITY_LEVELS": "2", "LOG_LEVEL": "warning"}  # fmt: skip
+    command = [sys.executable, "-m", "gunicorn", "-k", "app.gunicorn_worker.Worker", "-w", "1",
+               "-b", f"127.0.0.1:{port}", "app.main:create_app()"]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def status(key: str) -> int | None:
+        try:
+            return httpx.post(f"{base}/predict/tag", files={"image": ("a.png", IMAGE)},
+                              headers={"Authorization": bearer(key)}, timeout=30).status_code  # fmt: skip
+        except httpx.TransportError:
+            return None
+
+    master = start(command, own_group=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)  # fmt: skip
+    with group_guard(master):
+        try:
+            until(lambda: status(SHOP) == 200, "the front end serving", 90)
+            path.write_text("keys: [")
+            master.send_signal(signal.SIGHUP)
+            time.sleep(2.0)
+            assert master.poll() is None, "the gunicorn master ended"
+            assert status(SHOP) == 200, "the keys in force stay"
+            path.write_text(KEYS_YAML.replace(key_hash(SHOP), key_hash("rotated-shop-key")))
+            master.send_signal(signal.SIGHUP)
+            until(lambda: status(SHOP) == 401, "the revoked key refused", 10)
+            assert status("rotated-shop-key") == 200
+        finally:
+            os.killpg(master.pid, signal.SIGTERM)
+            master.wait(timeout=30)
 
 
 def test_sighup_revokes_a_key_and_a_bad_file_keeps_the_keys(server: ServerProcess) -> None:
