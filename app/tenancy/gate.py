@@ -6,6 +6,7 @@ with an error keeps the keys that were in force, and says why)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -209,6 +210,9 @@ def parse_priority(value: object, levels: int, where: str = PRIORITY) -> int | N
 
     >>> parse_priority("2", 3), parse_priority(0, 3), parse_priority(None, 3)
     (2, None, None)
+    >>> parse_priority("\u00b2", 3, "p")  # a superscript two: a digit to str.isdigit
+    Traceback (most recent call last):
+    app.errors.InvalidParameter: p must be an integer from 1 to 3 (1 is the highest), got '²'
     >>> parse_priority("high", 3, "p")
     Traceback (most recent call last):
     app.errors.InvalidParameter: p must be an integer from 1 to 3 (1 is the highest), got 'high'
@@ -218,7 +222,7 @@ def parse_priority(value: object, levels: int, where: str = PRIORITY) -> int | N
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and re.fullmatch(r"[0-9]{1,9}", value.strip()):
         number = int(value)
     if number == 0:
         return None

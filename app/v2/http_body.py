@@ -13,6 +13,7 @@ and the answer's ``Inference-Header-Content-Length`` says where the JSON ends.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +76,10 @@ def read_json(raw: bytes, what: str = "body") -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidRequest(f"the {what} is not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # an integer of 4,300 digits, deep nesting
+        raise InvalidRequest(
+            f"the {what} is not JSON this server reads: {str(error)[:100]}"
+        ) from None
 
 
 def validated(model: type[BaseModel], document: Any) -> Any:
@@ -97,7 +102,7 @@ def parse(raw: bytes, header_length: str | None) -> tuple[InferBody, InferCall]:
     """The request body as sent, and what it asks."""
     binary = memoryview(b"")
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(raw):
+        if not re.fullmatch(r"[0-9]{1,12}", header_length) or int(header_length) > len(raw):
             raise InvalidRequest(
                 f"{HEADER_LENGTH} must be the JSON's length in bytes, at most the body's "
                 f"{len(raw)}, got {header_length[:20]!r}"

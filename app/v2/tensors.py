@@ -81,9 +81,17 @@ class Tensor:
         return flat
 
 
+MAX_DIMENSION = 2**31  # a size past this is no image's (numpy refuses some even with a 0)
+
+
 def _elements(shape: Sequence[int], name: str) -> int:
     if any(not isinstance(size, int) or size < 0 for size in shape):
-        raise InvalidRequest(f"input {name!r}: shape {list(shape)} has a negative size")
+        raise InvalidRequest(f"input {name!r}: shape {list(shape)[:8]} has a negative size")
+    if len(shape) > 32 or any(size > MAX_DIMENSION for size in shape):
+        raise InvalidRequest(
+            f"input {name!r}: shape {list(shape)[:8]} has over 32 dimensions or one over "
+            f"{MAX_DIMENSION}"
+        )
     return math.prod(shape)
 
 
@@ -130,8 +138,9 @@ def from_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes | memory
             f"input {name!r}: {len(raw)} bytes of data, but shape {list(shape)} of {datatype} "
             f"needs {count * dtype.itemsize}"
         )
-    array = np.frombuffer(raw, dtype=dtype).reshape(tuple(shape))
-    return Tensor(name, datatype, tuple(shape), array)
+    return Tensor(
+        name, datatype, tuple(shape), _shaped(np.frombuffer(raw, dtype=dtype), shape, name)
+    )
 
 
 def from_values(name: str, datatype: str, shape: Sequence[int], values: Sequence[Any]) -> Tensor:
@@ -145,12 +154,21 @@ def from_values(name: str, datatype: str, shape: Sequence[int], values: Sequence
         return Tensor(name, datatype, tuple(shape), elements)
     try:
         array = np.asarray(values, dtype=NUMERIC[datatype]).reshape(-1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidRequest(
             f"input {name!r}: its data are not all {datatype} numbers, or not a regular array"
         ) from None
     _check_count(name, shape, array.size, count)
-    return Tensor(name, datatype, tuple(shape), array.reshape(tuple(shape)))
+    return Tensor(name, datatype, tuple(shape), _shaped(array, shape, name))
+
+
+def _shaped(array: npt.NDArray[Any], shape: Sequence[int], name: str) -> npt.NDArray[Any]:
+    """``array`` in ``shape`` (its size checked): numpy refuses some empty shapes, as too big
+    (``[0, 2**31, 2**31]``)."""
+    try:
+        return array.reshape(tuple(shape))
+    except ValueError:
+        raise InvalidRequest(f"input {name!r}: shape {list(shape)[:8]} cannot be made") from None
 
 
 def _flat(values: Sequence[Any]) -> list[Any]:

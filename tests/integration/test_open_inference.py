@@ -234,6 +234,36 @@ async def test_bad_infer_requests_get_the_usual_error_shape(
     assert len(error["error"]) < 300, "one short message, never one per element"
 
 
+def _tensor(datatype: str, shape: list[int], data: str) -> bytes:
+    """An infer body with one input, its data as literal JSON text."""
+    head = '{"inputs": [{"name": "pixels", "datatype": "%s", "shape": %s, "data": %s}]}'
+    return (head % (datatype, json.dumps(shape), data)).encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "headers"),
+    [
+        (b'{"inputs": [], "id": ' + b"9" * 4400 + b"}", {}),  # past Python's int digits
+        (b"[" * 3000 + b"]" * 3000, {}),  # nested past the recursion limit
+        (_tensor("FP32", [1], "[" + "9" * 401 + "]"), {}),  # no FP32 holds it
+        (_tensor("INT64", [1], str([2**70])), {}),
+        (_tensor("FP32", [0, 10**30], "[]"), {}),
+        (_tensor("FP32", [0, 2**31, 2**31], "[]"), {}),  # numpy: "array is too big"
+        (json.dumps(_infer_body([b"x"]) | {"parameters": {"priority": "\u00b2"}}).encode(), {}),
+        (b"{}", {"Inference-Header-Content-Length": b"\xb2"}),  # latin-1: a superscript two
+    ],
+)
+async def test_input_past_what_python_or_numpy_take_gets_a_422_not_a_500(
+    served: tuple[Any, Any], content: bytes, headers: dict[str, bytes]
+) -> None:
+    """Found by a review: each of these was a 500 (a ValueError, OverflowError or
+    RecursionError past the checks; ``str.isdigit`` is true of a superscript two)."""
+    _, client = served
+    response = await client.post("/v2/models/tiny-test/infer", content=content, headers=headers)
+    assert response.status_code == 422, response.text
+    assert isinstance(response.json()["error"], str) and len(response.json()["error"]) < 300
+
+
 async def test_a_json_body_is_read_whatever_its_content_type(served: tuple[Any, Any]) -> None:
     """tritonclient's sync client sends no Content-Type, its aio client octet-stream."""
     _, client = served
