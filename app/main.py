@@ -241,8 +241,9 @@ def create_app(
 
                 ready = lambda: engine.serves() and not app.state.closing  # noqa: E731
                 grpc_server, port = await v2_grpc.start(
-                    engine, settings, tenancy, ready, settings.host, settings.mb_grpc_port
-                )
+                    engine, settings, tenancy, ready, settings.host, settings.mb_grpc_port,
+                    closing=lambda: app.state.closing,
+                )  # fmt: skip
                 state.grpc_port = port
                 log.info("gRPC (Open Inference Protocol) on %s:%d", settings.host, port)
             unfreeze = _freeze_startup_objects()

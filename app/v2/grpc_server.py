@@ -47,9 +47,10 @@ async def start(
     ready: Callable[[], bool],
     host: str,
     port: int,
+    closing: Callable[[], bool] = lambda: False,
 ) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server serving the v2 service and health on ``host:port`` (port 0:
-    any free one), and the port it bound."""
+    any free one), and the port it bound; ``closing``: whether the server is stopping."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_upload_bytes + (1 << 20)),
@@ -57,7 +58,7 @@ async def start(
         ]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(engine, settings, tenancy, ready), server
+        InferenceService(engine, settings, tenancy, ready, closing), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(Health(ready), server)
     bound = server.add_insecure_port(f"{host}:{port}")

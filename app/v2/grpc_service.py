@@ -39,6 +39,7 @@ from app.errors import (
     ClientDisconnected,
     ClientError,
     Forbidden,
+    NotReady,
     QuotaExceeded,
     ServerError,
     Unauthorized,
@@ -71,6 +72,9 @@ log = logging.getLogger("app.request")
 T = TypeVar("T")
 SERVICE = "inference.GRPCInferenceService"
 PIN_METADATA = "x-model-id"
+STREAM_IN_FLIGHT = 128  # a stream's requests unanswered at once; past them it is not read
+CLOSING_LOOK_S = 0.5  # how often an idle stream looks whether the server is stopping
+MESSAGE_CHARS = 1000  # a refusal's message, at most: it echoes what the client named
 CACHE_METADATA = "x-cache"  # a unary call's trailing metadata: hit, coalesced or miss
 
 
@@ -93,12 +97,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     """Every RPC of the v2 service, against the engine of the running server."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, tenancy: Tenancy, ready: Callable[[], bool]
+        self,
+        engine: Engine,
+        settings: Settings,
+        tenancy: Tenancy,
+        ready: Callable[[], bool],
+        closing: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.tenancy = tenancy
         self.ready = ready
+        self.closing = closing  # SIGTERM came: new inference is refused, streams end
 
     # -- what every call shares ------------------------------------------------------------
 
@@ -175,7 +185,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if isinstance(error, QuotaExceeded):
             trailing += [(name.lower(), value) for name, value in error.headers.items()]
         code = getattr(grpc.StatusCode, grpc_status(error))
-        await context.abort(code, error.message, tuple(trailing))
+        await context.abort(code, _said(error), tuple(trailing))
 
     @asynccontextmanager
     async def _admitted(
@@ -298,57 +308,86 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
-        """Each request of the stream answered as it completes (they run concurrently, and
-        batch like any other); one that fails answers its ``error_message``, and the stream
-        goes on."""
+        """Each request of the stream answered as it completes (they run concurrently, up to
+        ``STREAM_IN_FLIGHT`` unanswered at once: past that the stream is read no further,
+        and the client is held back, and batch like any other). One that fails answers its
+        ``error_message`` (and its type and retry hint in the answer's parameters), and the
+        stream goes on; the key is checked for each (a key revoked by SIGHUP stops working
+        on a stream already open). Once the server stops, the stream ends, UNAVAILABLE, when
+        what it asked is answered; a stream whose messages cannot be read ends with that."""
         try:
-            caller = self._authorize(context, Scope.INFER)
+            self._authorize(context, Scope.INFER)
         except (Unauthorized, Forbidden) as error:
             await context.abort(getattr(grpc.StatusCode, grpc_status(error)), error.message)
         answers: asyncio.Queue[Any] = asyncio.Queue()
+        room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
 
         async def one(request: Any) -> None:
             call = Call("ModelStreamInfer")
-            call.caller = caller
             started = time.perf_counter()
             name = f"{SERVICE}/ModelStreamInfer"
             with tracing.request(name, partial(_metadata, context), RPC_ATTRIBUTES) as span:
                 try:
+                    call.caller = self._authorize(context, Scope.INFER)
                     response = await self._infer(request, context, call)
-                    await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+                    answer = pb.ModelStreamInferResponse(infer_response=response)
                 except ServerError as error:
                     call.error = error
-                    if self.engine.metrics is not None:
-                        self.engine.metrics.on_error(error)
-                    failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
-                    message = pb.ModelStreamInferResponse(
-                        error_message=error.message, infer_response=failed
-                    )
-                    await answers.put(message)
+                    answer = self._stream_refusal(request, error)
+                except Exception:  # a bug: this request's answer says so, the stream goes on
+                    log.exception("a request of a gRPC stream failed")
+                    call.error = ServerError("internal error")
+                    answer = self._stream_refusal(request, call.error)
                 finally:
                     self._observe(call, time.perf_counter() - started, span)
+            answers.put_nowait(answer)
 
         async def read() -> None:
-            async for request in requests:
-                task = asyncio.create_task(one(request))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:
-                await asyncio.gather(*list(running))
-            await answers.put(None)
+            try:
+                async for request in requests:
+                    await room.acquire()
+                    task = asyncio.create_task(one(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.gather(*list(running), return_exceptions=True)
+            finally:  # the stream's end, or its reading failed: the answers end too
+                answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (answer := await answers.get()) is not None:
+            while True:
+                try:
+                    answer = await asyncio.wait_for(answers.get(), CLOSING_LOOK_S)
+                except TimeoutError:
+                    if self.closing() and not running:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+                    continue
+                if answer is None:
+                    break
                 yield answer
-            await reader
+                room.release()
+            await reader  # raises why the stream could not be read, if it could not
         finally:
             reader.cancel()
             for task in list(running):
                 task.cancel()
 
+    def _stream_refusal(self, request: Any, error: ServerError) -> Any:
+        """A stream's answer to a request that failed: its message, and its type and retry
+        hint as parameters (a stream has no trailing metadata per request)."""
+        if self.engine.metrics is not None:
+            self.engine.metrics.on_error(error)
+        failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
+        failed.parameters["error-type"].string_param = error.code
+        if isinstance(error, Unavailable | QuotaExceeded):
+            failed.parameters["retry-after"].int64_param = retry_after(error)
+        return pb.ModelStreamInferResponse(error_message=_said(error), infer_response=failed)
+
     async def _infer(self, request: Any, context: Any, call: Call) -> Any:
+        if self.closing():
+            raise NotReady("the server is stopping")
         with tracing.span("read upload"):
             infer = infer_call(request)
         timeout = self.settings.mb_request_timeout
@@ -411,3 +450,11 @@ def _metadata(context: Any) -> dict[str, str]:
     return {
         key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)
     }
+
+
+def _said(error: ServerError) -> str:
+    """A refusal's message, as gRPC carries it: within ``MESSAGE_CHARS`` (a message that
+    echoes a 20 KB name passed gRPC's metadata limit, and the client saw RESOURCE_EXHAUSTED
+    instead of the refusal)."""
+    message = error.message
+    return message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -210,6 +211,41 @@ def test_sighup_to_a_gunicorn_master_reloads_each_front_end_in_place(
         finally:
             os.killpg(master.pid, signal.SIGTERM)
             master.wait(timeout=30)
+
+
+async def test_a_key_revoked_by_sighup_stops_working_on_a_grpc_stream_already_open(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    """Found by a review: a stream checked its key once, as it opened, and went on serving
+    a key revoked since (streams stay open for as long as their clients like)."""
+    import grpc
+
+    from app.v2.proto import inference_pb2_grpc as pb_grpc
+    from tests.unit.test_grpc_service import _request
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(KEYS_YAML)
+    env = {"MODEL_STORE": str(tiny_store), "MB_WORKER_NUM": "1", "MB_GRPC_PORT": str(free_port()),
+           "MB_KEYS_FILE": str(path), "MB_PRIORITY_LEVELS": "2"}  # fmt: skip
+    with ServerProcess(**env) as server:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{env['MB_GRPC_PORT']}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            sending: asyncio.Queue[Any] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[Any]:
+                while (request := await sending.get()) is not None:
+                    yield request
+
+            call = stub.ModelStreamInfer(requests(), metadata=(("authorization", bearer(SHOP)),))
+            sending.put_nowait(_request(IMAGE))
+            assert (await call.read()).error_message == ""
+            path.write_text(KEYS_YAML.replace(key_hash(SHOP), key_hash("rotated-shop-key")))
+            server.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+            await asyncio.sleep(2.0)
+            sending.put_nowait(_request(IMAGE))
+            refused = await call.read()
+            assert refused.infer_response.parameters["error-type"].string_param == "unauthorized"
+            sending.put_nowait(None)
 
 
 def test_sighup_revokes_a_key_and_a_bad_file_keeps_the_keys(server: ServerProcess) -> None:

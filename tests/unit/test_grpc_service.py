@@ -196,3 +196,114 @@ async def test_a_stream_answers_each_request_and_goes_on_past_a_failed_one(serve
     ]
     assert "unknown input 'nope'" in by_id["bad"].error_message
     assert "no model named 'resnet50'" in by_id["unknown"].error_message
+
+
+async def test_a_stream_request_that_fails_unexpectedly_is_answered_and_the_stream_goes_on(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a request failing with anything but a domain error (a bug; before
+    the fix of its causes, a priority of non-ASCII digits) got no answer at all."""
+    from app.v2.grpc_service import InferenceService
+
+    _, _, gate, _, channel = served
+    gate.open.set()
+    infer = InferenceService._infer
+
+    async def failing(self: Any, request: Any, context: Any, call: Any) -> Any:
+        if request.id == "boom":
+            raise RuntimeError("a bug")
+        return await infer(self, request, context, call)
+
+    monkeypatch.setattr(InferenceService, "_infer", failing)
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    good, boom = _request(distinct_images(1)[0]), _request(distinct_images(1)[0])
+    boom.id = "boom"
+    answers = [answer async for answer in stub.ModelStreamInfer(iter([good, boom, good]))]
+    by_id = sorted((a.infer_response.id, a.error_message) for a in answers)
+    assert by_id == [("boom", "internal error"), ("g", ""), ("g", "")]
+
+
+async def test_a_stream_whose_messages_cannot_be_read_ends_with_an_error(served: Any) -> None:
+    """Found by a review: a message that does not parse left the stream open forever (its
+    reader died before it said the answers were over)."""
+    _, _, gate, _, channel = served
+    gate.open.set()
+    raw = channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=lambda message: message,
+        response_deserializer=pb.ModelStreamInferResponse.FromString,
+    )
+    good = _request(distinct_images(1)[0]).SerializeToString()
+    call = raw(iter([good, b"\xff\xff\xff\xff"]))
+
+    async def drained() -> list[Any]:
+        return [answer async for answer in call]
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        await asyncio.wait_for(drained(), 10)
+
+
+async def test_a_stream_is_read_no_further_than_its_answers_allow(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a stream whose client sent without reading answers grew the
+    server's memory without bound (a task and an answer per request)."""
+    import app.v2.grpc_service as grpc_service
+
+    app, fake, gate, client, channel = served
+    monkeypatch.setattr(grpc_service, "STREAM_IN_FLIGHT", 2)
+    image = distinct_images(1)[0]
+    first = await _occupy(fake, gate, client, image)  # the one slot: the stream's requests queue
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    call = stub.ModelStreamInfer(iter([_request(image) for _ in range(6)]))
+    await _queued(app, 2)
+    await asyncio.sleep(0.3)
+    assert app.state.engine.streamer.queue_depth == 2, "read past its 2 unanswered requests"
+    gate.open.set()
+    answers = [answer async for answer in call]
+    assert [a.error_message for a in answers] == [""] * 6
+    assert (await first).status_code == 200
+
+
+async def test_once_the_server_stops_a_stream_ends_and_new_requests_are_refused(
+    served: Any,
+) -> None:
+    """Found by a review: after SIGTERM, gRPC went on computing what came, and an idle
+    stream held the shutdown for the whole drain time."""
+    app, _, gate, _, channel = served
+    gate.open.set()
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    sending: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[Any]:
+        while (request := await sending.get()) is not None:
+            yield request
+
+    call = stub.ModelStreamInfer(requests())
+    sending.put_nowait(_request(distinct_images(1)[0]))
+    assert (await call.read()).error_message == ""
+    app.state.closing = True  # as after SIGTERM
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ModelInfer(_request(distinct_images(1)[0]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(call.read(), 5)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        app.state.closing = False
+        sending.put_nowait(None)
+
+
+async def test_a_refusal_that_echoes_a_long_name_stays_invalid_argument(served: Any) -> None:
+    """Found by a review: the message echoed a 20 KB input name, past gRPC's 16 KB of
+    metadata, and the client saw RESOURCE_EXHAUSTED instead of the refusal."""
+    _, _, gate, _, channel = served
+    gate.open.set()
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    request = _request(distinct_images(1)[0])
+    request.inputs[0].name = "n" * 20_000
+    with pytest.raises(grpc.aio.AioRpcError) as invalid:
+        await stub.ModelInfer(request, timeout=10)
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(invalid.value.details() or "") <= 1000
