@@ -15,12 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
 from app.dependencies import caller_of
 from app.errors import (
+    ClientDisconnected,
     ClientError,
     InvalidRequest,
     PayloadTooLarge,
@@ -92,6 +94,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         caller = caller_of(request)
         tenant = caller.tenant if caller is not None else None
         return refusal(exc, metrics, path=request.url.path, tenant=tenant)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # A client that left while its body was read by any route (a /v2 infer, a load):
+        # 499, as /predict's uploads answer it, never a 500 with a traceback.
+        return await server_error(request, ClientDisconnected("the client left mid-upload"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

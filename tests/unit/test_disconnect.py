@@ -4,6 +4,7 @@ cancels it; a cancellation from anyone else (a shutdown) is never taken for a di
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -150,3 +151,42 @@ async def test_a_disconnect_heard_as_the_work_ends_cancels_nothing_after() -> No
     work.release.set()
     assert await task == "result"
     assert task.cancelling() == 0
+
+
+async def test_a_client_that_leaves_mid_body_gets_499_not_500(tmp_path: Any) -> None:
+    """Found by a review: a /v2 infer (as any route reading its body whole: the repository's
+    load and unload) whose client left mid-upload was answered 500 with a traceback, and
+    counted as a server error; /predict's uploads answered 499."""
+    import numpy as np
+
+    from app.main import create_app
+    from app.settings import Settings
+    from app.testing import FakeTransport
+    from tests.models import export_tiny
+
+    store = export_tiny(tmp_path / "store")
+    fake = FakeTransport(lambda task, jobs: [np.zeros(4, np.float32) for _ in jobs])
+    app = create_app(Settings(model_store=store), transport=fake)
+    path = "/v2/models/tiny-test/infer"
+    incoming: list[MutableMapping[str, Any]] = [
+        {"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> MutableMapping[str, Any]:
+        if not incoming:
+            await asyncio.Event().wait()
+        return incoming.pop(0)
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("t", 80)}  # fmt: skip
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(app(scope, receive, send), 10)
+    (start,) = [m for m in sent if m["type"] == "http.response.start"]
+    assert start["status"] == 499
