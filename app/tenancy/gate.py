@@ -111,11 +111,10 @@ class Tenancy:
         own = (
             self.default_priority if caller is None or caller.priority is None else caller.priority
         )
-        if level is None:
-            level = own
-        else:
-            top = own if caller is None or caller.top_priority is None else caller.top_priority
-            level = max(level, top)  # 1 is the highest: a key's allowance caps what it asks
+        top = own if caller is None or caller.top_priority is None else caller.top_priority
+        # 1 is the highest: a key's allowance caps what it asks, and what it gets unasked
+        # (MB_DEFAULT_PRIORITY may be above a key's top_priority).
+        level = max(own if level is None else level, top)
         if caller is None:
             return Ticket(None, level - 1)
         return Ticket(caller.tenant, level - 1, self.keyring.tenant(caller.tenant).weight)

@@ -46,6 +46,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.broker.wire.lanes import MAX_WEIGHT
 from app.errors import SettingsError, validation_message
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # also a metrics label value: bounded by the file
@@ -108,7 +109,9 @@ class _Strict(BaseModel):
 class _TenantEntry(_Strict):
     rate: float | None = Field(None, gt=0, description="images per second")
     burst: float | None = Field(None, ge=1, description="the most images at once")
-    weight: float = Field(1.0, gt=0, description="share of a batch against other tenants")
+    weight: float = Field(
+        1.0, gt=0, le=MAX_WEIGHT, description="share of a batch against other tenants"
+    )
 
 
 class _CallerEntry(_Strict):
@@ -227,6 +230,8 @@ class Keyring:
         bad = [name for name in tenants if not _valid_tenant(name)]
         if bad:
             raise SettingsError(f"{source}: tenant names must match {TENANT_PATTERN}: {bad}")
+        if not parsed.keys and parsed.anonymous is None:  # an empty file, one half written
+            raise SettingsError(f"{source}: it grants nothing: no keys, and no anonymous entry")
         callers = {key.sha256: _caller(key) for key in parsed.keys}
         anonymous = _caller(parsed.anonymous) if parsed.anonymous is not None else None
         return cls(callers, tenants, anonymous, source)
@@ -235,9 +240,11 @@ class Keyring:
     def read(cls, path: Path) -> Keyring:
         """A keys file: YAML (``.yaml``, ``.yml``) or TOML (``.toml``)."""
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise SettingsError(f"MB_KEYS_FILE {path}: cannot read it: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise SettingsError(f"MB_KEYS_FILE {path}: not UTF-8 text: {exc.reason}") from None
         try:
             if path.suffix == ".toml":
                 data: Any = tomllib.loads(text)

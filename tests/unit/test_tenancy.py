@@ -108,6 +108,10 @@ def test_the_file_holds_hashes_never_keys(tmp_path: Path) -> None:
         ("tenants: {'a b': {rate: 1}}", "tenant names"),
         ("tenant: {}", "tenant"),  # a misspelt section is an error, not ignored
         ("keys: [", "not valid yaml"),
+        # Found by a review: an empty file (one caught half written by a SIGHUP) revoked
+        # every key; a weight past what the broker's lanes carry left a tenant unserved.
+        ("", "grants nothing"),
+        ("tenants: {t: {weight: 2000000}}", "weight"),
     ],
 )
 def test_a_bad_keys_file_is_refused_with_what_is_wrong(
@@ -116,6 +120,15 @@ def test_a_bad_keys_file_is_refused_with_what_is_wrong(
     with pytest.raises(SettingsError, match="MB_KEYS_FILE") as refused:
         Keyring.read(write(tmp_path, text))
     assert says in str(refused.value)
+
+
+def test_a_keys_file_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Found by a review: a traceback at start, and on SIGHUP an exception that also
+    skipped the reload of the models."""
+    path = tmp_path / "keys.yaml"
+    path.write_bytes(b"keys: [\xff]")
+    with pytest.raises(SettingsError, match="not UTF-8"):
+        Keyring.read(path)
 
 
 def test_a_keys_file_of_another_kind_or_missing_is_refused(tmp_path: Path) -> None:
@@ -291,6 +304,16 @@ def test_a_ticket_takes_the_asked_priority_capped_by_the_key_else_its_default(
     middle = Tenancy(Keyring.of_settings("user", None), levels=3, default_priority=2)
     user = middle.caller(bearer("user"), Scope.INFER)
     assert middle.ticket(user).level == 1 and middle.ticket(user, "1").level == 0  # free choice
+
+
+def test_a_key_s_top_priority_caps_the_server_s_default_too(tmp_path: Path) -> None:
+    """Found by a review: a key allowed priority 3 at best, asking nothing, got
+    ``MB_DEFAULT_PRIORITY`` 1, above what it may ask for."""
+    text = f"keys: [{{sha256: {key_hash('k')}, tenant: t, scopes: [infer], top_priority: 3}}]"
+    gate = Tenancy(Keyring.read(write(tmp_path, text)), levels=3, default_priority=1)
+    caller = gate.caller(bearer("k"), Scope.INFER)
+    assert gate.ticket(caller).level == 2
+    assert gate.ticket(caller, "1").level == 2
 
 
 def test_a_key_priority_beyond_the_levels_is_refused_at_start_and_on_reload(
