@@ -180,13 +180,14 @@ class FairQueue(Generic[Q]):
             return queue[-1]
         return None
 
-    def holds_most(self, level: int, tenant: Hashable) -> bool:
-        """Whether ``tenant`` holds at least as much as any other at ``level``, beside
-        another tenant (a full level is then its excess, not the server's limit)."""
+    def holds_most(self, level: int, tenant: Hashable, weight: float = 1.0) -> bool:
+        """Whether ``tenant`` holds more at ``level``, for its weight, than any other tenant
+        there (a full level is then its excess, not the server's limit; with none holding
+        more than another, the server is full, whoever asks)."""
         queues = self._levels[level].queues
-        own = len(queues.get(tenant, ()))
-        others = [len(queue) for name, queue in queues.items() if name != tenant]
-        return bool(others) and own >= max(others)
+        own = len(queues.get(tenant, ())) / weight
+        others = [len(queue) / queue[0].weight for name, queue in queues.items() if name != tenant]
+        return bool(others) and own > max(others)
 
     def room_for(
         self, ticket: Ticket, bounds: Sequence[int | None], max_size: int
@@ -220,7 +221,9 @@ class FairQueue(Generic[Q]):
         answers itself)."""
         batch: list[Q] = []
         for index, level in enumerate(self._levels):
-            own = level_limits[min(index, len(level_limits) - 1)] if level_limits else None
+            # The delayed level (past the last) has no bound of its own: its work runs after
+            # everything else waiting, in whole batches.
+            own = level_limits[index] if index < len(level_limits) else None
             bound = limit if own is None else min(limit, own)
             if level.size and len(batch) < bound:
                 self._fill(level, key, bound, usable, batch)

@@ -171,7 +171,7 @@ class Streamer(Generic[T, R]):
         ticket = ticket or NO_TICKET
         full = self._queue.room_for(ticket, self._bounds, self.max_queue_size)
         if full is not None and full[0] is None:
-            if self._queue.holds_most(ticket.level, ticket.tenant):
+            if self._queue.holds_most(ticket.level, ticket.tenant, ticket.weight):
                 why = f"{full[1]}; its tenant holds the most"
             elif ticket.level > 0:
                 why = f"{full[1]}; higher priorities come first"

@@ -244,6 +244,16 @@ def test_a_full_level_is_shared_out_the_tenant_holding_most_gives_way() -> None:
     assert weighted.heaviest(0, "shop") is None  # 3 for a weight of 3 is its share
 
 
+def test_the_tenant_holding_most_is_judged_for_its_weight_and_a_tie_is_the_server_s() -> None:
+    """Found by a review: raw counts said shop (6 for a weight of 4) held the most, so bulk
+    (2 for a weight of 1, over its share) heard 503 'the server is full' and might move to
+    another replica; and two tenants holding as much each heard 429, where a 503 is due."""
+    weighted = queue_of(("shop", 6, 4.0, 0), ("bulk", 2, 1.0, 0))
+    assert weighted.holds_most(0, "bulk", 1.0) and not weighted.holds_most(0, "shop", 4.0)
+    even = queue_of(("a", 4, 1.0, 0), ("b", 4, 1.0, 0))
+    assert not even.holds_most(0, "a") and not even.holds_most(0, "b")
+
+
 def test_a_noisy_tenant_at_a_full_level_cannot_keep_a_quiet_one_out() -> None:
     levels = (LevelPolicy(max_queue=3),)
 
@@ -282,6 +292,13 @@ def test_a_levels_max_batch_keeps_batches_with_its_work_short() -> None:
     assert [item.name for item in queue.take("k", 8, always, limits)] == ["bulk1", "bulk2", "bulk3"]
     queue.append(Item("shop", 0, name="shop2"))
     assert len(queue.take("k", 8, always, limits)) == 3  # shop2, then bulk up to 3
+
+
+def test_delayed_work_runs_in_whole_batches_not_under_the_last_level_s_max_batch() -> None:
+    """Found by a review: the delayed level took the last level's max_batch, so delayed
+    work ran one image a batch with nothing else waiting, and ran out of its deadlines."""
+    queue = queue_of(("late", 5, 1.0, 2), levels=2)  # level 2: the delayed one
+    assert len(queue.take("k", 8, always, (None, 1))) == 5
 
 
 def test_a_tenant_left_alone_mid_batch_carries_no_credit_into_the_next_one() -> None:
