@@ -4,6 +4,7 @@ Streamer, shape the answer."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -218,7 +219,10 @@ class Predictor:
                 if isinstance(error, ClientError):
                     name = names[index] if index < len(names) else ""
                     which = f"image {index}" + (f" ({name!r})" if name else "")
-                    raise type(error)(f"{which}: {error.message}") from None
+                    said = copy.copy(error)  # its kind, Retry-After and RateLimit headers kept
+                    said.message = f"{which}: {error.message}"
+                    said.args = (said.message,)
+                    raise said from None
                 assert error is not None
                 raise error
             return [run.result() for run in runs]

@@ -135,3 +135,25 @@ def test_infer_refuses_k_above_the_classes_before_any_image_runs(embedding: bool
             predictor.infer([b"x"], 11, time.monotonic() + 10, embedding=embedding, top_k=True)
         )
     assert streamer.submitted == []
+
+
+def test_an_image_of_several_shed_keeps_its_kind_and_retry_after() -> None:
+    """Found by a review: the refusal of one image of a request of several was rebuilt with
+    its message alone, and lost its Retry-After (1 s instead) and its RateLimit headers."""
+    from app.errors import Shed
+
+    class Shedding(FakeStreamer):
+        async def submit(self, job: ImageJob, *, key: Any, **_: Any) -> object:
+            if job.image == b"second":
+                raise Shed("priority 2 is full", retry_after_s=7)
+            return await super().submit(job, key=key)
+
+    predictor = _predictor(Shedding(), WORKERS, None)
+    with pytest.raises(Shed) as shed:
+        asyncio.run(
+            predictor.infer(
+                [b"first", b"second"], None, time.monotonic() + 10, embedding=True, top_k=False
+            )
+        )
+    assert shed.value.retry_after_s == 7
+    assert shed.value.message.startswith("image 1") and "priority 2 is full" in shed.value.message
