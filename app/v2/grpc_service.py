@@ -133,7 +133,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 return await work(call)
             except ServerError as error:
                 call.error = error
-                await self._refuse(context, error)
+                await self._refuse(context, error, call)
                 raise AssertionError("unreachable: abort raises") from None
             except asyncio.CancelledError:
                 call.error = ClientDisconnected("the client cancelled the call")
@@ -171,10 +171,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return self.tenancy.caller(sent, scope, where="metadata")
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError
+        self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError, call: Call
     ) -> None:
         if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error)
+            self.engine.metrics.on_error(error, _tenant(call))
         trailing = [("error-type", error.code)]
         if isinstance(error, Unavailable | QuotaExceeded):
             seconds = retry_after(error)
@@ -334,11 +334,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     answer = pb.ModelStreamInferResponse(infer_response=response)
                 except ServerError as error:
                     call.error = error
-                    answer = self._stream_refusal(request, error)
+                    answer = self._stream_refusal(request, error, call)
                 except Exception:  # a bug: this request's answer says so, the stream goes on
                     log.exception("a request of a gRPC stream failed")
                     call.error = ServerError("internal error")
-                    answer = self._stream_refusal(request, call.error)
+                    answer = self._stream_refusal(request, call.error, call)
                 finally:
                     self._observe(call, time.perf_counter() - started, span)
             answers.put_nowait(answer)
@@ -374,11 +374,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             for task in list(running):
                 task.cancel()
 
-    def _stream_refusal(self, request: Any, error: ServerError) -> Any:
+    def _stream_refusal(self, request: Any, error: ServerError, call: Call) -> Any:
         """A stream's answer to a request that failed: its message, and its type and retry
         hint as parameters (a stream has no trailing metadata per request)."""
         if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error)
+            self.engine.metrics.on_error(error, _tenant(call))
         failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
         failed.parameters["error-type"].string_param = error.code
         if isinstance(error, Unavailable | QuotaExceeded):
@@ -458,3 +458,8 @@ def _said(error: ServerError) -> str:
     instead of the refusal)."""
     message = error.message
     return message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."
+
+
+def _tenant(call: Call) -> str | None:
+    """The tenant a refusal counts under (``microbatch_tenant_refused_total``), once known."""
+    return call.caller.tenant if call.caller is not None else None

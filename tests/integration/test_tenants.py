@@ -168,6 +168,9 @@ def test_grpc_answers_permission_denied_and_resource_exhausted(server: ServerPro
     assert "over its quota" in refused.message()
     # statistics need the metrics scope, which this file gives a call without a key
     assert client.get_inference_statistics("tiny-test")
+    # counted under its tenant, as over HTTP (found by a review: gRPC's were not)
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 'microbatch_tenant_refused_total{reason="over_quota",tenant="bulk"}' in metrics
 
 
 def test_sighup_to_a_gunicorn_master_reloads_each_front_end_in_place(
