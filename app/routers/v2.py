@@ -33,6 +33,7 @@ from app.dependencies import (
 )
 from app.routers.common import V2_ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
+from app.routers.errors import MULTIPART_OVERHEAD_BYTES
 from app.v2 import http_body, inference
 from app.v2.http_body import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, InferBody, inlined_schema
 from app.v2.inference import PRIORITY_PARAMETER
@@ -173,7 +174,9 @@ async def infer(request: Request) -> Response:
     settings = app_settings(request)
     name, version = request.path_params["name"], request.path_params.get("version")
     with tracing.span("read upload"):
-        body, call = http_body.parse(await request.body(), header(request, HEADER_LENGTH))
+        limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES  # as a plain body's
+        raw = http_body.decoded(await request.body(), header(request, "Content-Encoding"), limit)
+        body, call = http_body.parse(raw, header(request, HEADER_LENGTH))
     deadline = inference.shortened(
         request_deadline(request, settings.mb_request_timeout), call.parameters
     )

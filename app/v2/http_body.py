@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from app.errors import InvalidRequest, validation_message
+from app.errors import InvalidRequest, PayloadTooLarge, validation_message
 from app.jsonbody import dumps
 from app.v2.inference import InferCall, Requested
 from app.v2.tensors import Tensor, from_raw, from_values
@@ -68,6 +69,30 @@ def inlined_schema(model: type[BaseModel]) -> dict[str, Any]:
 
     inlined: dict[str, Any] = walk(schema)
     return inlined
+
+
+CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # deflate: zlib's format
+
+
+def decoded(raw: bytes, coding: str | None, limit: int) -> bytes:
+    """The body before its ``Content-Encoding`` (tritonclient's
+    ``request_compression_algorithm``: gzip or deflate), at most ``limit`` bytes once
+    decompressed (``PayloadTooLarge`` past it: a small body may inflate a thousandfold)."""
+    name = (coding or "identity").strip().lower()
+    if name == "identity":
+        return raw
+    if name not in CODINGS:
+        raise InvalidRequest(f"Content-Encoding {name[:20]!r}: send identity, gzip or deflate")
+    inflating = zlib.decompressobj(CODINGS[name])
+    try:
+        body = inflating.decompress(raw, limit + 1)
+    except zlib.error as error:
+        raise InvalidRequest(f"the body is not {name} data: {error}") from None
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the body decompresses past {limit} bytes (MAX_UPLOAD_BYTES)")
+    if not inflating.eof:
+        raise InvalidRequest(f"the body's {name} data end before their end")
+    return body
 
 
 def read_json(raw: bytes, what: str = "body") -> Any:

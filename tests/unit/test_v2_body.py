@@ -1,0 +1,40 @@
+"""A compressed v2 body (``Content-Encoding``, tritonclient's
+``request_compression_algorithm``): inflated within the body limit, or refused by type."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+
+from app.errors import InvalidRequest, PayloadTooLarge
+from app.v2.http_body import decoded
+
+BODY = b'{"inputs": []}'
+
+
+def test_gzip_deflate_and_identity_give_the_body_as_sent() -> None:
+    assert decoded(gzip.compress(BODY), "gzip", 100) == BODY
+    assert decoded(zlib.compress(BODY), "Deflate", 100) == BODY
+    assert decoded(BODY, None, 100) == decoded(BODY, "identity", 100) == BODY
+
+
+def test_a_body_that_inflates_past_the_limit_is_413_however_small_it_came() -> None:
+    bomb = gzip.compress(bytes(10_000_000))  # 10 KB on the wire
+    assert len(bomb) < 20_000
+    with pytest.raises(PayloadTooLarge, match="decompresses past 1000000 bytes"):
+        decoded(bomb, "gzip", 1_000_000)
+
+
+@pytest.mark.parametrize(
+    ("raw", "coding", "says"),
+    [
+        (gzip.compress(BODY)[:-12], "gzip", "end before their end"),
+        (BODY, "gzip", "not gzip data"),
+        (BODY, "br", "send identity, gzip or deflate"),
+    ],
+)
+def test_a_truncated_corrupt_or_unknown_coding_is_a_422(raw: bytes, coding: str, says: str) -> None:
+    with pytest.raises(InvalidRequest, match=says):
+        decoded(raw, coding, 100)
