@@ -165,6 +165,9 @@ def parse(raw: bytes, header_length: str | None) -> tuple[InferBody, InferCall]:
         raise InvalidRequest(
             f"{len(binary) - offset} bytes after the JSON belong to no input's binary_data_size"
         )
+    _flag(body.parameters, "binary_data_output")  # checked before the model runs, not after
+    for output in body.outputs or ():
+        _flag(output.parameters, "binary_data")
     outputs = [Requested.of(output.name, output.parameters) for output in body.outputs or ()]
     return body, InferCall(inputs, outputs, body.parameters)
 
