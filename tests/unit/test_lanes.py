@@ -22,7 +22,7 @@ from app.broker.wire.keys import GROUP, Keys
 from app.broker.wire.lanes import Lane, decode_lane, encode_lane
 from app.broker.wire.parsing import MalformedMessage, text
 from app.broker.wire.request import decode_request, encode_request
-from app.broker.worker.entries import fields_of
+from app.broker.worker.entries import fields_of, past_level_wait
 from app.broker.worker.lanes import LaneReader, is_doorbell
 from app.errors import QueueFull, Shed
 from app.jobs import Task
@@ -139,6 +139,19 @@ def test_a_level_s_max_batch_keeps_its_share_of_a_batch_short(client: redis.Redi
     assert batch[0] == "None-0-11" and len(batch) == 3
 
 
+def test_a_level_s_max_batch_holds_whichever_of_its_lanes_turns_first(client: redis.Redis) -> None:
+    # Level 0 holds the task's own stream (no tenant, no policy written) beside a tenant's
+    # lane: the level's bound is its policy's, not the first lane's of this batch's turn.
+    front = FrontEnd(client, [LevelPolicy(max_batch=3)], max_queue=100)
+    reader = worker(client)
+    for _ in range(8):
+        front.send("shop", 0)
+        front.send(None, 0)
+    reader.refresh([SERVED])
+    sizes = [len([n for n in take(reader, 8) if n != "bell"]) for _ in range(4)]
+    assert sizes == [3, 3, 3, 3]
+
+
 def test_a_lone_request_in_a_lane_wakes_a_blocked_worker_at_once(client: redis.Redis) -> None:
     front = FrontEnd(client, [LevelPolicy(), LevelPolicy()], max_queue=100)
     reader = worker(client)
@@ -228,6 +241,29 @@ def test_without_a_keys_file_the_callers_of_a_level_share_its_lane() -> None:
     levels = BrokerTransport("redis://unused", "mb", max_queue=8, levels=[LevelPolicy()] * 2)
     stream, lane = levels.admission.lane(SERVED, Task.TAG, Ticket("anonymous", 1))
     assert stream == f"{TASK_STREAM}:p2" and lane == Lane(Task.TAG, level=1)
+
+
+def test_the_highest_level_s_policy_holds_for_callers_without_a_tenant(
+    client: redis.Redis,
+) -> None:
+    """A regression: the highest level's callers without a tenant waited in the task's
+    stream, whose description no worker reads, so that level's ``timeout_s`` and
+    ``max_batch`` held in one process and not in broker mode."""
+    policy = LevelPolicy(timeout_s=0.05, max_batch=2)
+    front = FrontEnd(client, [policy, LevelPolicy()], max_queue=100)
+    stream, lane = front.transport.admission.lane(SERVED, Task.TAG, Ticket(None, 0))
+    assert stream == f"{TASK_STREAM}:p1" and KEYS.lane_level(stream) == 0
+    assert lane == Lane(Task.TAG, level=0, max_batch=2, timeout_ms=50)
+    reader = worker(client)
+    for _ in range(3):
+        assert isinstance(front.send(None, 0), bytes)
+    reader.refresh([SERVED])
+    assert sorted(take(reader, 8)) == ["None-0-1", "None-0-2", "bell"]  # 2: its max_batch
+    time.sleep(0.1)
+    read = reader.read({TASK_STREAM: (SERVED, Task.TAG)}, {SERVED: 8})
+    [(name, [(entry_id, _)])] = [(text(s), e) for s, e in read]
+    shed = past_level_wait(reader.lane(name), entry_id, int(time.time() * 1000))
+    assert isinstance(shed, Shed) and "priority 1 waits at most 0.05 s" in shed.message
 
 
 def test_a_live_worker_s_pending_lane_entries_are_its_own() -> None:

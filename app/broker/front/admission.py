@@ -87,13 +87,15 @@ class Admission:
 
     def lane(self, served_id: str, task: Task, ticket: Ticket) -> tuple[str, Lane | None]:
         """Where a request of ``ticket`` waits, and what its lane holds (None: its task's
-        stream, the highest level without a tenant)."""
+        stream, the highest level without a tenant, when that level's policy has nothing
+        the workers read)."""
         level = min(ticket.level, len(self.levels) - 1)
         tenant = ticket.tenant if self.tenant_lanes and isinstance(ticket.tenant, str) else None
-        stream = self.keys.lane(served_id, task, level, tenant)
-        if level == 0 and tenant is None:
-            return stream, None
         policy = self.levels[level]
+        read = policy.timeout_s is not None or policy.max_batch is not None
+        stream = self.keys.lane(served_id, task, level, tenant, own=read)
+        if stream == self.keys.stream(served_id, task):
+            return stream, None
         timeout_ms = None if policy.timeout_s is None else max(1, round(1000 * policy.timeout_s))
         reject = policy.on_timeout == "reject"
         return stream, Lane(task, level, ticket.weight, policy.max_batch, timeout_ms, reject)

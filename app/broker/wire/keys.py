@@ -43,19 +43,23 @@ class Keys:
         """The served id's streams, one per task."""
         return tuple(self.stream(served_id, task) for task in Task)
 
-    def lane(self, served_id: str, task: Task, level: int, tenant: str | None) -> str:
+    def lane(
+        self, served_id: str, task: Task, level: int, tenant: str | None, *, own: bool = False
+    ) -> str:
         """The stream a request of priority ``level`` (0: the highest) and ``tenant`` waits
         in (``app.broker.wire.lanes``): its task's stream for the highest level and no
-        tenant (so a server without keys or levels has one stream per task, as before),
-        else a stream of its own beside it, so workers can take the levels in order and
-        the tenants in turn.
+        tenant (so a server without keys or levels has one stream per task, as before)
+        unless ``own`` (that level has a policy the workers must read), else a stream of
+        its own beside it, so workers can take the levels in order and the tenants in turn.
 
         >>> keys, served = Keys("mb"), "m@89e9be0d4f64"
         >>> keys.lane(served, Task.TAG, 1, "shop"), keys.lane(served, Task.TAG, 0, None)
         ('mb:{q}:89e9be0d4f64:tag:p2:shop', 'mb:{q}:89e9be0d4f64:tag')
+        >>> keys.lane(served, Task.TAG, 0, None, own=True)
+        'mb:{q}:89e9be0d4f64:tag:p1'
         """
         stream = self.stream(served_id, task)
-        if level == 0 and tenant is None:
+        if level == 0 and tenant is None and not own:
             return stream
         return f"{stream}:p{level + 1}" + ("" if tenant is None else f":{tenant}")
 

@@ -187,9 +187,10 @@ class LaneReader:
                 continue
             ordered = self._in_turn([(stream, Lane(task)), *self._lanes_of(stream)])
             groups += [size, len(ordered)]
+            caps = self._caps(ordered)
             for name, lane in ordered:
                 keys.append(name)
-                lanes += [lane.level, self._share(lane, ordered), lane.max_batch or 0]
+                lanes += [lane.level, self._share(lane, ordered), caps.get(lane.level, 0)]
         if not keys:
             return None
         return (
@@ -205,6 +206,16 @@ class LaneReader:
             turn = self._turn % len(same)
             ordered += same[turn:] + same[:turn]
         return ordered
+
+    @staticmethod
+    def _caps(lanes: list[tuple[str, Lane]]) -> dict[int, int]:
+        """Each level's ``max_batch``, whichever of its lanes says it (the task's own stream
+        says none: its level's policy is written only in its tenants' lanes)."""
+        caps: dict[int, int] = {}
+        for _, lane in lanes:
+            if lane.max_batch:
+                caps[lane.level] = min(lane.max_batch, caps.get(lane.level, lane.max_batch))
+        return caps
 
     @staticmethod
     def _share(lane: Lane, lanes: list[tuple[str, Lane]]) -> int:
