@@ -285,6 +285,11 @@ class Streamer(Generic[T, R]):
         own = "higher priorities come first" if lower else "its tenant holds the most"
         fail(heavy, Shed(f"{why}; {own}", retry_after_s=self.retry_after_s()))
 
+    def queue_timeout_s(self, ticket: Ticket | None) -> float | None:
+        """How long work of ``ticket`` may wait queued before its level delays or refuses
+        it (its ``LevelPolicy.timeout_s``; None: its deadline only)."""
+        return self._waits[0 if ticket is None else ticket.level]
+
     def retry_after_s(self) -> float:
         """Seconds until the current queue is likely drained (at least 1)."""
         per_item = self._item_time_s or 0.05

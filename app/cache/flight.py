@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -77,11 +77,24 @@ class CacheUse:
 
 @dataclass(frozen=True)
 class _Flight:
-    """A computation in flight for a key: what it leaves its followers, and the priority
-    level it queues at (0 is the most urgent)."""
+    """A computation in flight for a key: what it leaves its followers, where it queues
+    (its priority ``level``, 0 the most urgent, and its ``tenant``'s turn), and until when
+    it may wait there before its level delays or refuses it (``until``: monotonic; None:
+    no bound but its deadline)."""
 
     landed: asyncio.Future[_Landed]
     level: int
+    until: float | None
+
+    @property
+    def waited_out(self) -> bool:
+        """Whether it has waited its level's time: delayed behind everything, or refused."""
+        return self.until is not None and time.monotonic() >= self.until
+
+    def takes(self, level: int) -> bool:
+        """Whether a request of its tenant at ``level`` may wait on it: it queues no worse
+        than that request would (as urgent or more) and has not outwaited its level."""
+        return level >= self.level and not self.waited_out
 
 
 @dataclass(frozen=True)
@@ -102,8 +115,11 @@ class ResponseCache:
     ``Outcome``, ``on_evict`` each answer this process's share let go.
 
     A request waits on an identical one in flight until its own ``deadline`` at most (then
-    ``DeadlineExceeded``, as it would queued), and never behind one less urgent than itself
-    (a lower priority ``level``, which may wait long in the queue): it computes alone.
+    ``DeadlineExceeded``, as it would queued), and only on one that queues no worse than it
+    would: as urgent or more (a lower priority ``level`` may wait long in the queue), in
+    its own ``tenant``'s turn (another's backlog would make it wait for that tenant's
+    share), and within the level's ``patience_s`` (its queue timeout, past which the first
+    is delayed behind everything or refused); else it computes alone.
 
     >>> # cache = ResponseCache(64 << 20, shared=None)
     >>> # vector = await cache.answer(cache_key(...), lambda: streamer.submit(...), CacheUse())
@@ -119,7 +135,8 @@ class ResponseCache:
         self.memory = BytesLRU(max_bytes, on_evict) if max_bytes > 0 else None
         self.shared = shared
         self._on_outcome = on_outcome
-        self._flights: dict[bytes, _Flight] = {}
+        # (key, tenant) -> its computation in flight: a tenant waits in its own turn only.
+        self._flights: dict[tuple[bytes, Hashable], _Flight] = {}
 
     async def answer(
         self,
@@ -129,39 +146,46 @@ class ResponseCache:
         *,
         deadline: float | None = None,
         level: int = 0,
+        tenant: Hashable = None,
+        patience_s: float | None = None,
     ) -> object:
         """``key``'s answer (see the class); ``deadline``: ``time.monotonic()``'s, if any;
-        ``level``: the priority ``compute`` queues at."""
+        ``level`` and ``tenant``: where ``compute`` queues; ``patience_s``: its level's
+        queue timeout, if any."""
         fresh = use is not None and use.fresh
         while not fresh:
             kept = self.memory.get(key) if self.memory is not None else None
             if kept is not None:
                 return self._told(use, Outcome.HIT, kept)
-            flight = self._flights.get(key)
-            if flight is None or level < flight.level:  # none, or one less urgent: alone
+            flight = self._flights.get((key, tenant))
+            if flight is None or not flight.takes(level):  # none, or worse: alone
                 break
             landed = await _waited(flight, deadline)
             if landed.error is not None:
                 raise type(landed.error)(landed.error.message)  # each caller its own
             if landed.answer is not None:
                 return self._told(use, Outcome.COALESCED, landed.answer)
-            # It came to nothing (a timeout, a cancel): look again, maybe compute.
-        return await self._lead(key, compute, use, fresh, level)
+            # It came to nothing (a timeout, a cancel, its level's wait): look again.
+        until = None if patience_s is None else time.monotonic() + patience_s
+        lead = _Flight(asyncio.get_running_loop().create_future(), level, until)
+        return await self._lead((key, tenant), compute, use, fresh, lead)
 
     async def _lead(
         self,
-        key: bytes,
+        place: tuple[bytes, Hashable],
         compute: Callable[[], Awaitable[object]],
         use: CacheUse | None,
         fresh: bool,
-        level: int = 0,
+        lead: _Flight,
     ) -> object:
-        """Compute ``key``'s answer (first asking the shared tier, unless ``fresh``), with
-        every identical request that comes meanwhile waiting on it."""
+        """Compute the answer of ``place``'s key (first asking the shared tier, unless
+        ``fresh``), with every identical request of its tenant that comes meanwhile waiting
+        on it (``lead``: where it queues)."""
+        key = place[0]
         flight: _Flight | None = None
-        if key not in self._flights:  # a fresh or more urgent request beside one: alone
-            landing = asyncio.get_running_loop().create_future()
-            flight = self._flights[key] = _Flight(landing, level)
+        there = self._flights.get(place)
+        if there is None or there.waited_out:  # else a fresh or more urgent one: alone
+            flight = self._flights[place] = lead
         landed = _Landed()
         try:
             if not fresh and self.shared is not None:
@@ -189,7 +213,8 @@ class ResponseCache:
             return self._told(use, outcome, computed)
         finally:
             if flight is not None:
-                del self._flights[key]
+                if self._flights.get(place) is flight:
+                    del self._flights[place]
                 flight.landed.set_result(landed)
 
     def _told(self, use: CacheUse | None, outcome: Outcome, answer: object) -> object:
@@ -210,14 +235,18 @@ class ResponseCache:
 
 async def _waited(flight: _Flight, deadline: float | None) -> _Landed:
     """What ``flight`` leaves, waited for until ``deadline`` at most (the computation goes
-    on for the others: shielded)."""
-    if deadline is None:
+    on for the others: shielded), or until it has waited its level's time (nothing: the
+    follower then queues for itself, no longer behind it)."""
+    ends = [t for t in (deadline, flight.until) if t is not None]
+    if not ends:
         return await asyncio.shield(flight.landed)
     try:
         return await asyncio.wait_for(
-            asyncio.shield(flight.landed), max(0.0, deadline - time.monotonic())
+            asyncio.shield(flight.landed), max(0.0, min(ends) - time.monotonic())
         )
     except TimeoutError:
+        if deadline is None or time.monotonic() < deadline:
+            return _Landed()
         raise DeadlineExceeded(
             "no result by the request's deadline: an identical request was still computing it"
         ) from None

@@ -135,12 +135,15 @@ class Predictor:
         answers even when the queue is full), else computed."""
         if self._cache is None:
             return await self._compute(ask)
+        ticket = ask.ticket or Ticket()
         return await self._cache.answer(
             cache_key(self.model_id, ask.task, ask.top_k, ask.data),
             lambda: self._compute(ask, shared=use is None or not use.fresh),
             use,
             deadline=ask.deadline,
-            level=0 if ask.ticket is None else ask.ticket.level,
+            level=ticket.level,
+            tenant=ticket.tenant,
+            patience_s=self._streamer.queue_timeout_s(ask.ticket),
         )
 
     async def _compute(self, ask: _Ask, shared: bool = False) -> object:

@@ -192,6 +192,52 @@ async def test_a_more_urgent_request_does_not_wait_behind_a_less_urgent_identica
     assert low_calls == [1] and same_calls == []
 
 
+async def test_a_request_waits_only_in_its_own_tenant_s_turn() -> None:
+    """A regression: a tenant's request waited on an identical one of a tenant with a long
+    backlog (queued behind that tenant's share of every batch), so a noisy tenant's queue
+    held a quiet one's answer back. Its own tenant's identical request still waits on it."""
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    noisy_calls, noisy = counting(gate=gate)
+    leader = asyncio.ensure_future(cache.answer(b"k", noisy, CacheUse(), tenant="bulk"))
+    await asyncio.sleep(0.01)
+    alike_calls, alike = counting()
+    same = asyncio.ensure_future(cache.answer(b"k", alike, CacheUse(), tenant="bulk"))
+    quiet_calls, quiet = counting()
+    use = CacheUse()
+    await asyncio.wait_for(cache.answer(b"k", quiet, use, tenant="shop"), 5)
+    assert quiet_calls == [1] and use.header == "miss"
+    assert not leader.done() and not same.done()
+    gate.set()
+    assert await leader is await same
+    assert noisy_calls == [1] and alike_calls == []
+
+
+async def test_no_request_waits_on_one_past_its_level_s_queue_timeout() -> None:
+    """A regression: under ``on_timeout: delay`` the first request, past its level's queue
+    timeout, waits behind everything else, and those waiting on it waited there too. They
+    wait on it for its level's time at most, then compute (one for all of them); later
+    ones no longer join it."""
+    cache = ResponseCache(1 << 20)
+    gate = asyncio.Event()
+    delayed_calls, delayed = counting(gate=gate)
+    leader = asyncio.ensure_future(cache.answer(b"k", delayed, CacheUse(), patience_s=0.2))
+    await asyncio.sleep(0.01)
+    calls, compute = counting()
+    began = time.monotonic()
+    uses = [CacheUse() for _ in range(3)]
+    waiting = [asyncio.ensure_future(cache.answer(b"k", compute, use)) for use in uses]
+    answers = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert 0.15 < time.monotonic() - began < 2
+    assert calls == [1] and all(answer is answers[0] for answer in answers)
+    headers = sorted(use.header or "" for use in uses)  # the others waited on it, or hit
+    assert headers[-1] == "miss" and set(headers[:-1]) <= {"coalesced", "hit"}
+    assert not leader.done()
+    gate.set()
+    await leader
+    assert delayed_calls == [1]
+
+
 @pytest.mark.parametrize("how", ["timeout", "overload", "shed", "cancel"])
 async def test_when_the_computation_comes_to_nothing_each_waiting_request_tries_itself(
     how: str,
