@@ -13,6 +13,7 @@ from app.services.registry import ModelRegistry, ModelVersion
 
 MANIFEST: Any = object()  # the registry stores it, never reads it
 PREDICTOR: Any = object()
+OTHER: Any = object()
 
 
 def _serving(registry: ModelRegistry, name: str, number: int, served_id: str) -> ModelVersion:
@@ -211,5 +212,5 @@ def test_a_move_refused_leaves_the_version_as_it_was() -> None:
     registry = ModelRegistry()
     v1 = _serving(registry, "tagger", 1, "t@1")
     with pytest.raises(IllegalMove):
-        registry.ready(v1, MANIFEST, object())  # serving: not loading
+        registry.ready(v1, MANIFEST, OTHER)  # serving: not loading
     assert v1.predictor is PREDICTOR and _state(v1) is VersionState.SERVING
