@@ -225,7 +225,7 @@ class Engine:
                 self.registry, repository, control, self._predictor_for,
                 dtype=plan.worker.dtype, drain_timeout_s=plan.limits.request_timeout_s + 5,
                 load_timeout_s=plan.limits.start_timeout_s,
-                min_workers=plan.repository.switch_min_workers,
+                min_workers=plan.repository.switch_min_workers, in_place=not front_end,
             )  # fmt: skip
             # The Streamer before the transport starts: its first view of the workers may
             # already make predictors (their requests wait for the start).

@@ -111,8 +111,12 @@ class Models:
         drain_timeout_s: float,
         load_timeout_s: float,
         min_workers: int | None = None,
+        in_place: bool = True,
     ) -> None:
         self.registry = registry
+        # A load may replace what serves (in-process); a broker front end's pins are the
+        # whole fleet's: an unload there would leave every front end without the name.
+        self._in_place = in_place
         self.repository = repository
         self.control = control
         self._make_predictor = make_predictor
@@ -206,6 +210,11 @@ class Models:
         not served within the load deadline and this call's margin. ``replace``: unload
         what serves first. Shielded: a caller that goes away does not stop it."""
         check_name(name)
+        if replace and not self._in_place:
+            raise InvalidRequest(
+                "parameters.replace is for one process: in broker mode every worker loads a "
+                "version beside the one serving (MB_MODEL_MEMORY bounds what that takes)"
+            )
         return await asyncio.shield(self._load(name, version, replace=replace))
 
     async def _load(self, name: str, number: int | None, *, replace: bool) -> ModelVersion:

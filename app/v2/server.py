@@ -83,7 +83,8 @@ def load_asked(document: object) -> LoadParameters:
     (``config``) or model files (``file:...``): refused, as this server serves each version
     as exported, from its repository."""
     parameters = document.get("parameters") if isinstance(document, dict) else None
-    given = [k for k in parameters or () if k == "config" or str(k).startswith("file:")]
+    named = parameters if isinstance(parameters, dict) else {}  # else: 422 from the model
+    given = [k for k in named if k == "config" or str(k).startswith("file:")]
     if given:
         raise InvalidRequest(
             f"parameters {', '.join(given)}: this server takes no model configuration or files "
