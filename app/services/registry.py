@@ -122,7 +122,8 @@ class ModelRegistry:
         or exactly the one ``pinned`` names (a served id), or ``name``'s version ``number``
         (its number, or the version part of its served id). ``ModelNotFound`` (404) for a
         name not served, ``ModelVersionUnavailable`` (409) for a pin or a version not
-        served: never a substitute."""
+        served: never a substitute; ``NotReady`` (503) while a name that will serve serves
+        nothing yet, pinned or not."""
         if name is not None:
             check_name(name)
         if pinned is not None:  # any name's, unless the request names one
@@ -166,6 +167,9 @@ class ModelRegistry:
                 return version
         if name is not None and name not in self._known:
             raise ModelNotFound(f"no model named {name!r} is served here")
+        if not ready and self._known:  # nothing serves yet (a start, a replace): as unpinned
+            said = f"model {name!r}" if name else "this server"
+            raise NotReady(f"{said} has no version ready now", retry_after_s=2)
         served = ", ".join(sorted(v.served_id for v in ready)) or "none"
         raise ModelVersionUnavailable(
             f"{pinned[:200]!r} is not served{f' as {name!r}' if name else ''}; served: {served}"

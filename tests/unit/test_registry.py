@@ -214,3 +214,22 @@ def test_a_move_refused_leaves_the_version_as_it_was() -> None:
     with pytest.raises(IllegalMove):
         registry.ready(v1, MANIFEST, OTHER)  # serving: not loading
     assert v1.predictor is PREDICTOR and _state(v1) is VersionState.SERVING
+
+
+def test_a_pin_while_its_name_serves_nothing_yet_is_503_as_unpinned() -> None:
+    """A regression: at a start or in a replace's gap, a request pinned by ``X-Model-Id``
+    got 409 (final, to a client) where the same request unpinned got 503 with
+    Retry-After; and a broker front end refreshes its view only on 503."""
+    registry = ModelRegistry()
+    registry.expect(["tagger"])
+    for name in ("tagger", None):
+        with pytest.raises(NotReady):
+            registry.resolve(name)
+        with pytest.raises(NotReady) as refused:
+            registry.resolve(name, pinned="t@1")
+        assert refused.value.retry_after_s == 2
+    _serving(registry, "tagger", 1, "t@1")
+    with pytest.raises(ModelVersionUnavailable):  # served now: another id is not
+        registry.resolve("tagger", pinned="t@2")
+    with pytest.raises(ModelNotFound):
+        registry.resolve("other", pinned="t@1")
