@@ -97,6 +97,14 @@ async def admitted(
         yield version
 
 
+def is_model_ready(request: Request, version: ModelVersion) -> bool:
+    """Whether ``version`` takes requests: it serves, a ready worker holds it, and the
+    server is not stopping (whatever the other names' state)."""
+    engine = running_engine(request)
+    closing = request.app.state.closing
+    return engine is not None and engine.answers_for(version) and not closing
+
+
 def is_ready(request: Request) -> bool:
     """Whether this server takes requests: a model worker is ready, a model version serves,
     and it is not stopping."""

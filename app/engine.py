@@ -148,13 +148,17 @@ class Engine:
         serves, and every name's serving version is held by a ready worker (a switch is
         only ever to such a version; a worker that died takes its hold with it)."""
         names = self.registry.names()
-        if not (self.transport.ready and names):
-            return False
-        view = self.transport.models.view
-        return all(
-            version is not None and view.answers(version.served_id)
+        return bool(names) and all(
+            version is not None and self.answers_for(version)
             for version in (self.registry.serving(name) for name in names)
         )
+
+    def answers_for(self, version: ModelVersion) -> bool:
+        """Whether ``version`` is ready for requests: it serves its name and a ready
+        worker holds it (``serves`` asks this of every name)."""
+        if not self.transport.ready or self.registry.serving(version.name) is not version:
+            return False
+        return self.transport.models.view.answers(version.served_id)
 
     @property
     def queue_depth(self) -> int:

@@ -26,6 +26,7 @@ from app.dependencies import (
     app_settings,
     cache_use_of,
     header,
+    is_model_ready,
     is_ready,
     readiness_response,
     serving_engine,
@@ -135,7 +136,7 @@ async def model_ready(name: str, request: Request, version: str | None = None) -
     serving, 404 for a name not served."""
     body: dict[str, Any] = {"name": name, "ready": False}
     async with admitted(request, name, version) as served:
-        body.update(version=str(served.version), ready=is_ready(request))
+        body.update(version=str(served.version), ready=is_model_ready(request, served))
     return readiness_response(body, body["ready"])
 
 

@@ -219,8 +219,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def work(call: Call) -> Any:
             try:
-                async with self._admitted(context, call, request.name, request.version):
-                    return pb.ModelReadyResponse(ready=self.ready())
+                async with self._admitted(context, call, request.name, request.version) as v:
+                    ready = self.engine.answers_for(v) and not self.closing()
+                    return pb.ModelReadyResponse(ready=ready)
             except (ClientError, Unavailable):
                 return pb.ModelReadyResponse(ready=False)
 

@@ -233,3 +233,26 @@ def test_a_pin_while_its_name_serves_nothing_yet_is_503_as_unpinned() -> None:
         registry.resolve("tagger", pinned="t@2")
     with pytest.raises(ModelNotFound):
         registry.resolve("other", pinned="t@1")
+
+
+def test_a_model_is_ready_whatever_another_name_s_state() -> None:
+    """A regression: ``/v2/models/A/ready`` and gRPC ``ModelReady`` asked whether every
+    name served (``Engine.serves``): A said not ready, while A's requests got 200, as long
+    as another name's version had no ready worker."""
+    from types import SimpleNamespace
+
+    from app.engine import Engine
+
+    registry = ModelRegistry()
+    a1, b1 = _serving(registry, "a", 1, "a@1"), _serving(registry, "b", 1, "b@1")
+    held = {"a@1"}  # b's one worker died
+    view = SimpleNamespace(answers=lambda served_id: served_id in held)
+    engine: Any = Engine.__new__(Engine)
+    engine.registry = registry
+    engine._transport = SimpleNamespace(ready=True, models=SimpleNamespace(view=view))
+    assert engine.answers_for(a1) and not engine.answers_for(b1)
+    assert not engine.serves()  # /readyz: every name's
+    a2 = registry.loading("a", 2, "a@2")
+    registry.ready(a2, MANIFEST, PREDICTOR)
+    held.update({"a@2", "b@1"})
+    assert not engine.answers_for(a2) and engine.serves()  # ready, not serving yet
