@@ -182,6 +182,7 @@ async def infer(request: Request) -> Response:
         request_deadline(request, settings.mb_request_timeout), call.parameters
     )
     async with admitted(request, name, version) as served:
+        head = {"model_name": served.name, "model_version": str(served.version)}  # as admitted
         with batch_trace(request) as trace:
             outputs = await inference.infer(
                 served,
@@ -193,7 +194,6 @@ async def infer(request: Request) -> Response:
                 ticket=ticket_of(request, call.parameters.get("priority"), PRIORITY_PARAMETER),
                 cache=cache_use_of(request),
             )
-    head = {"model_name": served.name, "model_version": str(served.version)}
     if body.id is not None:
         head["id"] = body.id
     content, json_length = http_body.answer(body, outputs, head)

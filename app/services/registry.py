@@ -45,7 +45,7 @@ class ModelVersion(VersionLife):
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _numbered(version: ModelVersion, number: str) -> bool:
+def numbered(version: ModelVersion, number: str) -> bool:
     """Whether ``number`` names ``version``: its number, or its served id's version part."""
     return number in (str(version.version), version.served_id.rsplit("@", 1)[-1])
 
@@ -128,7 +128,7 @@ class ModelRegistry:
             check_name(name)
         if pinned is not None:  # any name's, unless the request names one
             version = self._pinned(name, pinned)
-            if number is not None and not _numbered(version, number):
+            if number is not None and not numbered(version, number):
                 raise ModelVersionUnavailable(
                     f"{pinned[:200]!r} is {version.label}, not version {number[:20]!r}"
                 )
@@ -144,7 +144,7 @@ class ModelRegistry:
                 )
         serving = self._serving.get(name)
         if serving is not None:
-            if number is not None and not _numbered(serving, number):
+            if number is not None and not numbered(serving, number):
                 raise ModelVersionUnavailable(
                     f"version {number[:20]!r} of {name!r} is not served; served: "
                     f"version {serving.version} ({serving.served_id})"

@@ -59,11 +59,17 @@ def infer_call(request: Any) -> InferCall:
     return InferCall(inputs, outputs, parameters)
 
 
-def infer_response(version: ModelVersion, request_id: str, outputs: list[Tensor]) -> Any:
-    """A ``ModelInferResponse``: every output's data in ``raw_output_contents``."""
+def infer_response(
+    version: ModelVersion, number: int, request_id: str, outputs: list[Tensor]
+) -> Any:
+    """A ``ModelInferResponse`` of ``version`` (``number``: as admitted, should it be
+    renumbered meanwhile): every output's data in ``raw_output_contents``, and the id that
+    computed it in ``parameters.model_id`` (what HTTP's ``X-Model-Id`` says: the export and
+    precision)."""
     response = pb.ModelInferResponse(
-        model_name=version.name, model_version=str(version.version), id=request_id
+        model_name=version.name, model_version=str(number), id=request_id
     )
+    response.parameters["model_id"].string_param = version.served_id
     for tensor in outputs:
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         response.raw_output_contents.append(tensor.raw())

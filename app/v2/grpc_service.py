@@ -400,6 +400,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if self.engine.cache is not None:  # cache-control metadata as HTTP's header
             call.cache = CacheUse.asked(_metadata(context).get("cache-control"))
         async with self._admitted(context, call, request.model_name, number) as served:
+            admitted_as = served.version  # as the metrics count it, whatever comes
             trace = Trace(link=tracing.link())
             call.inference = True
             try:
@@ -418,7 +419,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 call.batch_size, call.images = trace.batch_size, trace.images
                 tracing.queued(trace.waits)
         with tracing.span("reply"):
-            return infer_response(served, request.id, outputs)
+            return infer_response(served, admitted_as, request.id, outputs)
 
 
 RPC_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": SERVICE}

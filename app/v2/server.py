@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest, ModelNotFound
-from app.services.registry import ModelVersion
+from app.services.registry import ModelVersion, numbered
 from app.settings_values import VERSION_PATTERN
 from app.v2.config import model_config
 from app.v2.http_body import validated
@@ -109,7 +109,7 @@ def statistics_of(engine: Engine, name: str | None, number: str | None) -> list[
         (version.name, str(version.version))
         for version in engine.registry.versions()
         if (name is None or version.name == name)
-        and (number is None or number in (str(version.version), version.served_id))
+        and (number is None or number == version.served_id or numbered(version, number))
     ]
     if name is not None and not known:
         which = f"{name!r} version {number}" if number is not None else repr(name)

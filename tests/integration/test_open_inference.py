@@ -484,6 +484,10 @@ async def test_config_and_statistics_in_tritons_form(served: tuple[Any, Any]) ->
     assert (
         sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
     )
+    # A version by its served id's part after "@", as infer takes it (it was a 404).
+    served_as = response.headers["X-Model-Id"].rsplit("@", 1)[-1]
+    by_id = await client.get(f"/v2/models/tiny-test/versions/{served_as}/stats")
+    assert by_id.status_code == 200 and by_id.json()["model_stats"][0]["version"] == "1"
     every = (await client.get("/v2/models/stats")).json()["model_stats"]
     assert [entry["name"] for entry in every] == ["tiny-test"]
     missing = await client.get("/v2/models/resnet50/stats")

@@ -103,6 +103,9 @@ async def test_a_grpc_and_an_http_request_share_a_batch(served: Any) -> None:
     assert [a.status_code for a in answers[:2]] == [200, 200]
     assert list(answers[2].outputs[0].shape) == [1, 4]
     assert [len(batch.jobs) for batch in fake.batches] == [1, 2]  # gRPC and HTTP together
+    # The id that computed it, as HTTP's X-Model-Id says (gRPC answers said none).
+    said = answers[2].parameters["model_id"].string_param
+    assert said and said == answers[1].headers["X-Model-Id"]
 
 
 async def test_a_grpc_deadline_or_cancel_leaves_the_queue_before_compute(served: Any) -> None:
