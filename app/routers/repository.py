@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
 from app.routers.common import V2_ERRORS
-from app.v2.http_body import JSON_TYPE, inlined_schema, read_json
+from app.v2.http_body import JSON_TYPE, inlined_schema, read_json, validated
 from app.v2.server import LoadParameters, LoadRequest, UnloadRequest, load_asked, unload_asked
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
@@ -83,9 +83,33 @@ async def index(request: Request) -> list[dict[str, Any]]:
     return engine.models.index(engine.transport.worker_status())
 
 
-# The same by POST, as Triton's clients ask for it: a route of its own, so that each method
-# has its own OpenAPI operation id.
-router.post("/index", response_model=list[IndexEntry], operation_id="repository_index_post")(index)
+class IndexRequest(BaseModel):
+    """What a POST to the index may ask (Triton's): only what requests can use now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready: bool = Field(False, description="only the versions serving (what infer answers)")
+
+
+# The same by POST, as Triton's clients ask for it (a route of its own, so that each method
+# has its own OpenAPI operation id), with ``{"ready": true}`` as Triton takes it.
+@router.post(
+    "/index",
+    response_model=list[IndexEntry],
+    operation_id="repository_index_post",
+    openapi_extra={
+        "requestBody": {
+            "required": False,
+            "content": {JSON_TYPE: {"schema": inlined_schema(IndexRequest)}},
+        }
+    },
+)
+async def index_post(request: Request) -> list[dict[str, Any]]:
+    """The index (as ``GET``); ``{"ready": true}``: only the versions serving."""
+    raw = await request.body()
+    asked: IndexRequest = validated(IndexRequest, read_json(raw) if raw.strip() else {})
+    rows = await index(request)
+    return [row for row in rows if row["serving"]] if asked.ready else rows
 
 
 @admin.post(

@@ -259,7 +259,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             rows = self.engine.models.index(self.engine.transport.worker_status())
             response = pb.RepositoryIndexResponse()
             for row in rows:
-                if request.ready and row["state"] != "ready":
+                if request.ready and not row["serving"]:  # what infer answers: serving
                     continue
                 response.models.add(
                     name=row["name"],

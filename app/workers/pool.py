@@ -243,9 +243,12 @@ class WorkerPool:
             log.error("worker %d is stuck %s a model: killing it", worker.index, what)
             worker.kill()
             future.add_done_callback(retrieve)
+            # The load froze its worker: it killed it as a crash would (not tried again by
+            # its restart, nor on the others, until an explicit retry).
             raise ModelLoadFailed(
-                f"worker {worker.index} took over {self.start_timeout_s:g} s {what} the model",
-                "timeout",
+                f"worker {worker.index} froze {what} the model (no answer in "
+                f"{self.start_timeout_s + STUCK_S:g} s): killed",
+                "worker crash",
             ) from None
 
     # -- lifecycle ---------------------------------------------------------------------------

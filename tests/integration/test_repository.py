@@ -200,6 +200,14 @@ async def test_a_request_admitted_before_a_switch_is_answered_by_its_own_version
                                  "state": "ready"}  # fmt: skip
         states = {(r["version"], r["state"], r["in_flight"]) for r in await index(client)}
         assert states == {("1", "draining", 1), ("2", "ready", 0)}
+        # Triton's {"ready": true}: what infer answers (it was not read: every row).
+        serving = await client.post("/v2/repository/index", json={"ready": True})
+        assert [(r["version"], r["serving"]) for r in serving.json()] == [("2", True)]
+        every = await client.post("/v2/repository/index")
+        assert len(every.json()) == 2
+        for wrong in ({"ready": 7}, {"readdy": True}, [1]):
+            refused = await client.post("/v2/repository/index", json=wrong)
+            assert refused.status_code == 422, wrong
         watched.release()
         answer = await first
         assert answer.status_code == 200 and answer.headers["X-Model-Id"] == served_id(v1)

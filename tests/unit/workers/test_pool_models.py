@@ -159,3 +159,41 @@ async def test_an_unload_goes_on_past_a_worker_that_dies_during_it() -> None:
     await until_held(pool, [set(), set()])  # the dead one restarted without it
     assert "t" not in pool.models.view.routes
     await pool.aclose()
+
+
+async def test_a_load_that_freezes_its_worker_is_not_tried_again_by_its_restart(
+    monkeypatch: Any,
+) -> None:
+    """A regression: a load that froze its worker (no answer past the load deadline and
+    ``STUCK_S``: the pool kills it) was not kept as a load that killed its worker, so the
+    restarted worker loaded it again, froze, and was killed again, each time taking the
+    version it served down with it."""
+    import app.workers.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "STUCK_S", 0.1)
+    sent: list[str] = []
+
+    class Freezing(FakeHandle):
+        def send(self, message: Any) -> asyncio.Future[Any]:
+            if isinstance(message, LoadModel):
+                sent.append(message.spec.served_id)
+                if message.spec.served_id == "t@v2":
+                    self._pending = asyncio.get_running_loop().create_future()
+                    return self._pending  # never answered: frozen
+            return super().send(message)
+
+    pool = fake_pool()
+    pool._spawn = lambda index: Freezing(index, ())  # type: ignore[assignment, method-assign, return-value]
+    await pool.start()
+    pool.start_timeout_s = 0.3
+    await pool.models.pin("t", 2)
+    async with asyncio.timeout(10):  # killed, restarted, holding version 1 again
+        while sent.count("t@v1") < 3 or len(holdings(pool)) < 2:
+            await asyncio.sleep(0.02)
+    tried = sent.count("t@v2")  # once on each worker at most: they load side by side
+    await asyncio.sleep(1.5)  # another frozen load would have begun by now
+    assert sent.count("t@v2") == tried <= 2, sent
+    assert holdings(pool) == [{"t@v1"}, {"t@v1"}]
+    failed = [m for w in pool.models.view.workers for m in w.models if m.version == 2]
+    assert failed and all(m.step == "worker crash" for m in failed), failed
+    await pool.aclose()
