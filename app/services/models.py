@@ -71,20 +71,26 @@ class Drains:
         """Forget ``version`` once drained, in the background."""
         if version is None:
             return
-        self._tasks.start(self._finish(version))
+        self._tasks.start(self._finish(version, version.drains))
 
-    async def _finish(self, version: ModelVersion) -> None:
+    async def _finish(self, version: ModelVersion, drain: int) -> None:
+        """``drain``: which of its drains this is (a rollback may serve it again, and a
+        later drain waits on its own)."""
         try:
             await asyncio.wait_for(version.drained.wait(), self.timeout_s)
+            late = False
         except TimeoutError:
+            late = True
+        if version.state is not VersionState.DRAINING or version.drains != drain:
+            return  # serving again (a rollback), or draining anew: that drain's wait
+        if late:
             log.warning(
                 "%s still had %d request(s) after %.0f s of draining; letting it go anyway",
                 version.label,
                 version.in_flight,
                 self.timeout_s,
             )
-        if version.state is VersionState.DRAINING:  # not serving again (a rollback)
-            self.registry.gone(version)
+        self.registry.gone(version)
 
     async def aclose(self) -> None:
         await self._tasks.cancel()

@@ -43,6 +43,7 @@ class ModelVersion(VersionLife):
     predictor: Predictor | None = None  # once READY
     in_flight: int = 0  # requests admitted for it and not yet answered
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    drains: int = 0  # how many times it started draining (a rollback may serve it again)
 
 
 def numbered(version: ModelVersion, number: str) -> bool:
@@ -280,6 +281,7 @@ class ModelRegistry:
 
     def _drain(self, version: ModelVersion) -> None:
         version.move(VersionState.DRAINING)
+        version.drains += 1
         if version.in_flight == 0:
             version.drained.set()
 

@@ -3,6 +3,7 @@ how a request resolves its version."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -256,3 +257,28 @@ def test_a_model_is_ready_whatever_another_name_s_state() -> None:
     registry.ready(a2, MANIFEST, PREDICTOR)
     held.update({"a@2", "b@1"})
     assert not engine.answers_for(a2) and engine.serves()  # ready, not serving yet
+
+
+async def test_a_version_rolled_back_and_draining_again_gets_its_whole_drain() -> None:
+    """A regression: the wait of its first drain, still running after a rollback served
+    it again, ended that drain's time after it began and let it go while the second drain
+    had requests in flight (the workers then unload it under them)."""
+    from app.services.models import Drains
+
+    registry = ModelRegistry()
+    v1 = _serving(registry, "t", 1, "t@1")
+    drains = Drains(registry, timeout_s=0.4)
+    with registry.admit("t"):  # a long request of v1's, over both its drains
+        v2 = registry.loading("t", 2, "t@2")
+        registry.ready(v2, MANIFEST, PREDICTOR)
+        drains.later(registry.switch(v2))  # v1 drains: that wait ends at 0.4 s
+        await asyncio.sleep(0.2)
+        drains.later(registry.switch(v1))  # rolled back: v1 serves again, v2 goes
+        v3 = registry.loading("t", 3, "t@3")
+        registry.ready(v3, MANIFEST, PREDICTOR)
+        drains.later(registry.switch(v3))  # v1 drains again at 0.2 s: until 0.6 s
+        await asyncio.sleep(0.3)  # 0.5 s: past the first drain's end
+        assert _state(v1) is VersionState.DRAINING
+    await asyncio.sleep(0.05)
+    assert _state(v1) is VersionState.UNLOADED  # answered: let go
+    await drains.aclose()
