@@ -245,12 +245,7 @@ class Models:
                     self._coming.discard(name)
             asked = await self.control.pin(name, number)
             log.info("asked the workers to serve %s version %d", name, chosen)
-            try:
-                return await self._until_served(name, chosen, item.manifest.model_id, asked)
-            except ModelLoadFailed as exc:
-                if exc.step not in ("timeout", "interrupted"):  # given up: nothing is coming
-                    self.registry.gave_up(name)  # after an unload: 404 again, not 503
-                raise
+            return await self._until_served(name, chosen, item.manifest.model_id, asked)
 
     async def _until_served(
         self, name: str, number: int, model_id: str, asked: int
@@ -271,6 +266,8 @@ class Models:
                 failure = _failure(workers, name, number, self._min_workers)
                 if failure is not None:
                     steps, reason = failure
+                    if steps != {"interrupted"}:  # (its worker's restart loads it again)
+                        self.registry.gave_up(name)  # given up: after an unload, 404 again
                     said = scrub(self.repository, f"{label}: {reason}")
                     if steps == {"budget"}:
                         raise ModelMemoryBudget(said)
