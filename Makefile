@@ -42,9 +42,7 @@ run-cluster: install redis-server $(SERVED_MODEL)  ## broker mode on one machine
 	HOST=$(HOST) PORT=$(PORT) $(SERVED) $(PY) -m app.broker.cluster \
 		--front-ends $(FRONT_ENDS) --workers $(WORKERS) --redis-port $(REDIS_PORT)
 
-test: install-dev redis-server prometheus  ## whole test suite (CPU only) plus lint
-	$(PY) -m ruff check app tests bench .ci
-	$(PY) -m mypy
+test: lint redis-server prometheus  ## whole test suite (CPU only) plus lint
 	$(PY) -m pytest -n $(TEST_PROCESSES)
 
 # The Helm chart (deploy/helm/microbatch-server), rendered with every profile in its ci/ folder:
@@ -122,11 +120,16 @@ grpc-code: install-dev  ## regenerate app/v2/proto/inference_pb2*.py after editi
 
 # Broker mode and its tests need a real Redis: Debian's package, installed when it is missing
 # and this machine can (root with apt-get); without it the broker tests skip (CI requires it).
+# Where systemd runs, the package starts its service on :6379: stopped and disabled again, as
+# make run-cluster and the tests start their own.
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing redis-server (Debian package)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet redis-server 2>/dev/null; then \
+	      systemctl disable --now redis-server >/dev/null 2>&1 || true; \
+	    fi; \
 	  else \
 	    echo "note: redis-server is missing and cannot be installed here: the broker tests skip"; \
 	  fi; }

@@ -1,7 +1,8 @@
 """All configuration, read from the environment (or a ``.env`` file) in one place.
 
 Every field maps to the upper-case environment variable of the same name, e.g.
-``mb_batch_size`` <- ``MB_BATCH_SIZE``. ``os.environ`` is read nowhere else.
+``mb_batch_size`` <- ``MB_BATCH_SIZE``. ``os.environ`` is read elsewhere only for what other
+libraries define: ``OTEL_*`` (tracing), the allocator's ``LD_PRELOAD``/``MALLOC_CONF``, ``CXX``.
 """
 
 from __future__ import annotations
