@@ -296,6 +296,7 @@ class Engine:
             plan.decode,
             self._decode_pool,
             max_pixels=plan.worker.max_pixels,
+            max_bytes=plan.limits.max_image_bytes,
             model_id=served_id,
             charge=self._charge,
             cache=self.cache,

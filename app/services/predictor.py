@@ -23,6 +23,7 @@ from app.errors import (
     InvalidRequest,
     NoClassifier,
     NoEmbedding,
+    PayloadTooLarge,
 )
 from app.images import preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
@@ -113,6 +114,7 @@ class Predictor:
         decode_pool: ThreadPoolExecutor | None,
         *,
         max_pixels: int,
+        max_bytes: int | None = None,
         model_id: str | None = None,
         charge: Charge | None = None,
         cache: ResponseCache | None = None,
@@ -127,6 +129,7 @@ class Predictor:
         self._plan = plan
         self._decode_pool = decode_pool
         self._max_pixels = max_pixels
+        self._max_bytes = max_bytes  # one encoded image's bound (MAX_UPLOAD_BYTES)
         self._charge = charge  # draws a request's images from its tenant's quota
         self._cache = cache  # answers kept by content and served id (app.cache)
 
@@ -203,6 +206,13 @@ class Predictor:
         batch job). The first image that fails fails them all (the others are cancelled,
         and leave the queue): a client error names the image. ``use``: how the response
         cache answered each (``X-Cache``)."""
+        if self._max_bytes is not None:  # as /predict's form bounds each upload
+            for index, data in enumerate(images):
+                if isinstance(data, bytes) and len(data) > self._max_bytes:
+                    raise PayloadTooLarge(
+                        f"image {index}: {len(data)} bytes, over MAX_UPLOAD_BYTES "
+                        f"({self._max_bytes}) for one image"
+                    )
         if ticket is not None and self._charge is not None:
             await self._charge(ticket, len(images))
         asks = [_Ask(task, data, top_k, deadline, trace, ticket) for data in images]

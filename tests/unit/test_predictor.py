@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import InvalidImage, InvalidParameter
+from app.errors import InvalidImage, InvalidParameter, PayloadTooLarge
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import FileEntry, Manifest
 from app.plan import DecodePlan
@@ -44,7 +44,10 @@ class FakeStreamer:
 
 
 def _predictor(
-    streamer: FakeStreamer, plan: DecodePlan, pool: ThreadPoolExecutor | None
+    streamer: FakeStreamer,
+    plan: DecodePlan,
+    pool: ThreadPoolExecutor | None,
+    max_bytes: int | None = None,
 ) -> Predictor:
     entry = FileEntry(path="unused", sha256="0" * 64)
     manifest = Manifest(
@@ -62,6 +65,7 @@ def _predictor(
         plan,
         pool,
         max_pixels=10**6,
+        max_bytes=max_bytes,
     )
 
 
@@ -87,6 +91,17 @@ def test_a_bad_upload_decoded_here_is_refused_before_it_is_queued() -> None:
         predictor = _predictor(streamer, SERVER, pool)
         with pytest.raises(InvalidImage):
             asyncio.run(predictor.embedding(b"not an image", time.monotonic() + 10))
+    assert streamer.submitted == []
+
+
+def test_an_image_over_the_upload_limit_is_413_before_it_is_queued() -> None:
+    """A regression: a v2 body may be a little over MAX_UPLOAD_BYTES (its JSON or binary
+    framing), and so one image in it; a broker worker dropped that entry as malformed, with
+    no answer: the caller waited for its 504."""
+    streamer = FakeStreamer()
+    predictor = _predictor(streamer, WORKERS, None, max_bytes=1000)
+    with pytest.raises(PayloadTooLarge, match="image 1: 1001 bytes"):
+        asyncio.run(predictor.embeddings([b"x" * 1000, b"x" * 1001], time.monotonic() + 10))
     assert streamer.submitted == []
 
 

@@ -358,6 +358,9 @@ class Consumer:
         now_ms: int,
         delivery: int = 1,
     ) -> None:
+        # Now, not when they were read: a read may hold several batches (a task's and
+        # another's, or two takes), and the one before may have run past their deadlines.
+        now_ms = max(now_ms, self._presence.redis_now_ms())
         runnable, streams, done = triage(
             entries, task, now_ms, self.max_image_bytes, self.versions.lanes.lane, self.stats,
             self._trouble.error,
