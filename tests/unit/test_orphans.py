@@ -30,7 +30,7 @@ def client() -> Iterator[redis.Redis]:
         yield server.client()
 
 
-def claims(client: redis.Redis, ran: list[bytes]) -> OrphanClaims:
+def claims(client: redis.Redis, ran: list[bytes], max_deliveries: int = 3) -> OrphanClaims:
     def process(stream: str, entries: Sequence[Entry], now_ms: int, delivery: int) -> None:
         for entry_id, fields in entries:  # run and answered: acknowledged
             ran.append(fields[b"n"])
@@ -41,7 +41,7 @@ def claims(client: redis.Redis, ran: list[bytes]) -> OrphanClaims:
     return OrphanClaims(
         client, KEYS, "w1", stats, Replier(client, KEYS, stop, trouble), process,
         lambda: [STREAM], lambda: int(time.time() * 1000), trouble,
-        max_image_bytes=1 << 20, max_deliveries=3, batch_timeout_s=60, stop=stop,
+        max_image_bytes=1 << 20, max_deliveries=max_deliveries, batch_timeout_s=60, stop=stop,
     )  # fmt: skip
 
 
@@ -110,3 +110,22 @@ def test_a_take_back_that_could_not_reach_redis_is_asked_again(client: redis.Red
     assert ran == []
     own.recover(own=True)
     assert ran == [b"last life"]
+
+
+@pytest.mark.parametrize("ask", ["lost read", "failover"])
+def test_taking_its_own_back_after_a_lost_read_or_a_failover_is_not_a_failed_delivery(
+    client: redis.Redis, ask: str
+) -> None:
+    """A regression: every claim counted as a delivery toward MB_MAX_DELIVERIES, so with 1
+    an entry taken back after a lost read or a failover was answered 500 ("the model failed
+    on this image 1 times") unrun. Its count stays as it was; its last life's still count."""
+    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    ran: list[bytes] = []
+    own = claims(client, ran, max_deliveries=1)
+    own.recover(own=True)  # its start: nothing of a last life
+    read_as_w1(client, b"lost")
+    time.sleep(0.05)
+    own.retake_own(delivered_before=time.monotonic() if ask == "lost read" else None)
+    own.recover(own=True)
+    assert ran == [b"lost"]
+    assert own.stats.given_up == 0

@@ -84,6 +84,10 @@ class OrphanClaims:
         # Its own entries to take back: those delivered before this life began (its last
         # life's), not the ones its fetcher read since; None: any (after a Redis failover).
         self._own_before: float | None = time.monotonic()
+        # Whether taking its own back counts as a delivery (MB_MAX_DELIVERIES): its last
+        # life's, yes (it may have died of one of them); after a lost read or a failover,
+        # no: nothing ran them, let alone failed on them.
+        self._own_counted = True
 
     def retake_own(self, delivered_before: float | None = None) -> None:
         """Take back, at the next ``recover(own=True)``, the entries pending here that were
@@ -93,6 +97,7 @@ class OrphanClaims:
         life's too (another Redis answers: their acknowledgements may be lost). An answer
         computed again reaches nobody twice: a front end takes one reply per request."""
         self._own_before = delivered_before
+        self._own_counted = False
         self._own_asked = next(self._asks)
 
     def recover(self, *, own: bool) -> None:
@@ -148,9 +153,9 @@ class OrphanClaims:
                     else:  # dead, or restarted and not (yet) reading it: holding nothing
                         orphaned = consumer not in live or not self._reads(view, consumer, stream)
                     if orphaned:
-                        self._take_over(
-                            stream, text(entry["message_id"]), idle, int(entry["times_delivered"])
-                        )
+                        counted = not own or self._own_counted
+                        delivered = int(entry["times_delivered"])
+                        self._take_over(stream, text(entry["message_id"]), idle, delivered, counted)
                 if len(pending) < PAGE:
                     break
                 start = "(" + text(pending[-1]["message_id"])
@@ -172,12 +177,22 @@ class OrphanClaims:
             if info.holds(m.served_id)
         )
 
-    def _take_over(self, stream: str, entry_id: str, idle_ms: int, delivered: int) -> None:
-        claimed = self.client.xclaim(stream, GROUP, self.name, idle_ms, [entry_id])
+    def _take_over(
+        self, stream: str, entry_id: str, idle_ms: int, delivered: int, counted: bool = True
+    ) -> None:
+        """Claim ``entry_id`` and run it, or answer 500 once it was delivered more than
+        ``MB_MAX_DELIVERIES`` times; ``counted``: whether this claim is a delivery (taken
+        back after a lost read or a failover, it keeps its count: nothing failed on it)."""
+        claimed = self.client.xclaim(
+            stream, GROUP, self.name, idle_ms, [entry_id],
+            retrycount=None if counted else delivered,  # this claim is the delivery the lost one was not
+        )  # fmt: skip
         if not claimed or not claimed[0][1]:
             return  # another worker claimed it first, or it is gone
         self.stats.reclaimed += 1
         fields: dict[bytes, bytes] = claimed[0][1]  # type: ignore[assignment]
+        if not counted:
+            delivered -= 1
         if delivered + 1 > self.max_deliveries:
             self.stats.given_up += 1
             log.error(
