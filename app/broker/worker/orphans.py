@@ -185,7 +185,7 @@ class OrphanClaims:
         back after a lost read or a failover, it keeps its count: nothing failed on it)."""
         claimed = self.client.xclaim(
             stream, GROUP, self.name, idle_ms, [entry_id],
-            retrycount=None if counted else delivered,  # this claim is the delivery the lost one was not
+            retrycount=None if counted else delivered,  # this claim: the delivery that was lost
         )  # fmt: skip
         if not claimed or not claimed[0][1]:
             return  # another worker claimed it first, or it is gone
