@@ -142,10 +142,10 @@ class Failover:
             for raw in popped if isinstance(popped, list) else [popped]:
                 deliver(raw)
         resent = lost = 0
-        now = time.monotonic()
         for (request_id, entry), there in zip(doubtful, found, strict=True):
             if request_id not in self.waiting or _holds(there, entry):
                 continue
+            now = time.monotonic()  # each resend waits on those before it
             if entry.deadline is not None and entry.deadline - now < RESEND_MIN_S:
                 lost += 1
                 self.on_event("lost")
