@@ -190,6 +190,22 @@ async def test_a_plain_redis_lost_fails_every_waiting_request_at_once() -> None:
         future.result()
 
 
+async def test_a_request_failed_with_the_others_keeps_the_entry_it_was_sent_again_as() -> None:
+    """A regression: failing every waiting request (Redis lost, held too long, restarted)
+    dropped each one's entry record before its caller deleted its entry, so the caller
+    deleted the first (lost) entry id, and the entry it was sent again as was computed for
+    nobody, holding a place in the queue."""
+    waiting = Waiting()
+    future = waiting.add("fe-1", "tiny@v")
+    again = Entry("mb:{q}:v:tag", b"2-0", {"h": b"{}", "img": b""}, None)
+    waiting.sent("fe-1", again)
+    Failover(waiting, hold=False).lost(ConnectionError("gone"))
+    assert future.done() and "fe-1" not in waiting
+    assert waiting.entry("fe-1") == again  # what its caller deletes
+    waiting.discard("fe-1")  # its caller, done
+    assert waiting.entry("fe-1") is None and len(waiting) == 0
+
+
 async def test_behind_sentinel_requests_are_held_until_no_primary_came_back_in_time() -> None:
     waiting = Waiting()
     future = waiting.add("fe-1", "tiny@v")

@@ -121,8 +121,10 @@ class Waiting:
             self.fail_one(request_id, error)
 
     def fail_one(self, request_id: str, error: ServerError) -> None:
+        """Fail ``request_id``'s caller with ``error``. Its records stay until that caller
+        is done (``discard``): it deletes the entry nobody waits for, the one it was sent
+        again as after a failover if it was."""
         future = self._futures.get(request_id)
-        self.discard(request_id)
         if future is not None and not future.done():
             future.set_exception(error)
 
