@@ -521,6 +521,8 @@ def _triton(module: Any, protocol: str, url: str, image: int) -> Answer:
         answer.version = response["model_version"] if isinstance(response, dict) else (
             response.model_version
         )  # fmt: skip
+        if not isinstance(response, dict):  # gRPC says which export computed it
+            answer.served_id = response.parameters["model_id"].string_param
         return answer
     finally:
         client.close()
