@@ -172,45 +172,38 @@ async def test_a_request_waits_on_an_identical_one_until_its_own_deadline_only()
     assert calls == [1]
 
 
-async def test_a_more_urgent_request_does_not_wait_behind_a_less_urgent_identical_one() -> None:
-    """Priority 1 beside an identical priority 2 in flight (which may wait long in the
-    queue): it computes alone, at once; one as urgent as the flight waits on it."""
+@pytest.mark.parametrize(
+    ("first", "other"),
+    [
+        # Priority 1 beside an identical priority 2 in flight (which may wait long in the
+        # queue).
+        ({"level": 1}, {"level": 0}),
+        # A regression: a quiet tenant's request waited on a noisy tenant's identical one,
+        # queued behind that tenant's share of every batch.
+        ({"tenant": "bulk"}, {"tenant": "shop"}),
+    ],
+    ids=["more urgent", "another tenant"],
+)
+async def test_a_request_does_not_wait_on_one_that_queues_worse_than_it_would(
+    first: dict[str, Any], other: dict[str, Any]
+) -> None:
+    """It computes alone, at once; one that would queue where the flight does (as urgent,
+    the same tenant) waits on it."""
     cache = ResponseCache(1 << 20)
     gate = asyncio.Event()
-    low_calls, low = counting(gate=gate)
-    leader = asyncio.ensure_future(cache.answer(b"k", low, CacheUse(), level=1))
+    first_calls, slow = counting(gate=gate)
+    leader = asyncio.ensure_future(cache.answer(b"k", slow, CacheUse(), **first))
     await asyncio.sleep(0.01)
     same_calls, same = counting()
-    alike = asyncio.ensure_future(cache.answer(b"k", same, CacheUse(), level=1))
-    high_calls, high = counting()
+    alike = asyncio.ensure_future(cache.answer(b"k", same, CacheUse(), **first))
+    other_calls, computed = counting()
     use = CacheUse()
-    await asyncio.wait_for(cache.answer(b"k", high, use, level=0), 5)
-    assert high_calls == [1] and use.header == "miss"
-    assert not leader.done()
+    await asyncio.wait_for(cache.answer(b"k", computed, use, **other), 5)
+    assert other_calls == [1] and use.header == "miss"
+    assert not leader.done() and not alike.done()
     gate.set()
-    await asyncio.gather(leader, alike)
-    assert low_calls == [1] and same_calls == []
-
-
-async def test_a_request_waits_only_in_its_own_tenant_s_turn() -> None:
-    """A regression: a tenant's request waited on an identical one of a tenant with a long
-    backlog (queued behind that tenant's share of every batch), so a noisy tenant's queue
-    held a quiet one's answer back. Its own tenant's identical request still waits on it."""
-    cache = ResponseCache(1 << 20)
-    gate = asyncio.Event()
-    noisy_calls, noisy = counting(gate=gate)
-    leader = asyncio.ensure_future(cache.answer(b"k", noisy, CacheUse(), tenant="bulk"))
-    await asyncio.sleep(0.01)
-    alike_calls, alike = counting()
-    same = asyncio.ensure_future(cache.answer(b"k", alike, CacheUse(), tenant="bulk"))
-    quiet_calls, quiet = counting()
-    use = CacheUse()
-    await asyncio.wait_for(cache.answer(b"k", quiet, use, tenant="shop"), 5)
-    assert quiet_calls == [1] and use.header == "miss"
-    assert not leader.done() and not same.done()
-    gate.set()
-    assert await leader is await same
-    assert noisy_calls == [1] and alike_calls == []
+    assert await leader is await alike
+    assert first_calls == [1] and same_calls == []
 
 
 async def test_no_request_waits_on_one_past_its_level_s_queue_timeout() -> None:
