@@ -125,7 +125,7 @@ class Settings(BaseSettings, TestHooks, BrokerSettings):
         description="GPU indices like '0,1'; 'cpu' or empty for CPU; unset/'auto' for all GPUs.",
     )
     mb_worker_threads: int | None = Field(
-        None, ge=1, description="torch threads per worker; default: CPU cores / workers."
+        None, ge=1, description="torch threads per worker; default: CPU cores / workers, 1 on GPUs."
     )
     mb_request_timeout: float = Field(
         30.0, gt=0, description="Seconds before a waiting request is answered 504."
