@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from app.dependencies import REQUIRES_ADMIN_KEY, serving_engine
 from app.routers.common import V2_ERRORS
@@ -88,7 +88,7 @@ class IndexRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ready: bool = Field(False, description="only the versions serving (what infer answers)")
+    ready: StrictBool = Field(False, description="only the versions serving (what infer answers)")
 
 
 # The same by POST, as Triton's clients ask for it (a route of its own, so that each method
@@ -97,6 +97,7 @@ class IndexRequest(BaseModel):
     "/index",
     response_model=list[IndexEntry],
     operation_id="repository_index_post",
+    responses={422: V2_ERRORS[422]},
     openapi_extra={
         "requestBody": {
             "required": False,
