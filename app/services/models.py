@@ -171,6 +171,9 @@ class Models:
             log.info("%s serves again", held.label)
             return
         version = self.registry.loading(name, route.version, route.served_id)
+        # Serving or draining under another id: the workers hold that number at another
+        # precision (or export) now; its id and predictor change together.
+        moved = version.served_id != route.served_id
         try:
             item = self.read(name, route.version)
             if item.manifest.model_id != split_served_id(route.served_id)[0]:
@@ -180,12 +183,19 @@ class Models:
                 )
         except (ModelStoreError, ModelNotFound) as exc:
             said = scrub(self.repository, str(getattr(exc, "message", exc)))
-            self.registry.failed(version, "verify", said)
+            if not moved:  # (one that serves keeps serving as it was)
+                self.registry.failed(version, "verify", said)
             self._log_once(name, route.served_id, said)
             return
         # The id the workers hold: it names the precision they chose (``+bf16``), which
         # this process's own reading of the store cannot know.
         predictor = self._make_predictor(item.manifest, item.classes, route.served_id)
+        if moved:
+            self.registry.reexported(version, route.served_id, item.manifest, predictor)
+            log.info("%s serves as the workers hold it now", version.label)
+            if version.state is VersionState.DRAINING:  # back before it went
+                self._drains.later(self.registry.switch(version))
+            return
         self.registry.ready(version, item.manifest, predictor)
         before = self.registry.switch(version)
         self._drains.later(before)

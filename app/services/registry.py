@@ -65,9 +65,6 @@ class ModelRegistry:
         self._versions: dict[tuple[str, int], ModelVersion] = {}  # (name, number)
         self._serving: dict[str, ModelVersion] = {}  # name -> its SERVING version
         self._known: set[str] = set()  # every name ever asked to load (for 404 vs 503)
-        # Versions a load of another export under their number displaced from _versions,
-        # until they are gone: what they hold is still in use.
-        self._displaced: list[ModelVersion] = []
 
     # -- what is there -----------------------------------------------------------------------
 
@@ -88,8 +85,9 @@ class ModelRegistry:
     def holders(self, served_id: str) -> list[ModelVersion]:
         """The versions, under any name, that are this export and still hold its models
         (loading, ready, serving or draining)."""
-        every = [*self._versions.values(), *self._displaced]
-        return [v for v in every if v.served_id == served_id and v.state.holds_models]
+        return [
+            v for v in self._versions.values() if v.served_id == served_id and v.state.holds_models
+        ]
 
     def in_use(self, served_id: str) -> bool:
         """Whether requests here may still use ``served_id`` (a version of it serves, or
@@ -199,20 +197,14 @@ class ModelRegistry:
     # -- moves -------------------------------------------------------------------------------
 
     def loading(self, name: str, number: int, served_id: str) -> ModelVersion:
-        """A load of ``name``'s version ``number`` as ``served_id`` (the export and precision
-        the workers hold) begins: a new row, or one that failed or was unloaded before loads
-        afresh. That version already loading, ready, serving or draining is returned as it
-        is; one that holds another export under that number (the workers chose another
-        precision: a mixed fleet, or a front end's own reading replaced by theirs) is
-        displaced by a new row, and serves or drains on until the new one replaces it."""
+        """A load of ``name``'s version ``number`` begins: a new row, or one that failed or
+        was unloaded before loads afresh. A version already loading, ready, serving or
+        draining is returned as it is (under another id: ``reexported`` says which)."""
         self._known.add(name)
         key = (name, number)
         entry = self._versions.get(key)
         if entry is not None and entry.state.holds_models:
-            if entry.served_id == served_id:
-                return entry
-            self._displaced.append(entry)
-            entry = None
+            return entry
         if entry is None or entry.served_id != served_id:
             entry = self._versions[key] = ModelVersion(name, number, served_id)
         entry.move(VersionState.LOADING)
@@ -222,6 +214,16 @@ class ModelRegistry:
         """LOADING -> READY: loaded everywhere it must be; not serving until ``switch``."""
         version.move(VersionState.READY)
         version.manifest, version.predictor = manifest, predictor
+
+    def reexported(
+        self, version: ModelVersion, served_id: str, manifest: Manifest, predictor: Predictor
+    ) -> None:
+        """``version`` (serving or draining) as the workers hold it now: another export or
+        precision under its number (a mixed fleet's other precision, a front end's own
+        reading replaced by the workers'). Its id, manifest and predictor change in one
+        step, its state does not: requests admitted before finish on the predictor they
+        hold, and a pin of the id it had gets 409 from now on."""
+        version.served_id, version.manifest, version.predictor = served_id, manifest, predictor
 
     def failed(self, version: ModelVersion, step: str, reason: str) -> None:
         """LOADING -> FAILED, at ``step``, with the reason (``/info``, the index)."""
@@ -291,4 +293,3 @@ class ModelRegistry:
         version.move(VersionState.UNLOADED)
         if self._versions.get((version.name, version.version)) is version:
             del self._versions[(version.name, version.version)]
-        self._displaced = [v for v in self._displaced if v is not version]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.errors import InvalidRequest
+from app.errors import InvalidRequest, ModelVersionUnavailable
 from app.services.models import Models
 from app.services.registry import ModelRegistry
 from app.v2.server import load_asked
@@ -76,3 +76,58 @@ async def test_a_load_the_workers_gave_up_at_its_deadline_leaves_a_new_name_unkn
     assert failed.value.step == "timeout"
     with pytest.raises(ModelNotFound):
         registry.resolve("tagger")
+
+
+async def test_the_serving_number_held_at_another_precision_is_served_under_that_id() -> None:
+    """A regression: the workers' route for the serving version number moved to its other
+    precision (``+bf16`` and back: a mixed fleet, or a front end's own reading replaced by
+    the workers'). The registry returned the serving row, ``ready`` swapped its predictor
+    and then refused the move: answers computed by one export carried the other's id, and
+    the name's follow raised at every look. Now the row's id and predictor change together,
+    both ways, and a draining one serves again."""
+    from types import SimpleNamespace
+
+    from app.lifecycle import Route, VersionState
+
+    def read(name: str, version: int, *args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(manifest=SimpleNamespace(model_id=f"t@{version}"), classes=["a"])
+
+    repository: Any = SimpleNamespace(read=read, names=lambda: ["tagger"], root=Path("/nowhere"))
+    made: list[str] = []
+
+    def make(manifest: object, classes: object, served_id: str) -> Any:
+        made.append(served_id)
+        return SimpleNamespace(model_id=served_id)
+
+    registry = ModelRegistry()
+    models = Models(registry, repository, NOTHING, make, dtype="auto", drain_timeout_s=1,
+                    load_timeout_s=1)  # fmt: skip
+
+    def route(served_id: str, number: int = 3) -> None:
+        view: Any = SimpleNamespace(pins={}, routes={"tagger": Route(number, served_id)})
+        models.follow(view)
+
+    def computing(version: Any) -> str:
+        return str(version.predictor.model_id)  # the id its predictor's batches carry
+
+    route("t@3")
+    with registry.admit("tagger") as first:  # a request admitted before: its predictor stays
+        held: Any = first.predictor
+        route("t@3+bf16")
+        serving: Any = registry.serving("tagger")
+        assert serving is first and serving.served_id == "t@3+bf16"
+        assert serving.predictor is not held and computing(serving) == "t@3+bf16"
+        assert held.model_id == "t@3"
+    assert len(registry.versions()) == 1 and serving.state is VersionState.SERVING
+    with pytest.raises(ModelVersionUnavailable):
+        registry.resolve("tagger", pinned="t@3")
+    route("t@3")  # and back
+    assert computing(registry.resolve("tagger")) == "t@3"
+    route("t@4", 4)  # a new version: 3 drains; then 3 at its other precision comes back
+    assert registry.get("tagger", 3).state is VersionState.DRAINING  # type: ignore[union-attr]
+    route("t@3+bf16")
+    back = registry.resolve("tagger")
+    assert (back.version, back.served_id, computing(back)) == (3, "t@3+bf16", "t@3+bf16")
+    assert registry.get("tagger", 4).state is VersionState.DRAINING  # type: ignore[union-attr]
+    assert made == ["t@3", "t@3+bf16", "t@3", "t@4", "t@3+bf16"]
+    await models.aclose()

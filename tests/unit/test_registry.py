@@ -183,32 +183,6 @@ def test_an_unloaded_name_drains_and_is_no_longer_served() -> None:
         registry.resolve("tagger")
 
 
-def test_the_same_number_held_at_another_precision_is_a_new_row_that_replaces_it() -> None:
-    """A regression: the workers' route for the serving version number moved to its other
-    precision (``+bf16`` and back: a mixed fleet, or a front end's own reading replaced by
-    the workers'); ``loading`` returned the serving row as it was, ``ready`` swapped its
-    predictor and then failed the move, so answers computed by one export were labelled
-    with the other's id."""
-    registry = ModelRegistry()
-    fp32 = _serving(registry, "tagger", 3, "t@3")
-    other: Any = object()
-    with registry.admit("tagger") as in_flight:  # a request that came before
-        bf16 = registry.loading("tagger", 3, "t@3+bf16")
-        assert bf16 is not fp32 and _state(fp32) is VersionState.SERVING
-        assert registry.resolve("tagger", pinned="t@3") is fp32  # until the switch
-        registry.ready(bf16, MANIFEST, other)
-        assert registry.switch(bf16) is fp32
-        assert in_flight is fp32 and fp32.predictor is PREDICTOR  # its own, to the end
-        assert _state(fp32) is VersionState.DRAINING and registry.in_use("t@3")
-    assert registry.resolve("tagger") is bf16 and bf16.predictor is other
-    assert registry.get("tagger", 3) is bf16 and bf16.served_id == "t@3+bf16"
-    with pytest.raises(ModelVersionUnavailable):
-        registry.resolve("tagger", pinned="t@3")
-    registry.gone(fp32)
-    assert not registry.in_use("t@3") and registry.in_use("t@3+bf16")
-    assert registry.loading("tagger", 3, "t@3+bf16") is bf16  # the same: as it is
-
-
 def test_a_move_refused_leaves_the_version_as_it_was() -> None:
     registry = ModelRegistry()
     v1 = _serving(registry, "tagger", 1, "t@1")
