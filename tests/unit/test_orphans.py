@@ -134,6 +134,22 @@ def test_taking_its_own_back_after_a_lost_read_or_a_failover_is_not_a_failed_del
     assert own.stats.given_up == 0
 
 
+def test_its_last_life_s_entries_count_even_with_a_failover_before_it_took_them_back(
+    client: redis.Redis,
+) -> None:
+    """Its last life may have died of one of them (a poison image): a failover or a lost
+    read asked before its first take-back does not make them uncounted."""
+    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    client.xadd(STREAM, {"h": b"{}", "img": b""})
+    client.xreadgroup(GROUP, "w1", {STREAM: ">"}, count=1)  # its last life, which died
+    time.sleep(0.05)
+    ran: list[bytes] = []
+    own = claims(client, ran, max_deliveries=1)
+    own.retake_own()  # a failover, before its first round
+    own.recover(own=True)
+    assert ran == [] and own.stats.given_up == 1  # delivered a second time: given up
+
+
 def test_a_reply_list_that_is_not_a_list_fails_its_reply_alone_and_holds_nothing(
     client: redis.Redis,
 ) -> None:

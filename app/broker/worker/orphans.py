@@ -84,10 +84,6 @@ class OrphanClaims:
         # Its own entries to take back: those delivered before this life began (its last
         # life's), not the ones its fetcher read since; None: any (after a Redis failover).
         self._own_before: float | None = time.monotonic()
-        # Whether taking its own back counts as a delivery (MB_MAX_DELIVERIES): its last
-        # life's, yes (it may have died of one of them); after a lost read or a failover,
-        # no: nothing ran them, let alone failed on them.
-        self._own_counted = True
 
     def retake_own(self, delivered_before: float | None = None) -> None:
         """Take back, at the next ``recover(own=True)``, the entries pending here that were
@@ -97,7 +93,6 @@ class OrphanClaims:
         life's too (another Redis answers: their acknowledgements may be lost). An answer
         computed again reaches nobody twice: a front end takes one reply per request."""
         self._own_before = delivered_before
-        self._own_counted = False
         self._own_asked = next(self._asks)
 
     def recover(self, *, own: bool) -> None:
@@ -153,7 +148,10 @@ class OrphanClaims:
                     else:  # dead, or restarted and not (yet) reading it: holding nothing
                         orphaned = consumer not in live or not self._reads(view, consumer, stream)
                     if orphaned:
-                        counted = not own or self._own_counted
+                        # A delivery (MB_MAX_DELIVERIES) unless it takes its own back after a
+                        # lost read or a failover (nothing ran them, let alone failed on
+                        # them); its last life's count (it may have died of one).
+                        counted = not own or self._own_done == 0
                         delivered = int(entry["times_delivered"])
                         self._take_over(stream, text(entry["message_id"]), idle, delivered, counted)
                 if len(pending) < PAGE:
