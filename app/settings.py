@@ -2,7 +2,8 @@
 
 Every field maps to the upper-case environment variable of the same name, e.g.
 ``mb_batch_size`` <- ``MB_BATCH_SIZE``. ``os.environ`` is read elsewhere only for what other
-libraries define: ``OTEL_*`` (tracing), the allocator's ``LD_PRELOAD``/``MALLOC_CONF``, ``CXX``.
+libraries define: ``OTEL_*`` (tracing), the allocator's ``LD_PRELOAD``/``MALLOC_CONF``, ``CXX``,
+``TBB_ENABLE_SANITIZERS``.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ class ResponseCache:
 
     @property
     def in_flight(self) -> int:
-        """Keys being computed now, each for one request or more."""
+        """Answers being computed now, each for one request or more of one tenant."""
         return len(self._flights)
 
     async def aclose(self) -> None:

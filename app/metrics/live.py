@@ -170,7 +170,7 @@ class CacheGauges(Collector):
         entries.add_metric([], len(memory) if memory is not None else 0)
         flights = GaugeMetricFamily(
             "microbatch_cache_in_flight",
-            "Distinct answers being computed now, each for one request or more (single-flight).",
+            "Answers being computed now, each for one tenant's requests (single-flight).",
         )
         flights.add_metric([], self._cache.in_flight)
         yield from (size, entries, flights)

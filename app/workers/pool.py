@@ -58,6 +58,12 @@ COMMON_IMAGE_SHAPE = (224, 224, 3)
 STUCK_S = 30.0
 
 
+class LoadFroze(ModelLoadFailed):
+    """A load that froze its worker, which the pool killed: a worker crash (step), but a
+    kill, never a native crash that would say a runtime is unsafe here (no wait for its
+    exit code on the event loop)."""
+
+
 def buffer_bytes(config: WorkerConfig, image_shapes: Sequence[tuple[int, int, int]]) -> int:
     """A worker's shared buffer: a full batch of pixels of the largest model's images (at
     least ``COMMON_IMAGE_SHAPE``), or of typical encoded uploads when the workers decode."""
@@ -194,7 +200,8 @@ class WorkerPool:
         try:
             reply = await self.ask(worker, message)
         except ModelLoadFailed as exc:
-            if exc.step == "worker crash" and self.supervision.load_crashed(worker):
+            crashed = exc.step == "worker crash" and not isinstance(exc, LoadFroze)
+            if crashed and self.supervision.load_crashed(worker):
                 exc.step = "runtime crash"
             raise
         assert isinstance(reply, LoadDone)
@@ -245,7 +252,7 @@ class WorkerPool:
             future.add_done_callback(retrieve)
             # The load froze its worker: it killed it as a crash would (not tried again by
             # its restart, nor on the others, until an explicit retry).
-            raise ModelLoadFailed(
+            raise LoadFroze(
                 f"worker {worker.index} froze {what} the model (no answer in "
                 f"{self.start_timeout_s + STUCK_S:g} s): killed",
                 "worker crash",
