@@ -260,13 +260,18 @@ def compose_services(store: Path) -> None:
     redis_argv = [*service_command("redis"), "--port", str(redis_port), "--bind", "127.0.0.1",
                   "--dir", str(scratch)]  # fmt: skip
     replicas = int(services["model-worker"].get("deploy", {}).get("replicas", 1))
+    # Each replica is a container with a host name and ports of its own: its probes
+    # (MB_HEALTH_PORT, which its compose health check asks) on a free port here.
+    probes = {i: free_port() for i in range(replicas)}
+    worker_env = services["model-worker"]["environment"]
     with ExitStack() as stack:
         running = [stack.enter_context(started(redis_argv, runtime_env(), "redis"))]
         for i in range(replicas):
+            own = {"MB_WORKER_NAME": f"model-worker-{i}"}
+            if "MB_HEALTH_PORT" in worker_env:
+                own["MB_HEALTH_PORT"] = str(probes[i])
             running.append(stack.enter_context(started(
-                service_command("model-worker"),
-                # each replica is a container with a host name of its own
-                service_env("model-worker", MB_WORKER_NAME=f"model-worker-{i}"),
+                service_command("model-worker"), service_env("model-worker", None, **own),
                 f"model-worker {i}",
             )))  # fmt: skip
         running.append(stack.enter_context(started(
@@ -278,6 +283,13 @@ def compose_services(store: Path) -> None:
         tag_one_image(url)
         if "MB_GRPC_PORT" in services["frontend"]["environment"]:
             grpc_tag_one_image(grpc_ports["frontend"])
+        check = services["model-worker"].get("healthcheck", {}).get("test", [])
+        if "MB_HEALTH_PORT" in worker_env:  # what its compose health check asks, answered
+            port = str(worker_env["MB_HEALTH_PORT"])
+            assert any(f":{port}/readyz" in str(part) for part in check), check
+            for i in range(replicas):
+                wait_ready(f"http://127.0.0.1:{probes[i]}", running)
+            print("   each model-worker's /readyz (MB_HEALTH_PORT) answers 200", flush=True)
 
 
 def int8_store(scratch: Path) -> None:
