@@ -34,7 +34,7 @@ def client() -> Iterator[redis.Redis]:
 
 
 def claims(client: redis.Redis, ran: list[bytes], max_deliveries: int = 3) -> OrphanClaims:
-    def process(stream: str, entries: Sequence[Entry], now_ms: int, delivery: int) -> None:
+    def process(stream: str, entries: Sequence[Entry], delivery: int) -> None:
         for entry_id, fields in entries:  # run and answered: acknowledged
             ran.append(fields[b"n"])
             client.xack(stream, GROUP, entry_id)
@@ -43,7 +43,7 @@ def claims(client: redis.Redis, ran: list[bytes], max_deliveries: int = 3) -> Or
     trouble = TroubleLog("w1", stats)
     return OrphanClaims(
         client, KEYS, "w1", stats, Replier(client, KEYS, stop, trouble), process,
-        lambda: [STREAM], lambda: int(time.time() * 1000), trouble,
+        lambda: [STREAM], trouble,
         max_image_bytes=1 << 20, max_deliveries=max_deliveries, batch_timeout_s=60, stop=stop,
     )  # fmt: skip
 

@@ -131,7 +131,7 @@ class Consumer:
         self._replier = Replier(client, keys, self._stop, self._trouble)
         self.claims = OrphanClaims(
             client, keys, name, self.stats, self._replier, self._process,
-            self.versions.held_streams, self._presence.redis_now_ms, self._trouble,
+            self.versions.held_streams, self._trouble,
             max_image_bytes=max_image_bytes, max_deliveries=max_deliveries,
             batch_timeout_s=batch_timeout_s, stop=self._stop,
         )  # fmt: skip
@@ -222,11 +222,10 @@ class Consumer:
         tasks: dict[str, list[Tagged]] = {}
         for stream, entries in fetched:
             tasks.setdefault(self.keys.base(stream), []).extend((stream, e) for e in entries)
-        now_ms = self._presence.redis_now_ms()
         for task_stream, tagged in tasks.items():
             if any(stream != task_stream for stream, _ in tagged):  # stable: turns kept
                 tagged.sort(key=lambda pair: self.keys.lane_level(pair[0]))
-            self._process_tagged(task_stream, tagged, now_ms)
+            self._process_tagged(task_stream, tagged)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -317,16 +316,12 @@ class Consumer:
 
     # -- running -----------------------------------------------------------------------------
 
-    def _process(
-        self, stream: str, entries: Sequence[Entry], now_ms: int, delivery: int = 1
-    ) -> None:
+    def _process(self, stream: str, entries: Sequence[Entry], delivery: int = 1) -> None:
         """Run one stream's (or lane's) entries: ``_process_tagged``."""
-        self._process_tagged(
-            self.keys.base(stream), [(stream, e) for e in entries], now_ms, delivery
-        )
+        self._process_tagged(self.keys.base(stream), [(stream, e) for e in entries], delivery)
 
     def _process_tagged(
-        self, task_stream: str, entries: Sequence[Tagged], now_ms: int, delivery: int = 1
+        self, task_stream: str, entries: Sequence[Tagged], delivery: int = 1
     ) -> None:
         """Run entries of one task's stream and its lanes as batches of its model and answer
         each; drop what must not run. ``delivery``: which time they are handed to a worker
@@ -346,21 +341,19 @@ class Consumer:
         self._replier.answer_all(bells)
         runnable = [(s, entry) for s, entry in entries if not is_doorbell(entry[1])]
         for start in range(0, len(runnable), model.batch_size):
-            self._process_batch(
-                model, task, runnable[start : start + model.batch_size], now_ms, delivery
-            )
+            self._process_batch(model, task, runnable[start : start + model.batch_size], delivery)
 
     def _process_batch(
         self,
         model: PreparedModel,
         task: Task,
         entries: Sequence[Tagged],
-        now_ms: int,
         delivery: int = 1,
     ) -> None:
-        # Now, not when they were read: a read may hold several batches (a task's and
-        # another's, or two takes), and the one before may have run past their deadlines.
-        now_ms = max(now_ms, self._presence.redis_now_ms())
+        # Redis's time now, not when they were read: a read may hold several batches (a
+        # task's and another's, or two takes), and the one before may have run past their
+        # deadlines.
+        now_ms = self._presence.redis_now_ms()
         runnable, streams, done = triage(
             entries, task, now_ms, self.max_image_bytes, self.versions.lanes.lane, self.stats,
             self._trouble.error,

@@ -28,16 +28,16 @@ log = logging.getLogger("app.worker")
 
 PAGE = 100  # pending entries looked at per round trip
 FORGET_S = 600.0  # heartbeats and idle consumers older than this are cleaned up
-# Run entries of a stream as the consumer runs what it reads: (stream, entries, Redis now).
-# (stream, entries, Redis's time now in ms, which delivery this is)
-Process = Callable[[str, Sequence[Entry], int, int], None]
+# Run entries of a stream as the consumer runs what it reads: (stream, entries, which
+# delivery this is).
+Process = Callable[[str, Sequence[Entry], int], None]
 
 
 class OrphanClaims:
     """Claims and runs, one at a time, entries their worker can no longer answer.
 
     >>> # claims = OrphanClaims(client, keys, "host-1:0", stats, replier, consumer.process,
-    >>> #                       versions.held_streams, heartbeat.redis_now_ms, trouble,
+    >>> #                       versions.held_streams, trouble,
     >>> #                       max_image_bytes=..., max_deliveries=3, batch_timeout_s=60,
     >>> #                       stop=stop_event)
     >>> # claims.recover(own=True)     # at start: this worker's last life's
@@ -53,7 +53,6 @@ class OrphanClaims:
         replier: Replier,
         process: Process,
         held_streams: Callable[[], list[str]],
-        redis_now_ms: Callable[[], int],
         trouble: TroubleLog,
         *,
         max_image_bytes: int,
@@ -73,7 +72,6 @@ class OrphanClaims:
         # and the last ask done: an ask made during a recovery is not lost.
         self._asks = itertools.count(1)
         self._own_asked, self._own_done = next(self._asks), 0
-        self.redis_now_ms = redis_now_ms
         self.trouble = trouble
         self.max_image_bytes = max_image_bytes
         self.max_deliveries = max_deliveries
@@ -208,7 +206,7 @@ class OrphanClaims:
             reply = encode_error(request.id, 1, error)
             self.replier.answer(stream, [(entry_id, request, reply)], [])
             return
-        self.process(stream, [(entry_id, fields)], self.redis_now_ms(), delivered + 1)
+        self.process(stream, [(entry_id, fields)], delivered + 1)
 
     def _forget_the_long_gone(self, now_ms: int) -> None:
         """Bounded memory: heartbeats not renewed for ``FORGET_S``, and consumers with
