@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.settings import Settings
 from app.tenancy import Tenancy
-from app.v2.grpc_service import SERVICE, InferenceService
+from app.v2.grpc_calls import SERVICE
+from app.v2.grpc_service import InferenceService
 from app.v2.proto import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over

@@ -52,6 +52,15 @@ from app.services.registry import ModelVersion
 from app.settings import Settings
 from app.tenancy import Caller, Scope, Tenancy
 from app.v2 import inference
+from app.v2.grpc_calls import (
+    RPC_ATTRIBUTES,
+    SERVICE,
+    Call,
+    describe,
+    metadata_of,
+    said,
+    tenant_of,
+)
 from app.v2.grpc_messages import infer_call, infer_response, parameter
 from app.v2.inference import PRIORITY_PARAMETER
 from app.v2.proto import inference_pb2 as pb
@@ -70,27 +79,10 @@ if TYPE_CHECKING:  # the engine is wired by app.main, which hands it over
 
 log = logging.getLogger("app.request")
 T = TypeVar("T")
-SERVICE = "inference.GRPCInferenceService"
 PIN_METADATA = "x-model-id"
 STREAM_IN_FLIGHT = 128  # a stream's requests unanswered at once; past them it is not read
 CLOSING_LOOK_S = 0.5  # how often an idle stream looks whether the server is stopping
-MESSAGE_CHARS = 1000  # a refusal's message, at most: it echoes what the client named
 CACHE_METADATA = "x-cache"  # a unary call's trailing metadata: hit, coalesced or miss
-
-
-class Call:
-    """What one RPC learned, for its log line and metrics: the error it ended with, if any
-    (its gRPC status and the HTTP status it stands for in the metrics follow from it)."""
-
-    def __init__(self, rpc: str) -> None:
-        self.rpc = rpc
-        self.version: ModelVersion | None = None
-        self.inference = False
-        self.batch_size: int | None = None
-        self.images = 0
-        self.error: ServerError | None = None
-        self.caller: Caller | None = None
-        self.cache: CacheUse | None = None  # how the response cache answered it
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -125,7 +117,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         call = Call(rpc)
         with tracing.request(
-            f"{SERVICE}/{rpc}", lambda: _metadata(context), RPC_ATTRIBUTES
+            f"{SERVICE}/{rpc}", lambda: metadata_of(context), RPC_ATTRIBUTES
         ) as span:
             try:
                 if scope is not None:
@@ -149,7 +141,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         version, error = call.version, call.error
         model, number = (version.name, str(version.version)) if version else ("", "")
         if span is not None:
-            _describe(span, call)
+            describe(span, call)
         if self.engine.metrics is not None:
             status = http_status(error) if error is not None else 200
             route = f"grpc {call.rpc}"
@@ -167,14 +159,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], scope: Scope) -> Caller:
-        sent = _metadata(context).get("authorization")
+        sent = metadata_of(context).get("authorization")
         return self.tenancy.caller(sent, scope, where="metadata")
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError, call: Call
     ) -> None:
         if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error, _tenant(call))
+            self.engine.metrics.on_error(error, tenant_of(call))
         trailing = [("error-type", error.code)]
         if isinstance(error, Unavailable | QuotaExceeded):
             seconds = retry_after(error)
@@ -185,7 +177,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if isinstance(error, QuotaExceeded):
             trailing += [(name.lower(), value) for name, value in error.headers.items()]
         code = getattr(grpc.StatusCode, grpc_status(error))
-        await context.abort(code, _said(error), tuple(trailing))
+        await context.abort(code, said(error), tuple(trailing))
 
     @asynccontextmanager
     async def _admitted(
@@ -197,7 +189,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[ModelVersion]:
         """The version a call gets (``Engine.admitted``): ``name``, pinned by metadata
         ``x-model-id`` or a ``number`` ("": the serving one)."""
-        pinned = (_metadata(context).get(PIN_METADATA) or "").strip() or None
+        pinned = (metadata_of(context).get(PIN_METADATA) or "").strip() or None
         async with self.engine.admitted(name or None, pinned, number or None) as version:
             call.version = version
             yield version
@@ -301,7 +293,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             response = await self._infer(request, context, call)
             said = call.cache.header if call.cache is not None else None
             if said is not None:
-                context.set_trailing_metadata(((CACHE_METADATA, said),))
+                context.set_trailingmetadata_of(((CACHE_METADATA, said),))
             return response
 
         return await self._answer(context, "ModelInfer", work, scope=Scope.INFER)
@@ -328,7 +320,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             call = Call("ModelStreamInfer")
             started = time.perf_counter()
             name = f"{SERVICE}/ModelStreamInfer"
-            with tracing.request(name, partial(_metadata, context), RPC_ATTRIBUTES) as span:
+            with tracing.request(name, partial(metadata_of, context), RPC_ATTRIBUTES) as span:
                 try:
                     call.caller = self._authorize(context, Scope.INFER)
                     response = await self._infer(request, context, call)
@@ -379,12 +371,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """A stream's answer to a request that failed: its message, and its type and retry
         hint as parameters (a stream has no trailing metadata per request)."""
         if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error, _tenant(call))
+            self.engine.metrics.on_error(error, tenant_of(call))
         failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
         failed.parameters["error-type"].string_param = error.code
         if isinstance(error, Unavailable | QuotaExceeded):
             failed.parameters["retry-after"].int64_param = retry_after(error)
-        return pb.ModelStreamInferResponse(error_message=_said(error), infer_response=failed)
+        return pb.ModelStreamInferResponse(error_message=said(error), infer_response=failed)
 
     async def _infer(self, request: Any, context: Any, call: Call) -> Any:
         if self.closing():
@@ -398,7 +390,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         deadline = inference.shortened(time.monotonic() + timeout, infer.parameters)
         number = request.model_version
         if self.engine.cache is not None:  # cache-control metadata as HTTP's header
-            call.cache = CacheUse.asked(_metadata(context).get("cache-control"))
+            call.cache = CacheUse.asked(metadata_of(context).get("cache-control"))
         async with self._admitted(context, call, request.model_name, number) as served:
             admitted_as = served.version  # as the metrics count it, whatever comes
             trace = Trace(link=tracing.link())
@@ -420,48 +412,3 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 tracing.queued(trace.waits)
         with tracing.span("reply"):
             return infer_response(served, admitted_as, request.id, outputs)
-
-
-RPC_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": SERVICE}
-
-
-def _describe(span: Any, call: Call) -> None:
-    """The call span's attributes, once it ended."""
-    span.set_attribute("rpc.method", call.rpc)
-    version, error = call.version, call.error
-    code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    tenant = call.caller.tenant if call.caller is not None else None
-    if version is not None:
-        tracing.served(
-            span,
-            model=version.name,
-            version=version.version,
-            served_id=version.served_id,
-            images=call.images,
-            batch_size=call.batch_size,
-            tenant=tenant,
-        )
-    elif tenant is not None:
-        tracing.served(span, tenant=tenant)
-    if error is not None:
-        tracing.failed(span, error)
-
-
-def _metadata(context: Any) -> dict[str, str]:
-    return {
-        key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)
-    }
-
-
-def _said(error: ServerError) -> str:
-    """A refusal's message, as gRPC carries it: within ``MESSAGE_CHARS`` (a message that
-    echoes a 20 KB name passed gRPC's metadata limit, and the client saw RESOURCE_EXHAUSTED
-    instead of the refusal)."""
-    message = error.message
-    return message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."
-
-
-def _tenant(call: Call) -> str | None:
-    """The tenant a refusal counts under (``microbatch_tenant_refused_total``), once known."""
-    return call.caller.tenant if call.caller is not None else None
