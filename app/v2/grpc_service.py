@@ -291,9 +291,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def work(call: Call) -> Any:
             response = await self._infer(request, context, call)
-            said = call.cache.header if call.cache is not None else None
-            if said is not None:
-                context.set_trailingmetadata_of(((CACHE_METADATA, said),))
+            hint = call.cache.header if call.cache is not None else None
+            if hint is not None:
+                context.set_trailing_metadata(((CACHE_METADATA, hint),))
             return response
 
         return await self._answer(context, "ModelInfer", work, scope=Scope.INFER)
