@@ -6,9 +6,14 @@
 One reader walks the folder and feeds the Streamer (decoding in a thread pool), the workers on
 every configured device do the rest, and each result becomes one JSON line:
 ``{"path": ..., "result": ...}`` or ``{"path": ..., "error": {"type": ..., "message": ...}}``.
-Lines are appended whole and flushed; ``--resume`` first cuts off a line a crash may have left
-half-written, then skips every path already in the file. The usual settings apply
-(``MODEL_STORE``, ``CUDA_DEVICES``, ``MB_WORKER_NUM``, ``MB_BATCH_SIZE``, ...).
+Lines are appended whole and flushed. A file the server could not answer for its own reasons
+(a worker died, the queue was full) is tried again, waiting as the error says, up to
+``ATTEMPTS`` times; still failing, its line says so and the job exits 1. ``--resume`` first
+cuts off a line a crash may have left half-written and drops such lines, then skips every path
+still in the file: what the file itself caused (``FINAL_ERRORS``) is not tried again. It
+refuses (exit 2) a file written by another export, task or ``k``, as it refuses a task the
+model cannot answer, before anything is written. The usual settings apply (``MODEL_STORE``,
+``CUDA_DEVICES``, ``MB_WORKER_NUM``, ``MB_BATCH_SIZE``, ...).
 """
 
 from __future__ import annotations
@@ -27,13 +32,19 @@ from typing import Any
 from tqdm import tqdm
 
 from app.engine import Engine
-from app.errors import ServerError, StartupError
+from app.errors import IMAGE_ERROR_TYPES, InvalidRequest, ServerError, StartupError, Unavailable
 from app.logs import configure_logging
 from app.plan import plan_serving
 from app.services.predictor import Predictor
 from app.settings import load_settings
 
 log = logging.getLogger("app.bulk")
+
+# The errors a file's own bytes cause: the same every time, so a line with one is final.
+UNREADABLE = "unreadable_file"
+FINAL_ERRORS = frozenset({UNREADABLE, *(cls.code for cls in IMAGE_ERROR_TYPES)})
+ATTEMPTS = 6  # tries of a file the server refused for the time being (Unavailable)
+WAIT_S = (1.0, 30.0)  # the first wait before another try, and the longest (doubling)
 
 
 def list_files(root: Path) -> list[Path]:
@@ -45,28 +56,70 @@ def list_files(root: Path) -> list[Path]:
     return found
 
 
-def done_paths(out: Path) -> set[str]:
-    """Paths already answered in ``out``. A trailing partial line (a crash mid-write) is cut
-    off first, so the file only ever holds whole lines."""
+def answered(out: Path) -> list[dict[str, Any]]:
+    """The lines of ``out`` that stand: a trailing partial line (a crash mid-write) is cut
+    off, and lines whose error was the server's (not in ``FINAL_ERRORS``) are dropped from
+    the file (rewritten whole, then renamed over it), so their paths are tried again."""
     if not out.exists():
-        return set()
+        return []
     with out.open("r+b") as handle:
         data = handle.read()
         end = data.rfind(b"\n") + 1
         if end != len(data):
             log.warning("%s ended with a partial line; removing it", out)
             handle.truncate(end)
-    paths = set()
-    for line in data[:end].splitlines():
-        paths.add(json.loads(line)["path"])
-    return paths
+    lines = data[:end].splitlines(keepends=True)
+    entries = [json.loads(line) for line in lines]
+    kept = [i for i, entry in enumerate(entries) if _stands(entry)]
+    if len(kept) != len(entries):
+        log.warning(
+            "%s: %d lines the server failed; trying them again", out, len(entries) - len(kept)
+        )
+        fresh = out.with_name(out.name + ".resume")
+        fresh.write_bytes(b"".join(lines[i] for i in kept))
+        os.replace(fresh, out)
+    return [entries[i] for i in kept]
 
 
-def _plan(root: Path, out: Path, resume: bool) -> tuple[list[Path], list[Path]]:
-    """All files under ``root``, and those still to do (all of them unless resuming)."""
+def _stands(entry: dict[str, Any]) -> bool:
+    return "error" not in entry or entry["error"].get("type") in FINAL_ERRORS
+
+
+def _check_resumed(entries: list[dict[str, Any]], model_id: str, task: str, k: int) -> None:
+    """``InvalidRequest`` unless every answer in the file is what this run would write: the
+    same export (and precision), task and number of labels."""
+    for entry in entries:
+        if entry.get("model_id") != model_id:
+            raise InvalidRequest(
+                f"{entry['path']} was answered by {entry.get('model_id')}, and {model_id} "
+                "serves now: resuming would mix two exports in one file (use --overwrite, "
+                "or a new --out)"
+            )
+        result = entry.get("result")
+        if result is None:
+            continue
+        was = "tag" if result and isinstance(result[0], dict) else "embedding"
+        if was != task or (task == "tag" and len(result) != k):
+            said = f"{was} with k={len(result)}" if was == "tag" else was
+            asked = f"tag with k={k}" if task == "tag" else task
+            raise InvalidRequest(
+                f"{entry['path']} was answered as {said}, and this run asks {asked}: resume "
+                "with the same --task and -k (or use --overwrite, or a new --out)"
+            )
+
+
+def _plan(
+    root: Path, out: Path, resume: bool, expected: tuple[str, str, int]
+) -> tuple[list[Path], list[Path]]:
+    """All files under ``root``, and those still to do (all of them unless resuming);
+    ``expected``: the export, task and k this run answers with."""
     files = list_files(root)
-    skip = done_paths(out) if resume else set()
-    if not resume:
+    skip: set[str] = set()
+    if resume:
+        entries = answered(out)
+        _check_resumed(entries, *expected)
+        skip = {entry["path"] for entry in entries}
+    else:
         out.write_bytes(b"")
     return files, [f for f in files if str(f.relative_to(root)) not in skip]
 
@@ -96,22 +149,27 @@ async def run(
     model: str | None = None,
 ) -> dict[str, int]:
     plan = plan_serving(load_settings(mb_request_timeout=3600.0))
-    files, todo = await asyncio.to_thread(_plan, root, out, resume)
-    counts = {"ok": 0, "error": 0, "skipped": len(files) - len(todo)}
-    writer = ResultWriter(out)
-    bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
     started = time.perf_counter()
-    try:
-        async with Engine(plan) as engine:
-            predictor = engine.registry.resolve(model).predictor  # one version for every file
-            assert predictor is not None
-            await _feed(engine, predictor, root, task, todo, top_k, writer, bar, counts)
-            # Which runtime computed the results (each worker chose at its start).
-            runtimes = sorted({w.runtime for w in engine.transport.worker_status() if w.runtime})
-            counts["runtimes"] = runtimes  # type: ignore[assignment]
-    finally:
-        bar.close()
-        writer.close()
+    async with Engine(plan) as engine:
+        predictor = engine.registry.resolve(model).predictor  # one version for every file
+        assert predictor is not None
+        # What the model cannot answer fails here, before anything is written.
+        k = predictor.labels_to_return(top_k) if task == "tag" else 0
+        if task == "embedding":
+            predictor.require_embedding()
+        expected = (predictor.model_id, task, k)
+        files, todo = await asyncio.to_thread(_plan, root, out, resume, expected)
+        counts = {"ok": 0, "error": 0, "failed": 0, "skipped": len(files) - len(todo)}
+        writer = ResultWriter(out)
+        bar = tqdm(total=len(todo), unit="img", disable=not progress, smoothing=0.1)
+        try:
+            await _feed(engine, predictor, root, task, todo, k, writer, bar, counts)
+        finally:
+            bar.close()
+            writer.close()
+        # Which runtime computed the results (each worker chose at its start).
+        runtimes = sorted({w.runtime for w in engine.transport.worker_status() if w.runtime})
+        counts["runtimes"] = runtimes  # type: ignore[assignment]
     elapsed = time.perf_counter() - started
     counts["seconds"] = round(elapsed, 2)  # type: ignore[assignment]
     counts["images_per_s"] = round(len(todo) / elapsed, 1) if elapsed else 0  # type: ignore[assignment]
@@ -124,7 +182,7 @@ async def _feed(
     root: Path,
     task: str,
     todo: list[Path],
-    top_k: int | None,
+    top_k: int,
     writer: ResultWriter,
     bar: Any,  # tqdm
     counts: dict[str, int],
@@ -138,22 +196,32 @@ async def _feed(
     transport = engine.transport
     window = asyncio.Semaphore(min(limits.max_queue, 4 * transport.batch_size * transport.capacity))
 
+    async def answer(data: bytes) -> Any:
+        deadline = time.monotonic() + limits.request_timeout_s
+        if task == "tag":
+            tags = await predictor.tag(data, top_k, deadline)
+            return [{"name": t.name, "prob": t.prob} for t in tags]
+        return (await predictor.embedding(data, deadline)).tolist()
+
     async def one(path: Path) -> None:
         entry: dict[str, Any] = {"path": str(path.relative_to(root)), "model_id": model_id}
         try:
             data = await asyncio.to_thread(path.read_bytes)
-            deadline = time.monotonic() + limits.request_timeout_s
-            if task == "tag":
-                tags = await predictor.tag(data, top_k, deadline)
-                entry["result"] = [{"name": t.name, "prob": t.prob} for t in tags]
-            else:
-                vector = await predictor.embedding(data, deadline)
-                entry["result"] = vector.tolist()
+            for attempt in range(ATTEMPTS):
+                try:
+                    entry["result"] = await answer(data)
+                    break
+                except Unavailable as exc:  # a worker restarting, a full queue: wait
+                    if attempt == ATTEMPTS - 1:
+                        raise
+                    wait = min(WAIT_S[1], max(WAIT_S[0] * 2**attempt, exc.retry_after_s))
+                    log.info("%s: %s; trying again in %.0f s", entry["path"], exc.code, wait)
+                    await asyncio.sleep(wait)
             counts["ok"] += 1
         except (ServerError, OSError) as exc:
-            code = getattr(exc, "code", "unreadable_file")
+            code = getattr(exc, "code", UNREADABLE)
             entry["error"] = {"type": code, "message": getattr(exc, "message", str(exc))}
-            counts["error"] += 1
+            counts["error" if code in FINAL_ERRORS else "failed"] += 1
         finally:
             window.release()
         writer.write(entry)
@@ -218,10 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ServerError as exc:  # --model names no model served
+    except ServerError as exc:  # --model names no model served, or it cannot answer
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     print(json.dumps(counts))
+    if counts["failed"]:
+        print(
+            f"error: {counts['failed']} files were not answered for the server's reasons "
+            "(their lines say which): run again with --resume to try them again",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 
@@ -126,3 +131,94 @@ def test_the_batch_job_runs_the_model_it_is_given(
     assert "no model named 'nope'" in capsys.readouterr().err
     assert main(args) == 2
     assert "several models" in capsys.readouterr().err
+
+
+def test_a_worker_killed_mid_job_costs_no_file(
+    folder: Path, tmp_path: Path, slow_store: Path
+) -> None:
+    """``kill -9`` of the only worker while the job runs: the batch it held and the files
+    sent while it restarts are tried again once it is back (they were written as
+    ``worker_died`` lines, and ``--resume`` then skipped them); every image is answered and
+    the job exits 0."""
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "MODEL_STORE": str(slow_store), "MB_BATCH_SIZE": "4"}
+    command = [sys.executable, "-m", "app.bulk", str(folder), "--task", "embedding",
+               "--out", str(out), "--no-progress"]  # fmt: skip
+    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
+            assert job.poll() is None and time.monotonic() < deadline, "no answer came"
+            time.sleep(0.05)
+        workers = psutil.Process(job.pid).children(recursive=True)
+        victims = [w for w in workers if "resource_tracker" not in " ".join(w.cmdline())]
+        assert victims, workers
+        for victim in victims:
+            victim.kill()
+        _, err = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+    results = list(iter_results(out))
+    assert len(results) == 43 and len({r["path"] for r in results}) == 43
+    errors = {r["path"]: r["error"]["type"] for r in results if "error" in r}
+    assert set(errors) == {"notes.txt", "broken.jpg", "scan.tif"}, errors
+
+
+def test_resume_tries_again_what_the_server_failed_and_keeps_what_the_file_did(
+    folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "tags.jsonl"
+    args = [str(folder), "--task", "tag", "-k", "3", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    results = list(iter_results(out))
+    failed = next(r for r in results if "result" in r)
+    # As a job that met a dead worker and gave up on the file wrote it.
+    failed.pop("result")
+    failed["error"] = {"type": "worker_died", "message": "the worker died"}
+    out.write_text("".join(json.dumps(r) + "\n" for r in results))
+    assert main([*args, "--resume"]) == 0
+    again = list(iter_results(out))
+    assert len(again) == 43 and len({r["path"] for r in again}) == 43
+    redone = [r for r in again if r["path"] == failed["path"]]
+    assert len(redone) == 1 and len(redone[0]["result"]) == 3
+    errors = {r["path"]: r["error"]["type"] for r in again if "error" in r}
+    assert errors == {"notes.txt": "invalid_image", "broken.jpg": "invalid_image",
+                      "scan.tif": "unsupported_image_format"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("asked", "why"),
+    [
+        (["--task", "tag", "-k", "2"], "answered as tag with k=3, and this run asks tag with k=2"),
+        (["--task", "embedding"], "answered as tag with k=3, and this run asks embedding"),
+    ],
+)
+def test_resume_refuses_a_file_of_another_task_k_or_export(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], asked: list[str], why: str
+) -> None:
+    out = tmp_path / "tags.jsonl"
+    assert main([str(folder), "--task", "tag", "-k", "3", "--out", str(out), "--no-progress"]) == 0
+    lines = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:10]))
+    args = [str(folder), *asked, "--out", str(out), "--no-progress", "--resume"]
+    assert main(args) == 2
+    assert why in capsys.readouterr().err
+    assert out.read_bytes() == b"".join(lines[:10])  # untouched
+    # Another export wrote it (a rollout, another MB_DTYPE, another model).
+    other = [json.loads(line) | {"model_id": "tiny-test@0123456789ab"} for line in lines[:10]]
+    out.write_text("".join(json.dumps(entry) + "\n" for entry in other))
+    assert main([str(folder), "--task", "tag", "-k", "3", "--out", str(out), "--resume"]) == 2
+    assert "resuming would mix two exports" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", ["0", "1001"])
+def test_a_k_the_model_cannot_answer_is_refused_before_anything_is_written(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], k: str
+) -> None:
+    out = tmp_path / "tags.jsonl"
+    out.write_text('{"path": "kept.png"}\n')
+    args = [str(folder), "--task", "tag", "-k", k, "--out", str(out), "--overwrite"]
+    assert main(args) == 2
+    assert "k must be between 1 and" in capsys.readouterr().err
+    assert out.read_text() == '{"path": "kept.png"}\n'
