@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -9,6 +10,7 @@ import time
 from functools import partial
 from typing import Any
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
@@ -34,7 +36,11 @@ class RequestLog:
 
     Handlers may put ``batch_size`` into ``request.state`` for the log line, at admission
     ``model_id``, ``model`` and ``model_version`` for it and the metrics, and ``cache``
-    (``app.cache.CacheUse``), which answers ``X-Cache``."""
+    (``app.cache.CacheUse``), which answers ``X-Cache``.
+
+    What a route raises unexpectedly is answered here, by the app's handler of
+    ``Exception``, so that its 500 carries these headers too (Starlette answers it outside
+    every middleware, with none of them)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -50,12 +56,15 @@ class RequestLog:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         status = 500
-        app_state = scope["app"].state if "app" in scope else None
+        app = scope.get("app")
+        app_state = app.state if app is not None else None
         reply_started = 0
+        began = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, reply_started
+            nonlocal status, reply_started, began
             if message["type"] == "http.response.start":
+                began = True
                 status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((_REQUEST_ID_KEY, request_id.encode()))
@@ -84,6 +93,14 @@ class RequestLog:
             traced = span is not None
             try:
                 await self.app(scope, receive, send_with_id)
+            except Exception as exc:
+                handler = app.exception_handlers.get(Exception) if app is not None else None
+                if began or handler is None:
+                    raise
+                answer = handler(Request(scope, receive), exc)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+                await answer(scope, receive, send_with_id)
             finally:
                 seconds = time.perf_counter() - started
                 route = getattr(scope.get("route"), "path", None) or "unmatched"

@@ -140,3 +140,31 @@ def test_the_old_batch_job_name_still_runs_and_says_the_new_one() -> None:
     assert out.returncode == 0, out.stderr
     assert "python -m app.bulk" in out.stderr
     assert "usage:" in out.stdout
+
+
+async def test_an_unexpected_error_on_any_route_answers_with_the_request_id(
+    tiny_store: Path,
+) -> None:
+    """A route FastAPI resolves (not a direct one) that raises: a JSON 500 that echoes the
+    request id, as every answer does (Starlette answered it outside the middleware, with no
+    X-Request-ID: the client could not find the log line of its own failure)."""
+    import httpx
+
+    from app.testing import FakeTransport
+
+    async def unused(*_: Any) -> list[object]:
+        raise AssertionError("no batch is run")
+
+    served = create_app(Settings(model_store=tiny_store), transport=FakeTransport(unused))
+
+    @served.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    transport = httpx.ASGITransport(app=served, raise_app_exceptions=False)
+    async with served.router.lifespan_context(served):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            answer = await client.get("/boom", headers={"X-Request-ID": "order-7"})
+    assert answer.status_code == 500
+    assert answer.headers["x-request-id"] == "order-7"
+    assert answer.json()["error"]["type"] == "internal_error"
