@@ -44,6 +44,7 @@ class LiveGauges(Collector):
 
     def __init__(self, read: Callable[[], LiveState]) -> None:
         self._read = read
+        self._restarts = Restarts()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
         state = self._read()
@@ -102,9 +103,29 @@ class LiveGauges(Collector):
         restarts = CounterMetricFamily(
             "microbatch_worker_restarts", "Workers restarted after dying or hanging."
         )
-        restarts.add_metric([], sum(worker.restarts for worker in state.workers))
+        restarts.add_metric([], self._restarts.total(state.workers))
         yield from (depth, in_flight, alive, ready, memory, cpu, runtimes, model_memory, restarts)
         yield from _versions(state.versions)
+
+
+class Restarts:
+    """The workers' restarts, summed so that the counter never goes down: each worker name's
+    last count stays after it leaves the workers seen (broker mode sees only those with a
+    fresh heartbeat, and a restart takes longer), and a count that went down (its
+    supervisor started again) adds the one before to those gone."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self._gone = 0
+
+    def total(self, workers: Sequence[WorkerStatus]) -> int:
+        for worker in workers:
+            name = worker.name or str(worker.index)
+            before = self._last.get(name, 0)
+            if worker.restarts < before:
+                self._gone += before
+            self._last[name] = worker.restarts
+        return self._gone + sum(self._last.values())
 
 
 def _versions(versions: Sequence[VersionState]) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:

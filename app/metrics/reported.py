@@ -63,12 +63,15 @@ class WorkerReport(Protocol):
 
 
 class Life(WorkerReport, Protocol):
-    """A worker's report, with what tells its lives apart (a restart keeps its name)."""
+    """A worker's report, with what tells its lives apart (a restart keeps its name, and a
+    restarted container often its pid: ``life`` is drawn at each start)."""
 
     @property
     def name(self) -> str: ...
     @property
     def pid(self) -> int: ...
+    @property
+    def life(self) -> str: ...
 
 
 @dataclass
@@ -145,19 +148,19 @@ def _add_histograms(
 
 
 class Reports:
-    """Each worker life's last report (by name and pid), what the sums are taken over: a
+    """Each worker life's last report (by name, pid and life), what the sums are taken over: a
     worker that stops sending heartbeats keeps its figures in them (for ``KEEP_S`` as its
     own, in case it comes back, then in ``Gone``), and so do the versions a worker unloaded
     (its heartbeat drops their figures): the sums never go down."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, int], tuple[WorkerReport, float]] = {}
+        self._last: dict[tuple[str, int, str], tuple[WorkerReport, float]] = {}
         self._gone = Gone()
 
     def update(self, workers: Sequence[Life]) -> None:
         now = monotonic()
         for worker in workers:
-            key = (worker.name, worker.pid)
+            key = (worker.name, worker.pid, worker.life)
             if key in self._last:
                 before = self._last[key][0]
                 if forgotten := _versions(before) - _versions(worker):

@@ -29,13 +29,16 @@ WORKER = {
 }  # fmt: skip
 
 
-def heartbeat(stats: ConsumerStats | None, name: str = "h:0", pid: int = 1) -> WorkerInfo:
+def heartbeat(
+    stats: ConsumerStats | None, name: str = "h:0", pid: int = 1, life: str = ""
+) -> WorkerInfo:
     """The heartbeat of a worker that has run ``stats`` (None: one from before the figures
     a heartbeat carries now), through its JSON, as a front end reads it."""
     from app.broker.wire.heartbeat import decode_worker_info
 
     figures = {} if stats is None else vars(stats)
-    return decode_worker_info(json.dumps({**WORKER, **figures, "name": name, "pid": pid}))
+    said = {**WORKER, **figures, "name": name, "pid": pid, "life": life}
+    return decode_worker_info(json.dumps(said))
 
 
 REFUSALS = [
@@ -241,6 +244,33 @@ def test_broker_mode_counters_do_not_go_down_when_a_worker_leaves(
     now[0] += reported.KEEP_S + 1
     metrics.on_workers([])
     assert counted() == ("7.0", "7.0", "14.0", "2.0")
+    # A container restarted under its name, whose worker has the same pid as the last one
+    # (its figures overwrote the last life's: 100 batches went down to 3).
+    metrics.on_workers([heartbeat(ran(100, 0), "h:9", 7, life="0a")])
+    assert counted()[0] == "107.0"
+    metrics.on_workers([heartbeat(ran(3, 0), "h:9", 7, life="0b")])
+    assert counted()[0] == "110.0"
+
+
+def test_the_restarts_counter_never_goes_down() -> None:
+    """Broker mode sees only the workers with a fresh heartbeat: a worker whose restart takes
+    longer than that leaves the sum, and comes back with one more (5, 0, 6 read as a reset:
+    6 restarts, and the alert on restarts fired on one). A supervisor started again counts
+    from 0: the sum keeps what it had counted."""
+    from app.batching import WorkerStatus
+    from app.metrics.live import LiveGauges, LiveState
+
+    def worker(restarts: int) -> WorkerStatus:
+        return WorkerStatus(index=0, device="cpu", threads=1, pid=9, ready=True, alive=True,
+                            batch_size=8, batches=0, items=0, restarts=restarts, name="h:0")  # fmt: skip
+
+    seen: list[list[WorkerStatus]] = [[worker(5)], [], [worker(6)], [worker(0)], [worker(1)]]
+    gauges = LiveGauges(lambda: LiveState(workers=seen.pop(0)))
+    totals = []
+    for _ in range(5):
+        (family,) = [f for f in gauges.collect() if f.name == "microbatch_worker_restarts"]
+        totals.append(family.samples[0].value)
+    assert totals == [5, 5, 6, 6, 7]
 
 
 def test_broker_mode_keeps_the_figures_of_a_version_a_worker_unloaded() -> None:

@@ -70,6 +70,9 @@ class WorkerInfo(BaseModel):
     host: str = Field(max_length=128)
     index: int = Field(ge=0)
     pid: int = Field(ge=0)
+    # One process's life, drawn at its start: a container restarted under the same name
+    # often has the same pid (absent from workers before it)
+    life: str = Field("", max_length=32, pattern=r"^[0-9a-f]*$")
     device: str = Field(max_length=32)
     threads: int = Field(ge=0)
     batch_size: int = Field(ge=1)

@@ -97,6 +97,7 @@ def consumer_main(
         "host": spec.broker.host_name,
         "index": spec.index,
         "pid": os.getpid(),
+        "life": os.urandom(8).hex(),
         "device": spec.device,
         "threads": spec.threads,
         "restarts": spec.restarts,
