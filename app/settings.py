@@ -8,10 +8,12 @@ libraries define: ``OTEL_*`` (tracing), the allocator's ``LD_PRELOAD``/``MALLOC_
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
+import pydantic_settings
 from pydantic import (
     BaseModel,
     ByteSize,
@@ -34,7 +36,8 @@ from app.settings_values import (
     parse_pins,
 )
 
-KEEP_EMPTY = frozenset({"cuda_devices"})  # settings for which "" is a value of its own
+# Settings for which "" is a value of its own: the CPU, and precisions kept in memory only.
+KEEP_EMPTY = frozenset({"cuda_devices", "mb_state_dir"})
 
 
 class PriorityLevel(BaseModel):
@@ -337,7 +340,8 @@ class Settings(BaseSettings, TestHooks, BrokerSettings):
     @classmethod
     def _empty_means_default(cls, data: object) -> object:
         """``NAME=`` (as compose passes ``${NAME:-}``) means "not set": the default applies.
-        ``CUDA_DEVICES`` is the exception: empty is documented as the CPU."""
+        The exceptions (``KEEP_EMPTY``): ``CUDA_DEVICES`` empty is documented as the CPU, and
+        ``MB_STATE_DIR`` empty as precisions kept in memory only."""
         if isinstance(data, dict):
             return {
                 key: value
@@ -388,6 +392,12 @@ def load_settings(**overrides: object) -> Settings:
     """Build ``Settings``, turning validation errors into one message naming each setting."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
+    except pydantic_settings.SettingsError as exc:  # a JSON setting that is not JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = field.group(1).upper() if field else "settings"
+        raise SettingsError(
+            f"invalid settings:\n  {name}: not valid JSON ({exc.__cause__ or exc})"
+        ) from None
     except ValidationError as exc:
         lines = []
         for error in exc.errors():

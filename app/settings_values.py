@@ -148,8 +148,11 @@ class BrokerAddress:
     @classmethod
     def parse(cls, url: str) -> BrokerAddress:
         """Raises ``ValueError`` for a URL neither kind."""
+        from redis.connection import parse_url  # the options, as redis-py reads them
+
         scheme = url.partition("://")[0]
         if scheme in BROKER_PLAIN:
+            parse_url(url)  # type: ignore[no-untyped-call]  # a bad port or db: ValueError
             return cls(url, scheme)
         if scheme not in BROKER_SENTINEL:
             raise ValueError(
@@ -169,8 +172,6 @@ class BrokerAddress:
         auth = f"{credentials}@" if credentials else ""
         db = f"/{path[1]}" if len(path) > 1 else ""
         plain = f"{data_scheme}://{auth}sentinel-primary{db}?{urlencode(query)}"
-        from redis.connection import parse_url  # the data nodes' options, as redis-py reads them
-
         options = parse_url(plain)  # type: ignore[no-untyped-call]
         for key in ("host", "port", "connection_class"):  # Sentinel says where; ssl picks it
             options.pop(key, None)

@@ -65,6 +65,9 @@ def test_dotenv_file_is_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         ("CUDA_DEVICES", "zero"),
         ("MB_REQUEST_TIMEOUT", "0"),
         ("LOG_LEVEL", "loud"),
+        ("MB_PRIORITY_LEVELS", "three"),  # neither a count nor JSON (was a traceback)
+        ("MB_BROKER", "redis://:pw@redis:notaport/0"),  # (was a traceback at first use)
+        ("MB_CACHE_REDIS", "rediss://cache:63790000/0"),
     ],
 )
 def test_bad_value_fails_naming_the_setting(
@@ -125,6 +128,15 @@ def test_an_empty_value_means_the_default(monkeypatch: pytest.MonkeyPatch, name:
 def test_an_empty_cuda_devices_still_means_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_DEVICES", "")
     assert load_settings().cuda_device_ids == []
+
+
+def test_an_empty_state_dir_keeps_the_precisions_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As documented (it meant the home directory's: a test that asked for memory only read
+    an earlier run's choice there)."""
+    monkeypatch.setenv("MB_STATE_DIR", "")
+    assert load_settings().mb_state_dir is None
 
 
 def test_a_bad_broker_url_is_refused_without_echoing_it(monkeypatch: pytest.MonkeyPatch) -> None:
