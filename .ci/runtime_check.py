@@ -60,15 +60,16 @@ def free_port() -> int:
 
 def substitute(value: str) -> str:
     """Compose's ``${NAME:-default}`` and ``${NAME}``, nested ones too (``${A:-${B:-x}}``),
-    with nothing set on the command line: the innermost first, until none is left."""
+    with nothing set on the command line: the innermost first, until none is left; then
+    ``$$``, compose's escape, is the shell's own ``$``."""
     while True:
         done = re.sub(
-            r"\$\{(\w+)(?::?-([^${}]*))?\}",
+            r"(?<!\$)\$\{(\w+)(?::?-([^${}]*))?\}",
             lambda m: os.environ.get(m.group(1)) or m.group(2) or "",
             value,
         )
         if done == value:
-            return done
+            return done.replace("$$", "$")
         value = done
 
 

@@ -140,6 +140,24 @@ def test_compose_cluster_profile_runs_broker_mode() -> None:
     assert "ports" not in worker  # workers only talk to Redis
 
 
+def test_compose_front_ends_give_admitted_requests_the_request_timeout_at_shutdown() -> None:
+    """gunicorn's --graceful-timeout is MB_REQUEST_TIMEOUT + 5 s (its own 30 s cut a request
+    allowed longer), worked out by the container's shell, and the default fits within
+    compose's stop_grace_period (docker kills the container then)."""
+    compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
+    frontend = compose["services"]["frontend"]
+    found = re.search(r"--graceful-timeout (\S+ \S+ \S+ \S+ \S+)", frontend["command"][-1])
+    assert found, frontend["command"]
+    said = found.group(1).replace("$$", "$")  # compose's escape: the shell's $
+    for timeout, graceful in (("30", 35), ("90.5", 95)):
+        shell = subprocess.run(["sh", "-c", f"echo {said}"], capture_output=True, text=True,
+                               env={"MB_REQUEST_TIMEOUT": timeout}, check=True)  # fmt: skip
+        assert shell.stdout.strip() == str(graceful)
+    default = compose_values(frontend["environment"]["MB_REQUEST_TIMEOUT"])[0]
+    grace = int(frontend["stop_grace_period"].removesuffix("s"))
+    assert int(default) + 5 < grace
+
+
 def test_no_two_compose_services_publish_the_same_host_port() -> None:
     compose = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())
     published: dict[str, str] = {}
