@@ -518,6 +518,19 @@ def test_the_service_monitor_scrapes_the_front_ends() -> None:
     assert m.selector_matches(spec["selector"], m.labels(service))
     assert [(e.get("port"), e.get("path")) for e in spec["endpoints"]] == [("http", "/metrics")]
     assert "http" in [p.get("name") for p in service["spec"]["ports"]]
+    assert "authorization" not in spec["endpoints"][0]
+
+
+def test_the_service_monitor_sends_a_metrics_key_where_keys_are_checked() -> None:
+    """With a keys file /metrics asks a key with the metrics scope: the ServiceMonitor sends
+    serviceMonitor.keySecret's as a bearer token (it had no way to: scrapes got 401)."""
+    docs = render("keda", sets=("auth.keysSecret=mb-keys", "serviceMonitor.keySecret=mb-scrape"))
+    (monitor,) = m.of_kind(docs, "ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "mb-scrape", "key": "metrics-key"},
+    }
 
 
 # -- observability: the dashboard and the alerts of deploy/, one copy each -------------------
@@ -771,6 +784,21 @@ def test_a_keys_secret_is_mounted_as_the_keys_file_of_every_front(profile: str) 
                 "readOnly": True,
             }
     assert fronts, f"{profile}: no server or front end got the keys file"
+
+
+def test_a_keys_secret_is_mounted_in_the_kserve_runtime_that_reads_it() -> None:
+    """KServe's runtime checks keys as the server does: MB_KEYS_FILE names the Secret's
+    keys.yaml, mounted read-only (it was named and not mounted: the pod refused to start)."""
+    (runtime,) = m.of_kind(render("kserve", sets=("auth.keysSecret=mb-keys",)), "ServingRuntime")
+    (container,) = runtime["spec"]["containers"]
+    assert m.env_value(container, "MB_KEYS_FILE") == "/etc/microbatch/keys/keys.yaml"
+    mounts = {v["name"]: v for v in container["volumeMounts"]}
+    assert mounts["keys"] == {"name": "keys", "mountPath": "/etc/microbatch/keys", "readOnly": True}
+    volumes = {v["name"]: v for v in runtime["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "mb-keys"
+    (plain,) = m.of_kind(render("kserve"), "ServingRuntime")
+    assert "keys" not in {v["name"] for v in plain["spec"]["volumes"]}
+    assert "MB_KEYS_FILE" not in m.env_names(plain["spec"]["containers"][0])
 
 
 def test_a_keys_secret_beside_an_api_key_is_refused(chart: Path) -> None:

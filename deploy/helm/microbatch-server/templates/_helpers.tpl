@@ -234,6 +234,28 @@ filesystem is read-only) and an in-memory /dev/shm (images reach the model worke
 {{- if and (eq .Values.mode "broker") (not .Values.redis.enabled) .Values.redis.external.tlsSecret }}true{{ end }}
 {{- end }}
 
+{{/* The keys file (auth.keysSecret), a volume and its mount, in every pod that checks keys:
+the server, the front ends and KServe's runtime (MB_KEYS_FILE names it). */}}
+{{- define "microbatch-server.keysVolume" -}}
+{{- if .Values.auth.keysSecret -}}
+- name: keys
+  secret:
+    secretName: {{ .Values.auth.keysSecret }}
+    defaultMode: 0440
+    items:
+      - key: keys.yaml
+        path: keys.yaml
+{{- end }}
+{{- end }}
+
+{{- define "microbatch-server.keysMount" -}}
+{{- if .Values.auth.keysSecret -}}
+- name: keys
+  mountPath: /etc/microbatch/keys
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* Every volume of an app pod: scratch, plus the model repository (models.source), plus
 the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
 {{- define "microbatch-server.volumes" -}}
@@ -244,14 +266,8 @@ the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
     secretName: {{ .Values.redis.external.tlsSecret }}
     defaultMode: 0440
 {{- end }}
-{{- if .Values.auth.keysSecret }}
-- name: keys
-  secret:
-    secretName: {{ .Values.auth.keysSecret }}
-    defaultMode: 0440
-    items:
-      - key: keys.yaml
-        path: keys.yaml
+{{- with include "microbatch-server.keysVolume" . }}
+{{ . }}
 {{- end }}
 {{- if eq .Values.models.source "pvc" }}
 - name: models
@@ -274,10 +290,8 @@ the external Redis's TLS files (broker mode, redis.external.tlsSecret). */}}
   mountPath: /etc/microbatch/redis-tls
   readOnly: true
 {{- end }}
-{{- if .Values.auth.keysSecret }}
-- name: keys
-  mountPath: /etc/microbatch/keys
-  readOnly: true
+{{- with include "microbatch-server.keysMount" . }}
+{{ . }}
 {{- end }}
 {{- if ne .Values.models.source "image" }}
 - name: models
