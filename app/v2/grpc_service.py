@@ -128,13 +128,20 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 await self._refuse(context, error, call)
                 raise AssertionError("unreachable: abort raises") from None
             except asyncio.CancelledError:
-                call.error = ClientDisconnected("the client cancelled the call")
+                self._cancelled(call)
                 raise
             except Exception:  # a bug: grpc answers UNKNOWN and logs it; counted as a 500 here
                 call.error = ServerError("internal error")
                 raise
             finally:
                 self._observe(call, time.perf_counter() - started, span)
+
+    def _cancelled(self, call: Call) -> None:
+        """The client cancelled ``call`` (or its deadline passed, or its stream ended): a
+        499, counted as HTTP counts a client that left."""
+        call.error = ClientDisconnected("the client cancelled the call")
+        if self.engine.metrics is not None:
+            self.engine.metrics.on_error(call.error, tenant_of(call))
 
     def _observe(self, call: Call, seconds: float, span: Any = None) -> None:
         """The call's metrics, log line and span (when traced)."""
@@ -310,8 +317,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         what it asked is answered; a stream whose messages cannot be read ends with that."""
         try:
             self._authorize(context, Scope.INFER)
-        except (Unauthorized, Forbidden) as error:
-            await context.abort(getattr(grpc.StatusCode, grpc_status(error)), error.message)
+        except (Unauthorized, Forbidden) as error:  # logged and counted as a unary refusal
+            refused = Call("ModelStreamInfer")
+            refused.error = error
+            self._observe(refused, 0.0)
+            await self._refuse(context, error, refused)
         answers: asyncio.Queue[Any] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
@@ -328,6 +338,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 except ServerError as error:
                     call.error = error
                     answer = self._stream_refusal(request, error, call)
+                except asyncio.CancelledError:  # the stream ended: no answer is sent
+                    self._cancelled(call)
+                    raise
                 except Exception:  # a bug: this request's answer says so, the stream goes on
                     log.exception("a request of a gRPC stream failed")
                     call.error = ServerError("internal error")

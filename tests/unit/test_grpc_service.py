@@ -268,6 +268,42 @@ async def test_a_stream_is_read_no_further_than_its_answers_allow(
     assert (await first).status_code == 200
 
 
+def _sample(app: Any, line: str) -> float:
+    """The value of the metrics line that starts with ``line`` (0 if none does)."""
+    for said in app.state.metrics.render().decode().splitlines():
+        if said.startswith(line):
+            return float(said.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_a_cancelled_call_or_stream_counts_as_a_client_that_left(served: Any) -> None:
+    """As HTTP's 499: ``microbatch_rejected{reason="client_disconnected"}`` counts it, and a
+    stream's request cancelled with its stream is not counted as answered (it was a 200)."""
+    app, fake, gate, client, channel = served
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    image = distinct_images(1)[0]
+    left = 'microbatch_rejected_total{reason="client_disconnected"}'
+    streamed_ok = 'microbatch_http_requests_total{model="tiny-test",route="grpc ModelStreamInfer",status="200"'
+    before, answered = _sample(app, left), _sample(app, streamed_ok)
+    first = await _occupy(fake, gate, client, image)
+    cancelled = stub.ModelInfer(_request(image), timeout=30)
+    await _queued(app, 1)
+    cancelled.cancel()
+    await _queued(app, 0)
+    stream = stub.ModelStreamInfer(iter([_request(image)]))
+    await _queued(app, 1)
+    stream.cancel()
+    await _queued(app, 0)
+    for _ in range(100):  # the server hears of the stream's end a little later
+        if _sample(app, left) >= before + 2:
+            break
+        await asyncio.sleep(0.02)
+    assert _sample(app, left) == before + 2
+    assert _sample(app, streamed_ok) == answered
+    gate.open.set()
+    assert (await first).status_code == 200
+
+
 async def test_once_the_server_stops_a_stream_ends_and_new_requests_are_refused(
     served: Any,
 ) -> None:
