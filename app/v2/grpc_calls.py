@@ -1,6 +1,7 @@
 """One gRPC call of the v2 service (``app.v2.grpc_service``), as it is recorded and said:
-what it learned (``Call``), its span's attributes, its metadata, and a refusal's message and
-the tenant it counts under."""
+what it learned (``Call``), its span's attributes, its metadata, and a refusal: its message,
+what it says besides (trailing metadata, or a stream's answer) and the tenant it counts
+under."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import grpc
 
 from app import tracing
 from app.cache import CacheUse
-from app.errors import ServerError, grpc_status
+from app.errors import QuotaExceeded, ServerError, Unavailable, grpc_status, retry_after
 from app.services.registry import ModelVersion
 from app.tenancy import Caller
+from app.v2.proto import inference_pb2 as pb
 
 SERVICE = "inference.GRPCInferenceService"
 MESSAGE_CHARS = 1000  # a refusal's message, at most: it echoes what the client named
@@ -76,3 +78,25 @@ def said(error: ServerError) -> str:
 def tenant_of(call: Call) -> str | None:
     """The tenant a refusal counts under (``microbatch_tenant_refused_total``), once known."""
     return call.caller.tenant if call.caller is not None else None
+
+
+def trailing_of(error: ServerError) -> tuple[tuple[str, str], ...]:
+    """A unary refusal's trailing metadata: its type, when to retry (and gRPC's own pushback
+    for clients that read it), and a quota's RateLimit headers."""
+    trailing = [("error-type", error.code)]
+    if isinstance(error, Unavailable | QuotaExceeded):
+        seconds = retry_after(error)
+        trailing += [("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000))]
+    if isinstance(error, QuotaExceeded):
+        trailing += [(name.lower(), value) for name, value in error.headers.items()]
+    return tuple(trailing)
+
+
+def stream_refusal(request: Any, error: ServerError) -> Any:
+    """A stream's answer to a request that failed: its message, and its type and retry hint
+    as parameters (a stream has no trailing metadata per request)."""
+    failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
+    failed.parameters["error-type"].string_param = error.code
+    if isinstance(error, Unavailable | QuotaExceeded):
+        failed.parameters["retry-after"].int64_param = retry_after(error)
+    return pb.ModelStreamInferResponse(error_message=said(error), infer_response=failed)

@@ -40,13 +40,11 @@ from app.errors import (
     ClientError,
     Forbidden,
     NotReady,
-    QuotaExceeded,
     ServerError,
     Unauthorized,
     Unavailable,
     grpc_status,
     http_status,
-    retry_after,
 )
 from app.services.registry import ModelVersion
 from app.settings import Settings
@@ -59,7 +57,9 @@ from app.v2.grpc_calls import (
     describe,
     metadata_of,
     said,
+    stream_refusal,
     tenant_of,
+    trailing_of,
 )
 from app.v2.grpc_messages import infer_call, infer_response, parameter
 from app.v2.inference import PRIORITY_PARAMETER
@@ -174,17 +174,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> None:
         if self.engine.metrics is not None:
             self.engine.metrics.on_error(error, tenant_of(call))
-        trailing = [("error-type", error.code)]
-        if isinstance(error, Unavailable | QuotaExceeded):
-            seconds = retry_after(error)
-            trailing += [
-                ("retry-after", str(seconds)),
-                ("grpc-retry-pushback-ms", str(seconds * 1000)),
-            ]
-        if isinstance(error, QuotaExceeded):
-            trailing += [(name.lower(), value) for name, value in error.headers.items()]
         code = getattr(grpc.StatusCode, grpc_status(error))
-        await context.abort(code, said(error), tuple(trailing))
+        await context.abort(code, said(error), trailing_of(error))
 
     @asynccontextmanager
     async def _admitted(
@@ -385,11 +376,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         hint as parameters (a stream has no trailing metadata per request)."""
         if self.engine.metrics is not None:
             self.engine.metrics.on_error(error, tenant_of(call))
-        failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
-        failed.parameters["error-type"].string_param = error.code
-        if isinstance(error, Unavailable | QuotaExceeded):
-            failed.parameters["retry-after"].int64_param = retry_after(error)
-        return pb.ModelStreamInferResponse(error_message=said(error), infer_response=failed)
+        return stream_refusal(request, error)
 
     async def _infer(self, request: Any, context: Any, call: Call) -> Any:
         if self.closing():
