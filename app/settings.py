@@ -8,6 +8,7 @@ libraries define: ``OTEL_*`` (tracing), the allocator's ``LD_PRELOAD``/``MALLOC_
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -276,13 +277,29 @@ class Settings(BaseSettings, TestHooks, BrokerSettings):
         description=(
             "A directory several front-end processes (uvicorn --workers, gunicorn) share, so "
             "/metrics sums all of them (prometheus-client's multiprocess mode). Empty it "
-            "before starting them."
+            "before starting them. An environment variable, not only in .env: "
+            "prometheus-client reads it as it is imported."
         ),
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="debug, info, warning or error."
     )
     log_format: Literal["text", "json"] = Field("text", description="'json': one object a line.")
+
+    @field_validator("prometheus_multiproc_dir")
+    @classmethod
+    def _check_multiprocess_dir(cls, value: Path | None) -> Path | None:
+        """An existing, writable directory, named in the environment: prometheus-client
+        switches to files only for the variable it saw at import (given in ``.env`` alone,
+        every counter was left out of /metrics; a missing directory failed the first
+        request that counted)."""
+        if value is None:
+            return value
+        if Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or "/nonexistent") != value:
+            raise ValueError("must be set in the environment (prometheus-client reads it there)")
+        if not value.is_dir() or not os.access(value, os.W_OK | os.X_OK):
+            raise ValueError("must be an existing directory this process can write")
+        return value
 
     @field_validator("cuda_devices")
     @classmethod

@@ -108,6 +108,9 @@ def test_settings_accept_every_value_the_compose_file_can_pass(
             monkeypatch.delenv(key, raising=False)
         for key, expression in environment.items():
             (value,) = compose_values(expression)
+            if key == "PROMETHEUS_MULTIPROC_DIR":  # the command makes it before it starts
+                value = str(tmp_path / value.strip("/").replace("/", "-"))
+                Path(value).mkdir(exist_ok=True)
             monkeypatch.setenv(key, value)
         settings = load_settings()  # raises SettingsError naming the setting otherwise
         if "MB_WORKER_NUM" in environment and environment["MB_WORKER_NUM"].endswith(":-}"):
@@ -157,3 +160,21 @@ def test_a_bad_secret_setting_is_named_but_its_value_never_shown(
     message = str(caught.value)
     assert "MB_BROKER" in message and "hunter2" not in message
     assert "'lots'" in message  # other settings still show what they got
+
+
+def test_a_metrics_directory_must_exist_and_be_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """prometheus-client reads PROMETHEUS_MULTIPROC_DIR from the environment as it is
+    imported: one given in .env alone left every counter out of /metrics, and a missing
+    directory failed the first request counted."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
+    with pytest.raises(SettingsError, match=r"PROMETHEUS_MULTIPROC_DIR: .*existing directory"):
+        load_settings()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert load_settings().prometheus_multiproc_dir == tmp_path
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    (tmp_path / ".env").write_text(f"PROMETHEUS_MULTIPROC_DIR={tmp_path}\n")
+    with pytest.raises(SettingsError, match=r"PROMETHEUS_MULTIPROC_DIR: .*in the environment"):
+        load_settings()
