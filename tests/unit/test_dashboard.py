@@ -53,7 +53,7 @@ class _Report:
         self.size_s = {"tiny@1": {Task.TAG: {2: 0.01}}}
         self.tenant_wait_s = {"shop": self.model_s["tiny@1"][Task.TAG]}
         self.reclaimed, self.reconnects, self.shared = 1, 1, 1
-        self.name, self.pid = "h:0", 1
+        self.name, self.pid, self.life = "h:0", 1, "0a"
         self.load_s = {"tiny": [1.0] * (len(LOAD_BUCKETS) + 1) + [1.0]}
         self.load_failures = {"tiny": {"verify": 1}}
 
@@ -158,6 +158,24 @@ def test_every_label_they_use_is_one_those_metrics_carry() -> None:
         shown += re.findall(r"\$labels\.(\w+)", annotations.get(query.where, ""))
         problems += [f"{query.where}: shows {label}" for label in shown if label not in carried]
     assert problems == []
+
+
+# What the model workers count: in broker mode every front end reports each of them.
+WORKER_REPORTED = re.compile(
+    r"microbatch_(batch_size|queue_wait_seconds|model_seconds|model_load_\w+|worker_\w+)"
+)
+
+
+def test_a_panel_adding_up_what_workers_count_takes_one_front_ends_view() -> None:
+    """A panel that adds up an amount the workers count goes through ``$across`` (max in
+    broker mode, where every front end reports every worker): 'Model load failures' summed
+    them over the front ends, and showed twice the failures with two. A quantile, a ratio
+    or a max of them is the same from any number of front ends."""
+    for query in panel_queries(dashboard()):
+        expr = query.expr
+        if not WORKER_REPORTED.search(expr) or "$across" in expr:
+            continue
+        assert expr.startswith(("histogram_quantile(", "max by")) or " / " in expr, query
 
 
 def test_the_dashboard_is_a_grafana_model_on_a_templated_prometheus() -> None:
