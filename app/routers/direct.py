@@ -110,7 +110,8 @@ class DirectApp(FastAPI):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._direct_routes: list[DirectRoute] = []
-        self._direct: dict[tuple[str, str], ASGIApp] | None = None  # built at the first request
+        # Built at the first request: by method and path, each route and its wrapped endpoint.
+        self._direct: dict[tuple[str, str], tuple[DirectRoute, ASGIApp]] | None = None
         self._matched: list[tuple[DirectRoute, ASGIApp]] = []  # those with path parameters
 
     def route_directly(self, routes: Iterable[Any]) -> None:
@@ -118,11 +119,11 @@ class DirectApp(FastAPI):
         matched before every other route, so its path must overlap none of theirs."""
         self._direct_routes += [route for route in routes if isinstance(route, DirectRoute)]
 
-    def _build_direct(self) -> dict[tuple[str, str], ASGIApp]:
+    def _build_direct(self) -> dict[tuple[str, str], tuple[DirectRoute, ASGIApp]]:
         """Each direct route's endpoint wrapped in the app's own middleware, outermost first
         as ``add_middleware`` left it (which Starlette forbids once requests come): by
         method and path, or (with path parameters) in ``_matched``."""
-        direct: dict[tuple[str, str], ASGIApp] = {}
+        direct: dict[tuple[str, str], tuple[DirectRoute, ASGIApp]] = {}
         for route in self._direct_routes:
             endpoint: ASGIApp = _DirectEndpoint(self, route)
             for cls, args, kwargs in reversed(self.user_middleware):
@@ -131,29 +132,31 @@ class DirectApp(FastAPI):
                 self._matched.append((route, endpoint))
                 continue
             for method in route.methods or ():
-                direct[(method, route.path)] = endpoint
+                direct[(method, route.path)] = (route, endpoint)
         return direct
 
-    def _endpoint(self, scope: Scope) -> ASGIApp | None:
+    def _endpoint(self, scope: Scope) -> tuple[DirectRoute, ASGIApp] | None:
         assert self._direct is not None
-        endpoint = self._direct.get((scope["method"], _route_path(scope)))
-        if endpoint is not None or not self._matched:
-            return endpoint
+        found = self._direct.get((scope["method"], _route_path(scope)))
+        if found is not None or not self._matched:
+            return found
         for route, matched in self._matched:
             match, child = route.matches(scope)
             if match is Match.FULL:
                 scope["path_params"] = child["path_params"]
-                return matched
+                return route, matched
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if self._direct is None:
                 self._direct = self._build_direct()
-            endpoint = self._endpoint(scope)
-            if endpoint is not None:
-                scope["app"] = self
-                await endpoint(scope, receive, send)
+            found = self._endpoint(scope)
+            if found is not None:
+                # Known before the app's middleware runs: a body refused by its length is
+                # counted and logged under its route, as one refused while it streams.
+                scope["app"], scope["route"] = self, found[0]
+                await found[1](scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 

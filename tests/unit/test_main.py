@@ -168,3 +168,29 @@ async def test_an_unexpected_error_on_any_route_answers_with_the_request_id(
     assert answer.status_code == 500
     assert answer.headers["x-request-id"] == "order-7"
     assert answer.json()["error"]["type"] == "internal_error"
+
+
+async def test_a_body_refused_by_its_length_is_counted_under_its_route(tiny_store: Path) -> None:
+    """A 413 from the Content-Length alone (before any route ran) is counted under its route,
+    as one refused while its body streams; it was counted under ``unmatched``, with the 404s
+    of unknown paths."""
+    import httpx
+
+    from app.testing import FakeTransport
+
+    async def unused(*_: Any) -> list[object]:
+        raise AssertionError("no batch is run")
+
+    settings = Settings(model_store=tiny_store, max_upload_bytes=1000)
+    served = create_app(settings, transport=FakeTransport(unused))
+    transport = httpx.ASGITransport(app=served)
+    async with served.router.lifespan_context(served):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            answer = await client.post("/predict/tag", content=b"x" * 200_000)
+    assert answer.status_code == 413
+    counted = [
+        line
+        for line in served.state.metrics.render().decode().splitlines()
+        if line.startswith("microbatch_http_requests_total{") and 'status="413"' in line
+    ]
+    assert len(counted) == 1 and 'route="/predict/tag"' in counted[0], counted
