@@ -47,8 +47,14 @@ class ModelVersion(VersionLife):
 
 
 def numbered(version: ModelVersion, number: str) -> bool:
-    """Whether ``number`` names ``version``: its number, or its served id's version part."""
-    return number in (str(version.version), version.served_id.rsplit("@", 1)[-1])
+    """Whether ``number`` names ``version``: its number, or its served id's version part,
+    or (a TorchServe archive imported) the archive's own version, as its clients name it
+    (``/predictions/densenet161/1.0``), unless that is a whole number, which would be
+    another version's repository number."""
+    if number in (str(version.version), version.served_id.rsplit("@", 1)[-1]):
+        return True
+    imported = version.manifest.imported if version.manifest is not None else None
+    return imported is not None and number == imported.model_version and not number.isdigit()
 
 
 class ModelRegistry:

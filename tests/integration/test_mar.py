@@ -107,3 +107,15 @@ def test_torchserves_health_and_model_list_forms(served: tuple[str, References])
     }
     missing = httpx.post(f"{base_url}/predictions/nobody", content=PHOTOS["cat.jpg"])
     assert missing.status_code == 404
+
+
+def test_a_version_is_named_as_torchserve_clients_name_it(served: tuple[str, References]) -> None:
+    """``/predictions/{name}/{version}`` takes the archive's own version (``1.0``, what
+    torch-model-archiver was given), as well as the repository's number (it was 409)."""
+    base_url, _ = served
+    photo = PHOTOS["cat.jpg"]
+    by_archive = httpx.post(f"{base_url}/predictions/cnn/1.0", content=photo)
+    by_number = httpx.post(f"{base_url}/predictions/cnn/1", content=photo)
+    assert by_archive.status_code == by_number.status_code == 200, by_archive.text
+    assert by_archive.json() == by_number.json()
+    assert httpx.post(f"{base_url}/predictions/cnn/2.0", content=photo).status_code == 409
