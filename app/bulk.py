@@ -6,8 +6,9 @@
 One reader walks the folder and feeds the Streamer (decoding in a thread pool), the workers on
 every configured device do the rest, and each result becomes one JSON line:
 ``{"path": ..., "result": ...}`` or ``{"path": ..., "error": {"type": ..., "message": ...}}``.
-Lines are appended whole and flushed. A file the server could not answer for its own reasons
-(a worker died, the queue was full) is tried again, waiting as the error says, up to
+Lines are appended whole and flushed. The job queues at the lowest priority level (in broker
+mode it shares the fleet). A file the server could not answer for its own reasons (a worker
+died, the queue was full) is tried again, waiting as the error says, up to
 ``ATTEMPTS`` times; still failing, its line says so and the job exits 1. ``--resume`` first
 cuts off a line a crash may have left half-written and drops such lines, then skips every path
 still in the file: what the file itself caused (``FINAL_ERRORS``) is not tried again. It
@@ -31,8 +32,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.batching import Ticket
 from app.engine import Engine
-from app.errors import IMAGE_ERROR_TYPES, InvalidRequest, ServerError, StartupError, Unavailable
+from app.errors import (
+    IMAGE_ERROR_TYPES,
+    InvalidRequest,
+    QuotaExceeded,
+    ServerError,
+    StartupError,
+    Unavailable,
+)
 from app.logs import configure_logging
 from app.plan import plan_serving
 from app.services.predictor import Predictor
@@ -43,7 +52,7 @@ log = logging.getLogger("app.bulk")
 # The errors a file's own bytes cause: the same every time, so a line with one is final.
 UNREADABLE = "unreadable_file"
 FINAL_ERRORS = frozenset({UNREADABLE, *(cls.code for cls in IMAGE_ERROR_TYPES)})
-ATTEMPTS = 6  # tries of a file the server refused for the time being (Unavailable)
+ATTEMPTS = 6  # tries of a file the server refused for the time being (503, 429)
 WAIT_S = (1.0, 30.0)  # the first wait before another try, and the longest (doubling)
 
 
@@ -196,12 +205,16 @@ async def _feed(
     transport = engine.transport
     window = asyncio.Semaphore(min(limits.max_queue, 4 * transport.batch_size * transport.capacity))
 
+    # Background work: it queues at the lowest priority level, behind whatever callers share
+    # the workers (in broker mode, the fleet's), and within that level's policy.
+    ticket = Ticket(level=len(limits.levels) - 1)
+
     async def answer(data: bytes) -> Any:
         deadline = time.monotonic() + limits.request_timeout_s
         if task == "tag":
-            tags = await predictor.tag(data, top_k, deadline)
+            (tags,) = await predictor.tags([data], top_k, deadline, ticket=ticket)
             return [{"name": t.name, "prob": t.prob} for t in tags]
-        return (await predictor.embedding(data, deadline)).tolist()
+        return (await predictor.embeddings([data], deadline, ticket=ticket))[0].tolist()
 
     async def one(path: Path) -> None:
         entry: dict[str, Any] = {"path": str(path.relative_to(root)), "model_id": model_id}
@@ -211,7 +224,8 @@ async def _feed(
                 try:
                     entry["result"] = await answer(data)
                     break
-                except Unavailable as exc:  # a worker restarting, a full queue: wait
+                except (Unavailable, QuotaExceeded) as exc:  # a worker restarting, a full
+                    # queue, its level's wait passed: wait as the error says
                     if attempt == ATTEMPTS - 1:
                         raise
                     wait = min(WAIT_S[1], max(WAIT_S[0] * 2**attempt, exc.retry_after_s))

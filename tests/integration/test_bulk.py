@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -222,3 +223,24 @@ def test_a_k_the_model_cannot_answer_is_refused_before_anything_is_written(
     assert main(args) == 2
     assert "k must be between 1 and" in capsys.readouterr().err
     assert out.read_text() == '{"path": "kept.png"}\n'
+
+
+def test_the_job_queues_at_the_lowest_priority_level(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Background work behind every caller: in broker mode the job shares the fleet, and it
+    went in at the highest level, ahead of interactive traffic and outside any quota."""
+    from app.batching.streamer import Streamer
+
+    levels: list[int] = []
+    submit = Streamer.submit
+
+    async def spied(self: Streamer[Any, Any], payload: Any, **kwargs: Any) -> Any:
+        levels.append(kwargs["ticket"].level)
+        return await submit(self, payload, **kwargs)
+
+    monkeypatch.setattr(Streamer, "submit", spied)
+    monkeypatch.setenv("MB_PRIORITY_LEVELS", "3")
+    out = tmp_path / "out.jsonl"
+    assert main([str(folder), "--task", "tag", "--out", str(out), "--no-progress"]) == 0
+    assert len(levels) == 43 and set(levels) == {2}  # each file (the workers decode them)
