@@ -188,10 +188,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P":  # palette, maybe with transparency: expand it first
         return image.convert("RGBA").convert("RGB")
     if image.mode.startswith("I"):
-        # 16-bit (or 32-bit) grey: Pillow's own conversion clips at 255, so scale the range.
+        # 16-bit grey (PNG's; 32-bit read as 16): Pillow's own conversion clips at 255, so
+        # scale 0..65535 to 0..255, whatever the pixels hold (a dark image stays dark).
         values = np.asarray(image).astype(np.float32)
-        scale = 255.0 / 65535.0 if values.max() > 255 else 1.0
-        grey = np.clip(values * scale + 0.5, 0, 255).astype(np.uint8)
+        grey = np.clip(values * (255.0 / 65535.0) + 0.5, 0, 255).astype(np.uint8)
         return Image.fromarray(grey).convert("RGB")
     return image.convert("RGB")
 

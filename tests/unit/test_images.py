@@ -54,6 +54,16 @@ def test_16_bit_grayscale_keeps_its_range() -> None:
     assert pixels[16, 2, 0] < 60 and pixels[16, 29, 0] > 190
 
 
+def test_16_bit_grayscale_is_scaled_whatever_its_pixels_hold() -> None:
+    """A dark 16-bit image (values up to 255 of 65535) is near black, as one with a single
+    brighter pixel is: it was read as 8-bit (a mid-grey ramp) unless a pixel passed 255."""
+    dark = np.tile(np.linspace(0, 255, 80).astype(np.uint16), (60, 1))
+    brighter = dark.copy()
+    brighter[0, 0] = 256
+    seen = [preprocess(encode(Image.fromarray(ramp), "PNG"), SPEC) for ramp in (dark, brighter)]
+    assert seen[0].max() <= 1 and seen[1].max() <= 1
+
+
 def test_exif_orientation_is_applied() -> None:
     # A wide image, top half red and bottom half blue, stored with "rotate 90" orientation.
     rgb = np.zeros((40, 80, 3), dtype=np.uint8)
