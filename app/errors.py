@@ -213,8 +213,11 @@ class BrokerUnavailable(Unavailable):
 
 
 class DeadlineExceeded(ServerError):
+    """No answer by the request's deadline (504): the server is busy; try again later."""
+
     code = "deadline_exceeded"
     reject_reason = "timeout"
+    retry_after_s = 1.0
 
 
 class ModelLoadFailed(ServerError):
@@ -301,9 +304,16 @@ IMAGE_ERRORS: dict[str, type[ServerError]] = {
 IMAGE_ERROR_TYPES: tuple[type[ServerError], ...] = tuple(IMAGE_ERRORS.values())
 
 
-def retry_after(error: Unavailable | QuotaExceeded) -> int:
-    """Whole seconds for ``Retry-After``: at least one (a 0 invites a tight retry loop)."""
-    return max(1, math.ceil(error.retry_after_s - 0.05))
+# The refusals that say when to try again (``Retry-After``; gRPC's ``retry-after``): the
+# server busy or failing (503, 504), or the caller over its share (429).
+RETRYABLE: tuple[type[ServerError], ...] = (Unavailable, QuotaExceeded, DeadlineExceeded)
+
+
+def retry_after(error: ServerError) -> int:
+    """Whole seconds for ``Retry-After`` (a ``RETRYABLE`` error's ``retry_after_s``): at
+    least one (a 0 invites a tight retry loop)."""
+    seconds = float(getattr(error, "retry_after_s", 1.0))
+    return max(1, math.ceil(seconds - 0.05))
 
 
 def http_status(error: ServerError) -> int:

@@ -22,13 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import tracing
 from app.dependencies import caller_of
 from app.errors import (
+    RETRYABLE,
     ClientDisconnected,
     ClientError,
     InvalidRequest,
     PayloadTooLarge,
     QuotaExceeded,
     ServerError,
-    Unavailable,
     http_status,
     retry_after,
     validation_message,
@@ -66,7 +66,7 @@ def refusal(
     metrics.on_error(error, tenant)
     tracing.failed(tracing.current(), error)
     extra = dict(headers or {})
-    if isinstance(error, Unavailable | QuotaExceeded):
+    if isinstance(error, RETRYABLE):
         extra["Retry-After"] = str(retry_after(error))
     if isinstance(error, QuotaExceeded):
         extra |= error.headers

@@ -11,7 +11,7 @@ import grpc
 
 from app import tracing
 from app.cache import CacheUse
-from app.errors import QuotaExceeded, ServerError, Unavailable, grpc_status, retry_after
+from app.errors import RETRYABLE, QuotaExceeded, ServerError, grpc_status, retry_after
 from app.services.registry import ModelVersion
 from app.tenancy import Caller
 from app.v2.proto import inference_pb2 as pb
@@ -84,7 +84,7 @@ def trailing_of(error: ServerError) -> tuple[tuple[str, str], ...]:
     """A unary refusal's trailing metadata: its type, when to retry (and gRPC's own pushback
     for clients that read it), and a quota's RateLimit headers."""
     trailing = [("error-type", error.code)]
-    if isinstance(error, Unavailable | QuotaExceeded):
+    if isinstance(error, RETRYABLE):
         seconds = retry_after(error)
         trailing += [("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000))]
     if isinstance(error, QuotaExceeded):
@@ -97,6 +97,6 @@ def stream_refusal(request: Any, error: ServerError) -> Any:
     as parameters (a stream has no trailing metadata per request)."""
     failed = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
     failed.parameters["error-type"].string_param = error.code
-    if isinstance(error, Unavailable | QuotaExceeded):
+    if isinstance(error, RETRYABLE):
         failed.parameters["retry-after"].int64_param = retry_after(error)
     return pb.ModelStreamInferResponse(error_message=said(error), infer_response=failed)

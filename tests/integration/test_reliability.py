@@ -344,6 +344,7 @@ async def test_a_hung_worker_whose_callers_left_is_killed_and_serves_again(
         try:
             left = httpx.post(f"{server.base_url}/predict/embedding", files=image, timeout=30)
             assert left.status_code == 504, left.text
+            assert left.headers["Retry-After"] == "1"  # the server is busy: 503 and 504 say when
             deadline = time.monotonic() + 10
             while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -76,3 +76,24 @@ def test_the_grpc_codes_docs_api_gives_are_the_codes_the_table_gives() -> None:
     for error, said in pairs.items():
         assert said in docs, said
         assert said.split("`")[-2] == errors.grpc_status(error), said
+
+
+@pytest.mark.parametrize(
+    ("error", "after"),
+    [
+        (errors.QueueFull("x", retry_after_s=2.5), "3"),
+        (errors.DeadlineExceeded("x"), "1"),  # busy: as a 503 (it said nothing)
+        (errors.QuotaExceeded("x", retry_after_s=4.0), "4"),
+        (errors.InvalidImage("x"), None),
+        (errors.InferenceError("x"), None),
+    ],
+)
+def test_the_busy_and_over_quota_refusals_say_when_to_try_again(
+    error: errors.ServerError, after: str | None
+) -> None:
+    from app.metrics import Metrics
+    from app.routers.errors import refusal
+    from app.v2.grpc_calls import trailing_of
+
+    assert refusal(error, Metrics()).headers.get("retry-after") == after
+    assert dict(trailing_of(error)).get("retry-after") == after
