@@ -42,7 +42,7 @@ from app.lifecycle.rules import (
     routes,
     why_drained,
 )
-from app.lifecycle.states import ModelSpec, Route, VersionLife, VersionState
+from app.lifecycle.states import ModelSpec, Route, VersionLife, VersionState, files_of
 
 # Reads ``name``'s version ``number`` from the repository as the worker loads it (verifying
 # every file when ``verify``): its spec, in the precision its export is decided in where it
@@ -101,6 +101,8 @@ class Keeper:
         self.lives: dict[tuple[str, int], VersionLife] = {}  # held or loading, by (name, number)
         self.specs: dict[tuple[str, int], ModelSpec] = {}  # each one's spec, as held
         self.failed: dict[tuple[str, int], VersionLife] = {}  # FAILED, until no longer aimed at
+        # Each failure's store and what its folder held then (tried again once that changes).
+        self._failed_files: dict[tuple[str, int], tuple[str, tuple[object, ...]]] = {}
         self.targets: dict[str, int | None] = {}  # name -> its target (None: unloaded)
         self.queue: list[ModelSpec] = []
         self.loading: ModelSpec | None = None
@@ -168,8 +170,14 @@ class Keeper:
         self.targets = dict(targets)
         if explicit:  # tried again: SIGHUP or the admin route
             self.failed = {}
-        # Failures of versions no longer aimed at are moot (a newer version, a rollback).
-        self.failed = {k: v for k, v in self.failed.items() if self.targets.get(k[0]) == k[1]}
+        # Failures of versions no longer aimed at are moot (a newer version, a rollback), and
+        # so are those whose files changed since (a copy finished after it was read).
+        self.failed = {
+            k: v
+            for k, v in self.failed.items()
+            if self.targets.get(k[0]) == k[1] and not self._files_changed(k)
+        }
+        self._failed_files = {k: v for k, v in self._failed_files.items() if k in self.failed}
         queue: list[ModelSpec] = []
         for name, target in targets.items():
             if target is None or target == UNKNOWN:
@@ -310,6 +318,11 @@ class Keeper:
         life.move(VersionState.LOADING)
         life.move(VersionState.FAILED, step, reason)
         self.failed[(spec.name, spec.version)] = life
+        self._failed_files[(spec.name, spec.version)] = (spec.store, files_of(spec.store))
+
+    def _files_changed(self, key: tuple[str, int]) -> bool:
+        store, then = self._failed_files.get(key, ("", ()))
+        return bool(store) and files_of(store) != then
 
     # -- keeping and draining ------------------------------------------------------------------
 

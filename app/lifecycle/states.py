@@ -29,6 +29,8 @@ broker front end follows. Which move to make when is ``app.lifecycle.rules``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -118,6 +120,24 @@ class VersionLife:
     def age_s(self, now: float | None = None) -> float:
         """Seconds in its present state."""
         return (time.monotonic() if now is None else now) - self.since
+
+
+def files_of(store: str) -> tuple[tuple[str, int, int], ...]:
+    """What a store's folder holds now: each file's path, size and modification time (an
+    empty tuple for a folder that is not there). A version that failed is tried again on a
+    poll once this changes: a copy into the repository that was not finished when read.
+
+    >>> files_of("/nonexistent")
+    ()
+    """
+    found = []
+    for directory, _, names in os.walk(store):
+        for name in names:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):  # gone meanwhile: it changed, as it shows
+                stat = os.stat(path)
+                found.append((os.path.relpath(path, store), stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(found))
 
 
 @dataclass(frozen=True)

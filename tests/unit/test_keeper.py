@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,28 @@ def test_a_poll_never_retries_a_failure_and_an_explicit_aim_does() -> None:
     assert keeper.next_load() == spec(2)
     keeper.aim({"tagger": 3}, Disk(), explicit=False)  # a newer target: the failure is moot
     assert all(held.version != 2 for held in keeper.held())
+
+
+def test_a_poll_tries_again_a_failure_whose_files_changed_since(tmp_path: Path) -> None:
+    """A copy into the repository read before it was finished (its manifest there, its
+    weights still coming) failed to verify; a poll never tried it again, so the version
+    never served until a SIGHUP. Once its files change, a poll tries it again."""
+    store = tmp_path / "tagger" / "2"
+    store.mkdir(parents=True)
+    (store / "manifest.json").write_text("{}")
+    (store / "model.pt").write_bytes(b"half")
+    copied = ModelSpec("tagger", 2, str(store), EXPORTS[2])
+    keeper = Keeper("w0")
+    keeper.aim({"tagger": 2}, lambda name, number, verify: copied, explicit=False)
+    failing = keeper.next_load()
+    assert failing is not None
+    keeper.begin(failing)
+    keeper.failed_load(failing, "verify", "bad sha256")
+    keeper.aim({"tagger": 2}, lambda name, number, verify: copied, explicit=False)  # a poll
+    assert keeper.next_load() is None  # nothing changed: not tried again
+    (store / "model.pt").write_bytes(b"half and the rest")  # the copy finished
+    keeper.aim({"tagger": 2}, lambda name, number, verify: copied, explicit=False)
+    assert keeper.next_load() == copied
 
 
 def failed_on(name: str, number: int, aimed: int) -> Worker:
