@@ -205,6 +205,12 @@ class WorkerDied(Unavailable):
     reject_reason = "worker_died"
 
 
+class DiedRunning(WorkerDied):
+    """The worker died while it ran this request's batch (not killed for a batch past its
+    timeout, nor stopped): maybe by an input of that batch, so its items are tried again
+    alone (``app.batching.contract.answer``); to the caller a 503 ``worker_died``."""
+
+
 class BrokerUnavailable(Unavailable):
     """Broker mode: Redis cannot be reached, or lost the request (its answer cannot come)."""
 

@@ -1,6 +1,7 @@
 """``python tests/poison_worker.py``: ``python -m app.broker.worker`` whose model kills its process
 whenever a batch holds a pure magenta image (a poison input that crashes the worker, not one
-that merely raises). Fault injection lives in tests, never in the app.
+that merely raises); ``python tests/poison_worker.py --server``: ``python -m app`` whose pool
+workers do the same. Fault injection lives in tests, never in the app.
 
 The worker processes are spawned: each imports this script again (as ``__mp_main__``), so
 the patch below applies in every one of them.
@@ -16,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from app.broker.worker.__main__ import main
 from app.workers import runner
 
 _run = runner.BatchRunner.run
@@ -33,4 +33,9 @@ def _run_or_die(self: runner.BatchRunner, task: object, pixels: object, top_k: i
 runner.BatchRunner.run = _run_or_die  # type: ignore[method-assign,assignment]
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--server"]:
+        del sys.argv[1]
+        from app.__main__ import main
+    else:
+        from app.broker.worker.__main__ import main
     sys.exit(main())

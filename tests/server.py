@@ -121,6 +121,7 @@ class ServerProcess(ChildProcess):
     /readyz answers 200; leaving the block stops it (SIGTERM, then SIGKILL)."""
 
     name = "server"
+    argv: tuple[str, ...] = ("-m", "app")  # what runs (a test's own script injects a fault)
 
     def __init__(self, **env: str) -> None:
         self.port = free_port()
@@ -140,7 +141,7 @@ class ServerProcess(ChildProcess):
         """Start the server and wait until /readyz answers 200 (``ready=False``: answers at
         all, for a server that must not become ready); one that does not within
         ``ready_timeout_s`` is killed."""
-        self.spawn([sys.executable, "-m", "app"], self.env)
+        self.spawn([sys.executable, *self.argv], self.env)
         assert self.process is not None
         deadline = time.monotonic() + ready_timeout_s
         while True:

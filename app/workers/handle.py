@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.batching import HeldModel, WorkerStatus
 from app.errors import (
+    DiedRunning,
     InferenceError,
     ModelLoadFailed,
     ModelMemoryBudget,
@@ -367,16 +368,20 @@ class WorkerHandle:
             self._on_exit(self)
         return future
 
-    def mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str, *, crashed: bool = False) -> None:
         """No longer serving: fail the batch it was running, and any load or unload it was
-        asked for, with ``WorkerDied``."""
+        asked for, with ``WorkerDied`` (the batch with ``DiedRunning`` when it ``crashed``:
+        died of itself, not stopped or killed by the pool)."""
         if self.alive:
             self.alive = False
             if self._reader is not None and self._reader is not asyncio.current_task():
                 self._reader.cancel()
-        futures = [self._batch[1]] if self._batch is not None else []
-        futures += self._control.values()
+        batch = self._batch[1] if self._batch is not None else None
+        futures = [*self._control.values()]
         self._batch, self._control = None, {}
+        if batch is not None and not batch.done():
+            died = DiedRunning if crashed and self.killed_for is None else WorkerDied
+            batch.set_exception(died(reason))
         for future in futures:
             if not future.done():
                 future.set_exception(WorkerDied(reason))

@@ -118,7 +118,7 @@ class Supervision:
             worker.device,
             worker.process.exitcode,
         )
-        worker.mark_dead(f"model worker {worker.index} died")
+        worker.mark_dead(f"model worker {worker.index} died", crashed=True)
         pool.forget(worker)
         pool.host.wake()
         self._restarts[worker.index] = asyncio.create_task(

@@ -489,6 +489,40 @@ async def test_a_failing_batch_is_retried_so_only_the_poison_image_fails(
     assert sizes == [1, 6, 1, 1, 1, 1, 1, 1] and pool_ready
 
 
+class CrashingServer(ServerProcess):
+    """``python -m app`` whose workers die (``os._exit``, as a native crash) on a batch that
+    holds a pure magenta image (``tests/poison_worker.py``)."""
+
+    argv = (str(Path(__file__).parents[1] / "poison_worker.py"), "--server")
+
+
+async def test_an_input_that_crashes_its_worker_fails_alone_and_its_batch_is_answered(
+    tiny_store: Path,
+) -> None:
+    """One worker; a batch of five good images and one that kills the worker's process.
+    Each was 503 worker_died, and the retries of the poison's client killed the worker
+    again and again: now its batch-mates are run again alone, once a worker is back, and
+    only the image that crashes a worker alone too fails (500)."""
+    poison = io.BytesIO()
+    Image.new("RGB", (40, 40), POISON_RGB).save(poison, format="PNG")
+    uploads = [*distinct_images(3, size=40), poison.getvalue(), *distinct_images(5, size=40)[3:]]
+    with CrashingServer(
+        MODEL_STORE=str(tiny_store), MB_WORKER_NUM="1", MB_MAX_LATENCY="0.5",
+        MB_REQUEST_TIMEOUT="90",
+    ) as server:  # fmt: skip
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            answers = await asyncio.gather(
+                *(client.post("/predict/embedding", files={"image": ("x.png", u)}) for u in uploads)
+            )
+            after = await client.post(
+                "/predict/embedding", files={"image": ("x.png", distinct_images(1)[0])}
+            )
+    statuses = [answer.status_code for answer in answers]
+    assert statuses == [200, 200, 200, 500, 200, 200], [a.text for a in answers]
+    assert error_of(answers[3])["type"] == "inference_error"
+    assert after.status_code == 200
+
+
 async def test_stop_signal_turns_readiness_and_new_requests_to_503(tiny_store: Path) -> None:
     import signal as signals
 

@@ -75,7 +75,7 @@ class FakeHandle:
     def die(self) -> None:
         self._on_exit(self)
 
-    def mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str, *, crashed: bool = False) -> None:
         self.alive = False
         future, self._pending = self._pending, None
         if future is not None and not future.done():
