@@ -146,6 +146,7 @@ class WorkerHandle:
         self.models: dict[str, ModelLoaded] = {}  # by served id, once it is ready
         self.loading: ModelSpec | None = None  # what it is loading now
         self.killed_for: str | None = None  # why the pool killed it (it dies any moment)
+        self.died_running = False  # it died of itself while it ran a batch
         self.batches = 0
         self.items = 0
         self.idle_since = 0.0  # monotonic time it last became idle (see app.workers.lending)
@@ -379,6 +380,7 @@ class WorkerHandle:
         batch = self._batch[1] if self._batch is not None else None
         futures = [*self._control.values()]
         self._batch, self._control = None, {}
+        self.died_running = self.died_running or (crashed and batch is not None)
         if batch is not None and not batch.done():
             died = DiedRunning if crashed and self.killed_for is None else WorkerDied
             batch.set_exception(died(reason))

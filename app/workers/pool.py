@@ -111,6 +111,8 @@ class WorkerPool:
         # its caches and OpenMP threads still warm; under load every worker is busy anyway.
         self._idle: IdleWorkers[WorkerHandle] = IdleWorkers()
         self._batch_ids = itertools.count()  # batches, loads and unloads: one counter
+        # Loads whose worker died while it also ran a batch, once each (``ask``).
+        self._interrupted: set[tuple[str, int]] = set()
         self.buffer_size = buffer_bytes(self.config, [spec.image_shape for spec in models])
         self.host = PoolHost(
             self, choices=HostChoices(plan.worker.state_dir), min_workers=None, on_load=on_load
@@ -241,6 +243,16 @@ class WorkerPool:
                 raise ModelLoadFailed(
                     f"worker {worker.index} was killed while {what} the model "
                     f"({worker.killed_for})",
+                    "interrupted",
+                ) from None
+            loading = message.spec if isinstance(message, LoadModel) else None
+            key = (loading.name, loading.version) if loading is not None else None
+            if worker.died_running and key is not None and key not in self._interrupted:
+                # A batch beside the load may have crashed it (a poison input): tried once
+                # more by its restart, then (dying again) given up as a crash.
+                self._interrupted.add(key)
+                raise ModelLoadFailed(
+                    f"worker {worker.index} died while {what} the model and running a batch",
                     "interrupted",
                 ) from None
             raise ModelLoadFailed(

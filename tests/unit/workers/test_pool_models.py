@@ -35,6 +35,7 @@ class FakeHandle:
         self.ready, self.alive, self.batches, self.process = False, True, 0, FakeProcess()
         self.step_s = step_s
         self.killed_for: str | None = None
+        self.running_batch = self.died_running = False  # a batch beside its load, when it died
         self._pending: asyncio.Future[Any] | None = None
         self._on_idle: Any = None
         self._on_exit: Any = None
@@ -76,6 +77,7 @@ class FakeHandle:
         self._on_exit(self)
 
     def mark_dead(self, reason: str, *, crashed: bool = False) -> None:
+        self.died_running = self.died_running or (crashed and self.running_batch)
         self.alive = False
         future, self._pending = self._pending, None
         if future is not None and not future.done():
@@ -145,6 +147,22 @@ async def test_a_worker_that_restarts_during_a_load_loads_what_it_should_hold() 
     pool.workers[1].die()  # type: ignore[attr-defined]  # while worker 0 loads version 2
     # Restarted, it loads what the others serve, then the target; once version 2 is ready
     # on both, version 1 drains and is unloaded (no request here uses it).
+    await until_held(pool, [{"t@v2"}, {"t@v2"}])
+    assert pool.models.view.routes["t"].version == 2
+    await pool.aclose()
+
+
+async def test_a_worker_dying_as_it_runs_a_batch_beside_a_load_does_not_give_the_load_up() -> None:
+    """A batch beside the load may have crashed it (a poison upload): the version was given
+    up on every worker for good, and the rollout stopped until a SIGHUP. Now its restart
+    loads it again, once: a second death while loading it gives it up, as a crash."""
+    pool = fake_pool()
+    await pool.start()
+    await pool.models.pin("t", 2)
+    await asyncio.sleep(0.05)  # worker 0 loads version 2, and runs a batch meanwhile
+    worker = pool.workers[0]
+    worker.running_batch = True  # type: ignore[attr-defined]
+    worker.die()  # type: ignore[attr-defined]
     await until_held(pool, [{"t@v2"}, {"t@v2"}])
     assert pool.models.view.routes["t"].version == 2
     await pool.aclose()
