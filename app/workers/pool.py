@@ -282,7 +282,9 @@ class WorkerPool:
         count = len(self.placement.devices)
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                self._workers = [self._spawn(i) for i in range(count)]
+                self._workers = []
+                for index in range(count):  # each kept as it starts: a failure stops them
+                    self._workers.append(self._spawn(index))
                 await asyncio.gather(*(self.supervision.wait_ready(i) for i in range(count)))
             for worker in self._workers:
                 self.serve(worker)

@@ -9,6 +9,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from app.errors import WorkerDied
 from app.lifecycle import UNLOADED, AdminPin, ModelSpec
 from app.workers.messages import LoadDone, LoadModel, ModelLoaded, ModelUnloaded
@@ -215,3 +217,21 @@ async def test_a_load_that_freezes_its_worker_is_not_tried_again_by_its_restart(
     failed = [m for w in pool.models.view.workers for m in w.models if m.version == 2]
     assert failed and all(m.step == "worker crash" for m in failed), failed
     await pool.aclose()
+
+
+async def test_a_start_that_fails_to_spawn_a_worker_stops_those_spawned_before() -> None:
+    """The second spawn failing (out of memory, of file descriptors) left the first worker
+    running and its buffer in /dev/shm: the pool had not kept it yet."""
+    pool = fake_pool()
+    spawned: list[FakeHandle] = []
+
+    def spawn(index: int) -> FakeHandle:
+        if index == 1:
+            raise OSError(24, "Too many open files")
+        spawned.append(FakeHandle(index, ()))
+        return spawned[-1]
+
+    pool._spawn = spawn  # type: ignore[assignment, method-assign]
+    with pytest.raises(OSError):
+        await pool.start()
+    assert [worker.alive for worker in spawned] == [False]
