@@ -158,10 +158,14 @@ class Predictor:
         image: Image = data
         encoded = not self._plan.server_decodes and isinstance(data, bytes)
         if isinstance(data, bytes) and not encoded:
-            image = await asyncio.get_running_loop().run_in_executor(
+            decoding = asyncio.get_running_loop().run_in_executor(
                 self._decode_pool,
                 lambda: preprocess(data, self.manifest.input, max_pixels=self._max_pixels),
             )
+            try:  # the caller's deadline holds behind a backlog of decodes too
+                image = await asyncio.wait_for(decoding, ask.deadline - time.monotonic())
+            except TimeoutError:
+                raise DeadlineExceeded("the deadline passed while decoding the image") from None
         remaining = ask.deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded("the deadline passed while decoding the image")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import InvalidImage, InvalidParameter, PayloadTooLarge
+from app.errors import DeadlineExceeded, InvalidImage, InvalidParameter, PayloadTooLarge
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import FileEntry, Manifest
 from app.plan import DecodePlan
@@ -92,6 +92,34 @@ def test_a_bad_upload_decoded_here_is_refused_before_it_is_queued() -> None:
         with pytest.raises(InvalidImage):
             asyncio.run(predictor.embedding(b"not an image", time.monotonic() + 10))
     assert streamer.submitted == []
+
+
+def test_a_decode_here_answers_by_the_deadline_behind_a_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MB_DECODE=server: two uploads behind one decode thread, each decode 0.5 s, each
+    caller's deadline 0.2 s away: both get 504 by their deadline (they waited for the whole
+    backlog: 0.5 and 1.0 s)."""
+    import app.services.predictor as predictor_module
+
+    def slow(data: bytes, spec: object, **_: object) -> np.ndarray:
+        time.sleep(0.5)
+        return np.zeros((32, 32, 3), np.uint8)
+
+    monkeypatch.setattr(predictor_module, "preprocess", slow)
+    streamer = FakeStreamer()
+
+    async def both(predictor: Predictor) -> list[object]:
+        deadline = time.monotonic() + 0.2
+        calls = [predictor.embedding(b"jpeg", deadline) for _ in range(2)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        answers = asyncio.run(both(_predictor(streamer, SERVER, pool)))
+        took = time.monotonic() - started
+    assert all(isinstance(answer, DeadlineExceeded) for answer in answers), answers
+    assert took < 0.45 and streamer.submitted == []
 
 
 def test_an_image_over_the_upload_limit_is_413_before_it_is_queued() -> None:
