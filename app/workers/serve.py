@@ -120,6 +120,15 @@ class WorkerLoop:
                 self.conn,
                 LoadFailed(message.batch_id, message.spec.served_id, "load", "already loading"),
             )
+        elif self._slot.late(message.spec):  # given up at its deadline, and still running:
+            # not twice at once (two copies in memory, past MB_MODEL_MEMORY unseen)
+            post(
+                self.conn,
+                LoadFailed(
+                    message.batch_id, message.spec.served_id, "timeout",
+                    "its last load, given up at its deadline, still runs: try again later",
+                ),
+            )  # fmt: skip
         else:
             self._asked = message
             self._slot.start(
