@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -32,6 +33,8 @@ from app.batching.fair import FairQueue, LevelPolicy, Ticket
 from app.batching.observe import BatchObserver, Trace
 from app.batching.transport import NO_TICKET, BatchFn, BatchItem
 from app.errors import DeadlineExceeded, NotReady, QueueFull, Shed
+
+log = logging.getLogger("app.batching.streamer")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -358,7 +361,10 @@ class Streamer(Generic[T, R]):
             if item.wait is not None:
                 item.wait[1] = time.time_ns()
         if self._on_batch is not None:
-            self._on_batch(batch[0].key, len(batch), waits, [item.tenant for item in batch])
+            try:  # an observer (the metrics) never stops a batch, nor the dispatcher
+                self._on_batch(batch[0].key, len(batch), waits, [item.tenant for item in batch])
+            except Exception:
+                log.exception("the batch observer failed; the batch runs")
         self._in_flight += 1
         run = _Run(self._tasks.start(self._execute(batch)), len(batch))
         for item in batch:

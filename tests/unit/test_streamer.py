@@ -355,6 +355,30 @@ async def test_batch_contract_violation_fails_the_whole_batch_loudly(mode: str) 
     assert all(isinstance(r, BatchContractError) for r in results)
 
 
+async def test_an_observer_that_fails_stops_neither_its_batch_nor_the_next() -> None:
+    """The batch observer (the metrics) runs as a batch leaves the queue: one that raised
+    left that batch's callers unanswered until their deadline, and the dispatcher dead for
+    every request after them, while the server said it was ready."""
+    calls = []
+
+    def observer(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the metrics")
+
+    streamer: Streamer[object, Echo] = Streamer(
+        FakeModel(), max_batch_size=1, max_latency_s=0, on_batch=observer
+    )
+    await streamer.start()
+    try:
+        async with asyncio.timeout(5):
+            assert await streamer.submit(1) == ("default", 1)
+            assert await streamer.submit(2) == ("default", 2)
+    finally:
+        await streamer.aclose()
+    assert len(calls) == 2
+
+
 async def test_submit_before_start_and_after_close_is_not_ready() -> None:
     streamer: Streamer[object, Echo] = Streamer(FakeModel(), max_batch_size=1, max_latency_s=0)
     with pytest.raises(NotReady):
