@@ -53,7 +53,7 @@ def numbered(version: ModelVersion, number: str) -> bool:
     another version's repository number."""
     if number in (str(version.version), version.served_id.rsplit("@", 1)[-1]):
         return True
-    imported = version.manifest.imported if version.manifest is not None else None
+    imported = getattr(version.manifest, "imported", None)  # none yet while it loads
     return imported is not None and number == imported.model_version and not number.isdigit()
 
 

@@ -46,6 +46,7 @@ REFUSALS = [
     (errors.NotReady, "not_ready"),
     (errors.DeadlineExceeded, "timeout"),
     (errors.WorkerDied, "worker_died"),
+    (errors.DiedRunning, "worker_died"),
     (errors.BrokerUnavailable, "broker_unavailable"),
     (errors.ClientDisconnected, "client_disconnected"),
     (errors.ClientError, "bad_input"),
