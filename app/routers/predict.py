@@ -23,6 +23,7 @@ from app.routers.direct import DirectRoute
 from app.routers.uploads import FILE_FIELD, Upload, read_upload
 from app.schemas import TagOut
 from app.services.predictor import DEFAULT_K, MAX_K, Predictor, parse_k
+from app.services.registry import ModelVersion
 from app.settings_values import MODEL_NAME_PATTERN
 
 router = APIRouter(
@@ -98,11 +99,12 @@ def _upload_body(*, with_k: bool) -> dict[str, Any]:
     }
 
 
-async def _upload(request: Request) -> tuple[Upload, float]:
-    """The deadline first (a cheap refusal; the API key and the model were checked before),
-    then the upload."""
+async def _upload(request: Request, version: ModelVersion) -> tuple[Upload, float]:
+    """The deadline and the queue's room first (cheap refusals; the API key and the model
+    were checked before), then the upload."""
     settings = app_settings(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
+    _predictor(version.predictor).check_admission(ticket_of(request))
     with tracing.span("read upload"):
         upload = await read_upload(
             request, settings.max_upload_bytes, max_images=settings.max_images_per_request
@@ -140,7 +142,7 @@ async def embedding(request: Request) -> Response:
     several images, in order; raw float32 with ``Accept: application/octet-stream``).
     ``?model=NAME`` chooses the model; ``X-Model-Id`` pins the exact export."""
     async with admitted(request) as version:
-        upload, deadline = await _upload(request)
+        upload, deadline = await _upload(request, version)
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)
             vectors = await unless_disconnected(
@@ -187,7 +189,7 @@ async def tag(request: Request) -> JsonBody:
     list of such lists for several images, in order). ``?model=NAME`` chooses the model;
     ``X-Model-Id`` pins the exact export."""
     async with admitted(request) as version:
-        upload, deadline = await _upload(request)
+        upload, deadline = await _upload(request, version)
         top_k = _one_k(upload.fields.get("k"), query_param(request, "k"))
         with batch_trace(request) as trace:
             predictor = _predictor(version.predictor)

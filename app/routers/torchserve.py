@@ -71,12 +71,13 @@ async def _predict(request: Request) -> JSONResponse:
     settings = app_settings(request)
     deadline = request_deadline(request, settings.mb_request_timeout)
     async with admitted(request, name, version) as served:
+        predictor = served.predictor
+        assert predictor is not None, "a serving version has its predictor"
+        predictor.check_admission(ticket_of(request))  # before the upload is read
         with tracing.span("read upload"):
             upload = await read_upload(
                 request, settings.max_upload_bytes, image_fields=IMAGE_FIELDS, any_body=True
             )
-        predictor = served.predictor
-        assert predictor is not None, "a serving version has its predictor"
         predictor.require_classifier()
         k = min(STOCK_TOP_K, len(predictor.classes))
         with batch_trace(request) as trace:

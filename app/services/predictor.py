@@ -133,6 +133,14 @@ class Predictor:
         self._charge = charge  # draws a request's images from its tenant's quota
         self._cache = cache  # answers kept by content and served id (app.cache)
 
+    def check_admission(self, ticket: Ticket | None) -> None:
+        """``QueueFull`` (503) or ``Shed`` (429) now, before an upload is read, when the
+        queue cannot take it and no response cache could answer it instead (a hit answers
+        even when the queue is full): under overload a 10 MB upload was read whole, and held
+        in memory, to be refused."""
+        if self._cache is None:
+            self._streamer.check_admission(ticket)
+
     async def _run(self, ask: _Ask, use: CacheUse | None) -> object:
         """One image's answer: from the cache when it keeps it (before admission: a hit
         answers even when the queue is full), else computed."""

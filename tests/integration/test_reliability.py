@@ -148,6 +148,7 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
         queued = [asyncio.create_task(post(d)) for d in images[1 : 1 + bound]]
         await wait_queued(app, bound)
         rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
+        unread = await unread_upload_refused(client)
         watched.release()
         admitted = await asyncio.gather(first, *queued)
     assert [r.status_code for r, _ in rejected] == [503] * extra
@@ -157,6 +158,22 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
     assert [r.status_code for r, _ in admitted] == [200] * (1 + bound)
     for (response, _), data in zip(admitted, images, strict=False):
         assert expect.check("embedding", data, response.json())
+    assert unread.status_code == 503 and error_of(unread)["type"] == "queue_full"
+
+
+async def unread_upload_refused(client: httpx.AsyncClient) -> httpx.Response:
+    """An upload to a full queue whose body never ends: refused before it is read (it was
+    read whole, and held in memory, to be refused: under overload a stream of 10 MB
+    uploads filled the memory; here it waits for ever)."""
+    never = asyncio.Event()
+
+    async def body() -> Any:
+        yield b'--b\r\nContent-Disposition: form-data; name="image"; filename="x"\r\n\r\n'
+        await never.wait()
+
+    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    async with asyncio.timeout(5):
+        return await client.post("/predict/embedding", content=body(), headers=headers)
 
 
 async def test_killed_workers_under_load_give_only_200_or_503_and_come_back(
