@@ -187,3 +187,19 @@ def test_a_closed_decoder_refuses_a_lone_upload_too() -> None:
             decoder.decode([jpeg(photo())])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["GIF", "WEBP", "PNG"])
+def test_an_animated_upload_is_its_first_frame_in_both_decoders(kind: str) -> None:
+    """An animated GIF, WebP or PNG (red, green, blue frames) answers for its first frame,
+    as RELIABILITY.md says, wherever it is decoded (the corpus test only saw a 200)."""
+    frames = [
+        Image.new("RGB", (40, 40), colour) for colour in ((255, 0, 0), (0, 255, 0), (0, 0, 255))
+    ]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format=kind, save_all=True, append_images=frames[1:], duration=100)
+    data = buffer.getvalue()
+    assert Image.open(io.BytesIO(data)).n_frames == 3
+    for pixels in (preprocess(data, SPEC), decode_one(data, SPEC)):
+        red, green, blue = (int(v) for v in pixels[16, 16])
+        assert red > 240 and green < 10 and blue < 10, (kind, red, green, blue)
