@@ -199,7 +199,7 @@ def test_an_animated_upload_is_its_first_frame_in_both_decoders(kind: str) -> No
     buffer = io.BytesIO()
     frames[0].save(buffer, format=kind, save_all=True, append_images=frames[1:], duration=100)
     data = buffer.getvalue()
-    assert Image.open(io.BytesIO(data)).n_frames == 3
+    assert getattr(Image.open(io.BytesIO(data)), "n_frames", 1) == 3
     for pixels in (preprocess(data, SPEC), decode_one(data, SPEC)):
         red, green, blue = (int(v) for v in pixels[16, 16])
         assert red > 240 and green < 10 and blue < 10, (kind, red, green, blue)
