@@ -44,7 +44,7 @@ def describe(span: Any, call: Call) -> None:
     version, error = call.version, call.error
     code = grpc.StatusCode[grpc_status(error)] if error is not None else grpc.StatusCode.OK
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    tenant = call.caller.tenant if call.caller is not None else None
+    tenant = tenant_of(call)
     if version is not None:
         tracing.served(
             span,

@@ -140,8 +140,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """The client cancelled ``call`` (or its deadline passed, or its stream ended): a
         499, counted as HTTP counts a client that left."""
         call.error = ClientDisconnected("the client cancelled the call")
+        self._count_refusal(call.error, call)
+
+    def _count_refusal(self, error: ServerError, call: Call) -> None:
+        """``error`` counted under its reason, and its caller's tenant once known."""
         if self.engine.metrics is not None:
-            self.engine.metrics.on_error(call.error, tenant_of(call))
+            self.engine.metrics.on_error(error, tenant_of(call))
 
     def _observe(self, call: Call, seconds: float, span: Any = None) -> None:
         """The call's metrics, log line and span (when traced)."""
@@ -172,8 +176,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def _refuse(
         self, context: grpc.aio.ServicerContext[Any, Any], error: ServerError, call: Call
     ) -> None:
-        if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error, tenant_of(call))
+        self._count_refusal(error, call)
         code = getattr(grpc.StatusCode, grpc_status(error))
         await context.abort(code, said(error), trailing_of(error))
 
@@ -374,8 +377,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def _stream_refusal(self, request: Any, error: ServerError, call: Call) -> Any:
         """A stream's answer to a request that failed: its message, and its type and retry
         hint as parameters (a stream has no trailing metadata per request)."""
-        if self.engine.metrics is not None:
-            self.engine.metrics.on_error(error, tenant_of(call))
+        self._count_refusal(error, call)
         return stream_refusal(request, error)
 
     async def _infer(self, request: Any, context: Any, call: Call) -> Any:

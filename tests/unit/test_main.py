@@ -13,6 +13,7 @@ from types import SimpleNamespace, TracebackType
 from typing import Any, ClassVar
 
 import pytest
+from fastapi import FastAPI
 
 import app.main
 from app.main import create_app
@@ -142,6 +143,16 @@ def test_the_old_batch_job_name_still_runs_and_says_the_new_one() -> None:
     assert "usage:" in out.stdout
 
 
+def _without_batches(settings: Settings) -> FastAPI:
+    """The app on a transport that runs no batch (a test that reaches one fails)."""
+    from app.testing import FakeTransport
+
+    async def unused(*_: Any) -> list[object]:
+        raise AssertionError("no batch is run")
+
+    return create_app(settings, transport=FakeTransport(unused))
+
+
 async def test_an_unexpected_error_on_any_route_answers_with_the_request_id(
     tiny_store: Path,
 ) -> None:
@@ -150,12 +161,7 @@ async def test_an_unexpected_error_on_any_route_answers_with_the_request_id(
     X-Request-ID: the client could not find the log line of its own failure)."""
     import httpx
 
-    from app.testing import FakeTransport
-
-    async def unused(*_: Any) -> list[object]:
-        raise AssertionError("no batch is run")
-
-    served = create_app(Settings(model_store=tiny_store), transport=FakeTransport(unused))
+    served = _without_batches(Settings(model_store=tiny_store))
 
     @served.get("/boom")
     async def boom() -> None:
@@ -176,13 +182,7 @@ async def test_a_body_refused_by_its_length_is_counted_under_its_route(tiny_stor
     of unknown paths."""
     import httpx
 
-    from app.testing import FakeTransport
-
-    async def unused(*_: Any) -> list[object]:
-        raise AssertionError("no batch is run")
-
-    settings = Settings(model_store=tiny_store, max_upload_bytes=1000)
-    served = create_app(settings, transport=FakeTransport(unused))
+    served = _without_batches(Settings(model_store=tiny_store, max_upload_bytes=1000))
     transport = httpx.ASGITransport(app=served)
     async with served.router.lifespan_context(served):
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
