@@ -20,6 +20,7 @@ from PIL import Image
 from app.bulk import iter_results, list_files, main
 from app.images import preprocess
 from app.manifest import read_manifest
+from tests.children import start
 from tests.conftest import distinct_images
 from tests.models import tiny_expected_embedding
 
@@ -145,7 +146,7 @@ def test_a_worker_killed_mid_job_costs_no_file(
     env = {**os.environ, "MODEL_STORE": str(slow_store), "MB_BATCH_SIZE": "4"}
     command = [sys.executable, "-m", "app.bulk", str(folder), "--task", "embedding",
                "--out", str(out), "--no-progress"]  # fmt: skip
-    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    job = start(command, env=env, stderr=subprocess.PIPE, text=True)  # dies with the run
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
