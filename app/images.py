@@ -1,9 +1,10 @@
 """Decode an uploaded image and bring it to the model's input size, as uint8 RGB.
 
-A leaf module (Pillow and numpy only): the header checks every upload passes (the format
-allowlist, the pixel limit, EXIF orientation), and ``preprocess``, which the HTTP process
-runs with ``MB_DECODE=server`` and the workers for every upload their JPEG path leaves
-(``app.workers.decoding``); Pillow releases the GIL while it decodes and resizes. The float
+A leaf module (Pillow, simplejpeg and numpy only): the header checks every upload passes (the
+format allowlist, the pixel limit, EXIF orientation), ``check_header`` (what the HTTP process
+checks of an upload a worker will decode, before it is queued), and ``preprocess``, which the
+HTTP process runs with ``MB_DECODE=server`` and the workers for every upload their JPEG path
+leaves (``app.workers.decoding``); Pillow releases the GIL while it decodes and resizes. The float
 conversion and normalisation happen batched in the worker.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import InvalidImage, PayloadTooLarge, UnsupportedImageFormat
@@ -86,10 +88,32 @@ def _open(data: bytes) -> Image.Image:
 def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
     """The image, opened lazily (only its header is read), within the pixel limit."""
     image = _open(data)
-    width, height = image.size
+    _check_pixels(*image.size, max_pixels)
+    return image
+
+
+def check_header(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """The 4xx ``read_header`` would give ``data`` (not an image, a refused format, too many
+    pixels, an unreadable header), without decoding any pixels: what the HTTP process checks
+    of an upload before it queues it for a worker to decode, so that such a file never
+    takes a batch's place. A JPEG's header is read by libjpeg-turbo (microseconds; Pillow's
+    parser takes ~50 us); one it cannot read, and every other format, by Pillow. A file
+    whose header is sound but whose compressed data is not is found only by decoding it:
+    its worker answers it, alone."""
+    if data[:2] == b"\xff\xd8":
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError:
+            pass  # Pillow reads more JPEGs than libjpeg-turbo's header parser: it decides
+        else:
+            _check_pixels(width, height, max_pixels)
+            return
+    _open_checked(data, max_pixels)
+
+
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise PayloadTooLarge(f"image is {width}x{height}; at most {max_pixels} pixels allowed")
-    return image
 
 
 @dataclass(frozen=True)

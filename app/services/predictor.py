@@ -25,7 +25,7 @@ from app.errors import (
     NoEmbedding,
     PayloadTooLarge,
 )
-from app.images import preprocess
+from app.images import check_header, preprocess
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import Manifest
 from app.plan import DecodePlan
@@ -98,7 +98,9 @@ class Predictor:
     never share a batch with another version's.
 
     ``decode_pool`` runs the decodes the plan gives this process (``None`` when it gives it
-    none). An upload left encoded is decoded by its worker, which answers a bad one itself.
+    none). An upload left encoded is decoded by its worker: its header is checked here first
+    (``check_header``: not an image, a refused format, too many pixels never reach a worker);
+    one whose compressed data is corrupt past a sound header its worker answers itself.
 
     >>> # predictor = Predictor(streamer, manifest, classes, plan, decode_pool, max_pixels=10**7)
     >>> # await predictor.tag(jpeg_bytes, k=5, deadline=time.monotonic() + 30)
@@ -165,6 +167,8 @@ class Predictor:
         self._streamer.check_admission(ask.ticket)
         image: Image = data
         encoded = not self._plan.server_decodes and isinstance(data, bytes)
+        if encoded and isinstance(data, bytes):  # its worker decodes it: checked here first
+            check_header(data, max_pixels=self._max_pixels)
         if isinstance(data, bytes) and not encoded:
             decoding = asyncio.get_running_loop().run_in_executor(
                 self._decode_pool,

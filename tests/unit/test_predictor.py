@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import DeadlineExceeded, InvalidImage, InvalidParameter, PayloadTooLarge
+from app.errors import (
+    DeadlineExceeded,
+    InvalidImage,
+    InvalidParameter,
+    PayloadTooLarge,
+    UnsupportedImageFormat,
+)
 from app.jobs import BatchKey, EmbeddingAndTopK, ImageJob, Task, TopK
 from app.manifest import FileEntry, Manifest
 from app.plan import DecodePlan
@@ -94,6 +100,45 @@ def test_a_bad_upload_decoded_here_is_refused_before_it_is_queued() -> None:
     assert streamer.submitted == []
 
 
+def _jpeg(width: int, height: int) -> bytes:
+    return encode(gradient(width, height), "JPEG")
+
+
+@pytest.mark.parametrize(
+    ("upload", "error"),
+    [
+        (b"not an image", InvalidImage),
+        (b"", InvalidImage),
+        (b"\xff\xd8\xff\xe0 a JPEG's first bytes, then nothing", InvalidImage),
+        (b"II*\x00" + bytes(60), UnsupportedImageFormat),  # TIFF: not on the allowlist
+        (_jpeg(1200, 1000), PayloadTooLarge),  # a JPEG over max_pixels (10**6)
+        (encode(gradient(1200, 1000), "PNG"), PayloadTooLarge),
+    ],
+    ids=["text", "empty", "jpeg-header-only", "tiff", "jpeg-too-many-pixels", "png-too-many"],
+)
+def test_an_upload_a_worker_would_decode_is_checked_before_it_is_queued(
+    upload: bytes, error: type[Exception]
+) -> None:
+    """RELIABILITY.md: a file that is not an image never reaches a worker (where it took a
+    batch's place before its 400), with the 4xx the worker's own decode would give."""
+    streamer = FakeStreamer()
+    predictor = _predictor(streamer, WORKERS, None)
+    with pytest.raises(error):
+        asyncio.run(predictor.tags([upload], 5, time.monotonic() + 10))
+    assert streamer.submitted == []
+
+
+def test_an_upload_with_a_sound_header_goes_to_its_worker_to_be_decoded() -> None:
+    """Only decoding finds corrupt data past a sound header: that is the worker's (alone)."""
+    streamer = FakeStreamer()
+    predictor = _predictor(streamer, WORKERS, None)
+    good = _jpeg(64, 48)
+    corrupt = good[: len(good) // 2] + bytes(len(good) // 2)
+    for upload in (good, corrupt):
+        asyncio.run(predictor.tags([upload], 5, time.monotonic() + 10))
+    assert [job.image for job, _ in streamer.submitted] == [good, corrupt]
+
+
 def test_a_decode_here_answers_by_the_deadline_behind_a_backlog(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -151,7 +196,7 @@ def test_a_decode_pool_comes_with_a_plan_that_decodes_here() -> None:
 def test_infer_runs_each_image_once_as_one_task(embedding: bool, top_k: bool, task: Task) -> None:
     streamer = FakeStreamer()
     predictor = _predictor(streamer, WORKERS, None)
-    uploads = [b"first", b"second", b"third"]
+    uploads = [_jpeg(width, 32) for width in (30, 40, 50)]
     inferred = asyncio.run(
         predictor.infer(uploads, None, time.monotonic() + 10, embedding=embedding, top_k=top_k)
     )
@@ -185,9 +230,11 @@ def test_an_image_of_several_shed_keeps_its_kind_and_retry_after() -> None:
     its message alone, and lost its Retry-After (1 s instead) and its RateLimit headers."""
     from app.errors import Shed
 
+    first, second = _jpeg(30, 32), _jpeg(40, 32)
+
     class Shedding(FakeStreamer):
         async def submit(self, job: ImageJob, *, key: Any, **_: Any) -> object:
-            if job.image == b"second":
+            if job.image == second:
                 raise Shed("priority 2 is full", retry_after_s=7)
             return await super().submit(job, key=key)
 
@@ -195,7 +242,7 @@ def test_an_image_of_several_shed_keeps_its_kind_and_retry_after() -> None:
     with pytest.raises(Shed) as shed:
         asyncio.run(
             predictor.infer(
-                [b"first", b"second"], None, time.monotonic() + 10, embedding=True, top_k=False
+                [first, second], None, time.monotonic() + 10, embedding=True, top_k=False
             )
         )
     assert shed.value.retry_after_s == 7
