@@ -35,6 +35,7 @@ from app.dependencies import (
 from app.routers.common import V2_ERRORS, batch_trace, request_deadline, unless_disconnected
 from app.routers.direct import DirectRoute
 from app.routers.errors import MULTIPART_OVERHEAD_BYTES
+from app.tenancy import TOP_PRIORITY
 from app.v2 import http_body, inference
 from app.v2.http_body import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, InferBody, inlined_schema
 from app.v2.inference import PRIORITY_PARAMETER
@@ -174,14 +175,19 @@ async def infer(request: Request) -> Response:
     Protocol asks; each image runs through the model once, whichever outputs are asked."""
     settings = app_settings(request)
     name, version = request.path_params["name"], request.path_params.get("version")
-    with tracing.span("read upload"):
-        limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES  # as a plain body's
-        raw = http_body.decoded(await request.body(), header(request, "Content-Encoding"), limit)
-        body, call = http_body.parse(raw, header(request, HEADER_LENGTH))
-    deadline = inference.shortened(
-        request_deadline(request, settings.mb_request_timeout), call.parameters
-    )
     async with admitted(request, name, version) as served:
+        if served.predictor is not None:  # a full queue refuses before the body is read:
+            # at the most urgent priority this caller may ask (the body may ask it)
+            served.predictor.check_admission(ticket_of(request, TOP_PRIORITY))
+        with tracing.span("read upload"):
+            limit = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES  # as a plain body's
+            raw = http_body.decoded(
+                await request.body(), header(request, "Content-Encoding"), limit
+            )
+            body, call = http_body.parse(raw, header(request, HEADER_LENGTH))
+        deadline = inference.shortened(
+            request_deadline(request, settings.mb_request_timeout), call.parameters
+        )
         head = {"model_name": served.name, "model_version": str(served.version)}  # as admitted
         with batch_trace(request) as trace:
             outputs = await inference.infer(

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("app")
 
 PRIORITY = "X-Priority"  # the header a request asks its priority with (1 is the highest)
+TOP_PRIORITY = 1  # the most urgent a request may ask (its key may cap it lower)
 
 # What a request without the right key is told to send, by where the keys come from.
 _SETTING_FOR = {Scope.INFER: "API_KEY", Scope.ADMIN: "ADMIN_API_KEY"}

@@ -149,6 +149,7 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
         await wait_queued(app, bound)
         rejected = await asyncio.gather(*(post(d) for d in images[1 + bound :]))
         unread = await unread_upload_refused(client)
+        unread_v2 = await unread_upload_refused(client, "/v2/models/tiny-test/infer")
         watched.release()
         admitted = await asyncio.gather(first, *queued)
     assert [r.status_code for r, _ in rejected] == [503] * extra
@@ -159,21 +160,31 @@ async def test_queue_bound_plus_k_gives_exactly_k_fast_503s(tiny_store: Path) ->
     for (response, _), data in zip(admitted, images, strict=False):
         assert expect.check("embedding", data, response.json())
     assert unread.status_code == 503 and error_of(unread)["type"] == "queue_full"
+    assert unread_v2.status_code == 503 and "Retry-After" in unread_v2.headers
 
 
-async def unread_upload_refused(client: httpx.AsyncClient) -> httpx.Response:
+async def unread_upload_refused(
+    client: httpx.AsyncClient, path: str = "/predict/embedding"
+) -> httpx.Response:
     """An upload to a full queue whose body never ends: refused before it is read (it was
     read whole, and held in memory, to be refused: under overload a stream of 10 MB
-    uploads filled the memory; here it waits for ever)."""
+    uploads filled the memory; here it waits for ever). ``path``: /predict's multipart
+    form, or (a ``/v2`` path) an Open Inference Protocol JSON body."""
     never = asyncio.Event()
+    v2 = path.startswith("/v2/")
+    start = (
+        b'{"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": ["'
+        if v2
+        else b'--b\r\nContent-Disposition: form-data; name="image"; filename="x"\r\n\r\n'
+    )
 
     async def body() -> Any:
-        yield b'--b\r\nContent-Disposition: form-data; name="image"; filename="x"\r\n\r\n'
+        yield start
         await never.wait()
 
-    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    kind = "application/json" if v2 else "multipart/form-data; boundary=b"
     async with asyncio.timeout(5):
-        return await client.post("/predict/embedding", content=body(), headers=headers)
+        return await client.post(path, content=body(), headers={"Content-Type": kind})
 
 
 async def test_killed_workers_under_load_give_only_200_or_503_and_come_back(
